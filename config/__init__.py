@@ -1,0 +1,5 @@
+"""Project configuration: settings, the Celery app, URLs."""
+
+from .celery import app as celery_app
+
+__all__ = ["celery_app"]
