@@ -1,16 +1,524 @@
-"""Validation of workflow documents: the JSON Schema plus the cross-reference rules."""
+"""Validation of workflow documents at save (contract section 4).
+
+Two passes. The JSON Schema (``definition.schema.json``) checks shapes: unknown fields, ids,
+kinds, durations, guard structure. When the shapes are right, a walk over the steps checks
+what a schema cannot: duplicate ids across nesting levels, templates and guards that read a
+step not declared earlier or a path that step cannot produce, ``foreach.items`` that is not a
+path, waits that outlast ``limits.run_timeout_ms``, ``input_schema`` that is not a JSON
+Schema, and ``subworkflow`` targets that do not exist. The second pass runs only on a
+document that passed the first, so it can trust the shapes.
+
+Every problem is a :class:`FieldError` whose ``field`` is a path into the document such as
+``steps[2].when.path``; all problems are reported at once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, ValidationError
+
+from .errors import FieldError, InvalidDocument
+from .schema import DEFAULT_RUN_TIMEOUT_MS, MAX_DURATION_MS, schema_validator
+from .templates import REFERENCE, references, split_path, translate_legacy
 
 WorkflowExists = Callable[[str, "int | None"], bool]
 
+# What each kind's output can be read as, past ``steps.<id>.output``: ``None`` means the
+# output is null (nothing can follow), a frozenset names the keys it has, ``any`` that it is
+# the handler's to decide. parallel and foreach are computed from the step itself.
+_FIXED_OUTPUT: dict[str, frozenset[str] | None] = {
+    "sleep": None,
+    "sleep_until": None,
+    "handoff": None,
+    "approval": frozenset({"decision", "by", "comment"}),
+    "write_kb": frozenset({"kb", "key", "version"}),
+    "http": frozenset({"status", "headers", "body"}),
+}
+_STEP_ATTRIBUTES = ("output", "status", "error")
+_ERROR_KEYS = ("class", "message")
+_RUN_KEYS = ("id", "correlation")
+_ROOTS = ("input", "steps", "run", "item", "index", "iter")
+# Fields holding templates, per kind (``input`` is common to every kind). ``recipe.prompt`` is
+# rendered with the step input by the recipe step itself, so its text is not checked here.
+_TEMPLATE_FIELDS: dict[str, tuple[str, ...]] = {
+    "wait_event": ("key",),
+    "sleep_until": ("until",),
+    "approval": ("message",),
+    "write_kb": ("kb", "key", "title", "content"),
+    "handoff": ("message",),
+    "mcp_tool": ("arguments",),
+    "http": ("url", "headers", "body"),
+    "subworkflow": (),
+}
+# Waits that must end before the run's own time limit does.
+_WAIT_FIELDS = {"sleep": "ms", "wait_event": "timeout_ms", "approval": "timeout_ms"}
 
-def prepare_document(document: Any, *, workflow_exists: WorkflowExists) -> dict[str, Any]:
+
+def prepare_document(
+    document: Any, *, workflow_exists: WorkflowExists | None = None
+) -> dict[str, Any]:
     """Translate legacy template syntax, validate, and return the document to store.
 
-    Raises ``InvalidDocument`` listing every problem found.
+    Raises :class:`InvalidDocument` listing every problem found.
     """
-    raise NotImplementedError
+    if not isinstance(document, dict):
+        raise InvalidDocument(
+            errors=[FieldError("body", "a workflow document must be a JSON object")]
+        )
+    translated = translate_legacy(document)
+    errors = validate_document(translated, workflow_exists=workflow_exists)
+    if errors:
+        raise InvalidDocument(errors=errors)
+    return translated
+
+
+def validate_document(
+    document: Any, *, workflow_exists: WorkflowExists | None = None
+) -> list[FieldError]:
+    """Every problem with ``document``, or an empty list when it may be saved."""
+    if not isinstance(document, dict):
+        return [FieldError("body", "a workflow document must be a JSON object")]
+    errors = _dedupe(_schema_errors(document))
+    if errors:
+        return errors
+    return _dedupe(_Checker(document, workflow_exists).run())
+
+
+# --- pass 1: the JSON Schema ------------------------------------------------------------
+
+
+def field_path(parts: Iterable[str | int]) -> str:
+    """``["steps", 2, "when", "path"]`` → ``steps[2].when.path``."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _is_duration(schema: dict[str, Any]) -> bool:
+    return schema.get("maximum") == MAX_DURATION_MS
+
+
+def _schema_errors(document: dict[str, Any]) -> Iterator[FieldError]:
+    for error in schema_validator().iter_errors(document):
+        yield from _describe(error)
+
+
+def _describe(error: ValidationError) -> Iterator[FieldError]:
+    path = list(error.absolute_path)
+    where = field_path(path)
+    keyword = error.validator
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    instance = error.instance
+
+    if keyword == "additionalProperties" and isinstance(instance, dict):
+        known = list(schema.get("properties", {}))
+        for key in instance:
+            if key in known:
+                continue
+            hint = difflib.get_close_matches(str(key), known, n=1)
+            message = f"unknown field '{key}'"
+            if hint:
+                message += f" (did you mean '{hint[0]}'?)"
+            elif known:
+                message += f"; allowed here: {', '.join(known)}"
+            yield FieldError(field_path([*path, key]), message)
+    elif keyword == "required" and isinstance(instance, dict):
+        for name in error.validator_value:
+            if name not in instance:
+                yield FieldError(field_path([*path, name]), f"required field '{name}' is missing")
+    elif "propertyNames" in error.absolute_schema_path:
+        yield FieldError(
+            field_path([*path, str(instance)]),
+            f"'{instance}' is not a valid name: it must match ^[a-z][a-z0-9_]*$",
+        )
+    elif _is_duration(schema) and keyword in ("minimum", "maximum", "type"):
+        yield FieldError(
+            where,
+            f"{where} must be an integer number of milliseconds from 0 to "
+            f"{MAX_DURATION_MS} (3650 days); got {_short(instance)}",
+        )
+    elif keyword == "pattern":
+        yield FieldError(where, f"must match {error.validator_value}; got {_short(instance)}")
+    elif keyword == "type":
+        expected = error.validator_value
+        expected_text = " or ".join(expected) if isinstance(expected, list) else expected
+        yield FieldError(where, f"must be {expected_text}; got {_json_type(instance)}")
+    elif keyword == "enum":
+        options = ", ".join(_short(v) for v in error.validator_value)
+        yield FieldError(where, f"must be one of {options}; got {_short(instance)}")
+    elif keyword == "const":
+        yield FieldError(where, f"must be {_short(error.validator_value)}; got {_short(instance)}")
+    elif keyword == "not" and error.validator_value == {"required": ["value"]}:
+        yield FieldError(field_path([*path, "value"]), "op 'exists' takes no 'value'")
+    elif keyword in ("minimum", "maximum"):
+        bound = "at least" if keyword == "minimum" else "at most"
+        yield FieldError(where, f"must be {bound} {error.validator_value}; got {_short(instance)}")
+    else:
+        yield FieldError(where, error.message)
+
+
+def _dedupe(errors: Iterable[FieldError]) -> list[FieldError]:
+    seen: set[FieldError] = set()
+    out = []
+    for error in errors:
+        if error not in seen:
+            seen.add(error)
+            out.append(error)
+    return out
+
+
+# --- pass 2: cross references -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What a template at some point of the document may read."""
+
+    steps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    in_foreach: bool = False
+    in_loop: bool = False
+
+    def child(self, **changes: Any) -> _Scope:
+        return replace(self, steps=dict(self.steps), **changes)
+
+
+class _Checker:
+    def __init__(self, document: dict[str, Any], workflow_exists: WorkflowExists | None):
+        self.document = document
+        self.workflow_exists = workflow_exists
+        self.errors: list[FieldError] = []
+        self.seen_ids: dict[str, str] = {}
+        self.all_ids = {step["id"]: step for step, _ in _every_step(document["steps"], "steps")}
+        limits = document.get("limits", {})
+        self.run_timeout_ms = limits.get("run_timeout_ms", DEFAULT_RUN_TIMEOUT_MS)
+        self.closed_input = _closed_properties(document.get("input_schema"))
+
+    def run(self) -> list[FieldError]:
+        self._check_input_schema()
+        scope = _Scope()
+        self._walk(self.document["steps"], "steps", scope)
+        if "output" in self.document:
+            self._check_template(self.document["output"], "output", scope)
+        return self.errors
+
+    def fail(self, where: str, message: str) -> None:
+        self.errors.append(FieldError(where, message))
+
+    # walking
+
+    def _walk(self, steps: list[dict[str, Any]], where: str, scope: _Scope) -> None:
+        """Check ``steps`` in order; each step joins ``scope`` after its own checks."""
+        for index, step in enumerate(steps):
+            self._step(step, f"{where}[{index}]", scope)
+
+    def _body(self, body: Any, where: str, scope: _Scope) -> _Scope:
+        """A ``do`` or a branch: one step or a list. Returns the scope at its end."""
+        inner = scope.child()
+        if isinstance(body, list):
+            self._walk(body, where, inner)
+        else:
+            self._step(body, where, inner)
+        return inner
+
+    def _step(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        step_id, kind = step["id"], step["kind"]
+        first = self.seen_ids.setdefault(step_id, where)
+        if first != where:
+            self.fail(f"{where}.id", f"duplicate step id '{step_id}' (first used at {first})")
+
+        if "when" in step:
+            self._check_guard(step["when"], f"{where}.when", scope)
+        if "input" in step:
+            self._check_template(step["input"], f"{where}.input", scope)
+        for name in _TEMPLATE_FIELDS.get(kind, ()):
+            if name in step:
+                self._check_template(step[name], f"{where}.{name}", scope)
+        self._check_wait(step, where)
+
+        check = getattr(self, f"_kind_{kind}", None)
+        if check is not None:
+            check(step, where, scope)
+        scope.steps[step_id] = step
+
+    def _kind_condition(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        self._check_guard(step["if"], f"{where}.if", scope)
+        taken = []
+        for name in ("then", "else"):
+            if name in step:
+                branch = scope.child()
+                self._walk(step[name], f"{where}.{name}", branch)
+                taken.append(branch)
+        # Steps of either branch stay readable after the condition (null when not taken).
+        for branch in taken:
+            for step_id, nested in branch.steps.items():
+                scope.steps.setdefault(step_id, nested)
+
+    def _kind_parallel(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        for name, body in step["branches"].items():
+            self._body(body, f"{where}.branches.{name}", scope)
+
+    def _kind_foreach(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        items = step["items"]
+        if isinstance(items, str):
+            if REFERENCE.fullmatch(items.strip()) is None:
+                self.fail(
+                    f"{where}.items",
+                    "must be a path template such as '${steps.search.output.hits}' or an "
+                    f"array; got {_short(items)}",
+                )
+            else:
+                self._check_template(items.strip(), f"{where}.items", scope)
+        else:
+            limit = step.get("max_items", 1000)
+            if len(items) > limit:
+                self.fail(f"{where}.items", f"has {len(items)} items, more than max_items {limit}")
+            self._check_template(items, f"{where}.items", scope)
+        self._body(step["do"], f"{where}.do", scope.child(in_foreach=True))
+
+    def _kind_loop(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        inner = self._body(step["do"], f"{where}.do", scope.child(in_loop=True))
+        if "until" in step:
+            self._check_guard(step["until"], f"{where}.until", inner)
+
+    def _kind_recipe(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        if ("recipe" in step) == ("prompt" in step):
+            self.fail(where, "a recipe step needs exactly one of 'recipe' (a name) or 'prompt'")
+        context = step.get("context")
+        if context and "query" in context:
+            self._check_template(context["query"], f"{where}.context.query", scope)
+
+    def _kind_approval(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        approvers = step["approvers"]
+        quorum = step.get("quorum", 1)
+        if not any(approvers.get(k) for k in ("users", "groups", "emails")):
+            self.fail(f"{where}.approvers", "names no approver: list users, groups or emails")
+        elif not approvers.get("groups"):
+            known = len(set(approvers.get("users", []))) + len(set(approvers.get("emails", [])))
+            if quorum > known:
+                self.fail(
+                    f"{where}.quorum",
+                    f"quorum {quorum} is more than the {known} approver(s) listed",
+                )
+
+    def _kind_subworkflow(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        target, version = step["workflow"], step.get("version")
+        if target == self.document["id"] and version is None:
+            return  # recursion into the workflow being saved; its limits bound it
+        if self.workflow_exists is None or self.workflow_exists(target, version):
+            return
+        if version is not None and self.workflow_exists(target, None):
+            self.fail(f"{where}.version", f"workflow '{target}' has no version {version}")
+        else:
+            self.fail(f"{where}.workflow", f"unknown workflow '{target}'")
+
+    # durations
+
+    def _check_wait(self, step: dict[str, Any], where: str) -> None:
+        name = _WAIT_FIELDS.get(step["kind"])
+        if name is None or name not in step:
+            return
+        if step[name] > self.run_timeout_ms:
+            self.fail(
+                f"{where}.{name}",
+                f"waits {step[name]} ms, longer than limits.run_timeout_ms "
+                f"({self.run_timeout_ms} ms): the run would time out first; raise "
+                "limits.run_timeout_ms",
+            )
+
+    def _check_input_schema(self) -> None:
+        if "input_schema" not in self.document:
+            return
+        try:
+            Draft202012Validator.check_schema(self.document["input_schema"])
+        except SchemaError as exc:
+            where = field_path(["input_schema", *exc.absolute_path])
+            self.fail(where, f"is not a valid JSON Schema: {exc.message}")
+
+    # templates and guards
+
+    def _check_template(self, template: Any, where: str, scope: _Scope) -> None:
+        for location, text in _strings(template, ""):
+            if "${" in REFERENCE.sub("", text.replace("$${", "")):
+                self.fail(_join(where, location), "has an unclosed or malformed '${' reference")
+        for location, path in references(template):
+            message = self._path_problem(path, scope)
+            if message:
+                self.fail(_join(where, location), message)
+
+    def _check_guard(self, guard: dict[str, Any], where: str, scope: _Scope) -> None:
+        if "all" in guard or "any" in guard:
+            key = "all" if "all" in guard else "any"
+            for index, child in enumerate(guard[key]):
+                self._check_guard(child, f"{where}.{key}[{index}]", scope)
+            return
+        if "not" in guard:
+            self._check_guard(guard["not"], f"{where}.not", scope)
+            return
+        message = self._path_problem(guard["path"], scope)
+        if message:
+            self.fail(f"{where}.path", message)
+        if guard["op"] == "matches":
+            try:
+                re.compile(guard["value"])
+            except re.error as exc:
+                self.fail(f"{where}.value", f"is not a valid regular expression: {exc}")
+
+    def _path_problem(self, path: str, scope: _Scope) -> str | None:
+        """Why ``path`` cannot be read at this point, or None when it can."""
+        parts = split_path(path)
+        if not parts or any(part == "" for part in parts):
+            return f"'{path}' is not a valid path"
+        root, rest = parts[0], parts[1:]
+        if root == "input":
+            if rest and self.closed_input is not None and rest[0] not in self.closed_input:
+                return f"'{path}' reads input field '{rest[0]}', which input_schema does not allow"
+            return None
+        if root == "steps":
+            return self._step_path_problem(path, rest, scope)
+        if root == "run":
+            if not rest or rest[0] not in _RUN_KEYS or (rest[0] == "id" and len(rest) > 1):
+                return f"'{path}': run has only run.id and run.correlation"
+            return None
+        if root in ("item", "index"):
+            if not scope.in_foreach:
+                return f"'{path}': '{root}' is only defined inside a foreach's 'do'"
+            if root == "index" and rest:
+                return f"'{path}': index is a number"
+            return None
+        if root == "iter":
+            if not scope.in_loop:
+                return f"'{path}': 'iter' is only defined inside a loop's 'do' and 'until'"
+            if not rest or rest[0] not in ("index", "previous"):
+                return f"'{path}': iter has only iter.index and iter.previous"
+            if rest[0] == "index" and len(rest) > 1:
+                return f"'{path}': iter.index is a number"
+            return None
+        return f"'{path}' starts with unknown root '{root}'; roots are {', '.join(_ROOTS)}"
+
+    def _step_path_problem(self, path: str, rest: list[str], scope: _Scope) -> str | None:
+        if not rest:
+            return f"'{path}' must name a step: steps.<id>.output"
+        step_id = rest[0]
+        step = scope.steps.get(step_id)
+        if step is None:
+            if step_id in self.all_ids:
+                return (
+                    f"'{path}' reads step '{step_id}', which is not declared before this "
+                    "point (or is inside a parallel, foreach or loop body)"
+                )
+            return f"'{path}' reads unknown step '{step_id}'"
+        if len(rest) < 2 or rest[1] not in _STEP_ATTRIBUTES:
+            return f"'{path}' must continue with .output, .status or .error"
+        attribute, tail = rest[1], rest[2:]
+        if attribute == "status":
+            return f"'{path}': a step's status is a string" if tail else None
+        if attribute == "error":
+            if tail and (tail[0] not in _ERROR_KEYS or len(tail) > 1):
+                return f"'{path}': a step's error has only class and message"
+            return None
+        return _output_problem(path, step, tail)
+
+
+def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | None:
+    if not tail:
+        return None
+    kind = step["kind"]
+    if kind in _FIXED_OUTPUT:
+        keys = _FIXED_OUTPUT[kind]
+        if keys is None:
+            return f"'{path}': a {kind} step's output is null"
+        if tail[0] not in keys:
+            return f"'{path}': a {kind} step's output has only {', '.join(sorted(keys))}"
+        return None
+    if kind == "parallel" and tail[0] not in step["branches"]:
+        names = ", ".join(step["branches"])
+        return f"'{path}': parallel step '{step['id']}' has no branch '{tail[0]}' ({names})"
+    if kind == "foreach" and not tail[0].isdigit():
+        return f"'{path}': a foreach step's output is an array; index it with a number"
+    return None
+
+
+def _closed_properties(input_schema: Any) -> frozenset[str] | None:
+    """Input fields a closed ``input_schema`` allows, or None when any field may appear."""
+    if not isinstance(input_schema, dict) or input_schema.get("additionalProperties") is not False:
+        return None
+    properties = input_schema.get("properties")
+    if not isinstance(properties, dict):
+        return None
+    return frozenset(properties)
+
+
+def _every_step(steps: list[dict[str, Any]], where: str) -> Iterator[tuple[dict[str, Any], str]]:
+    for index, step in enumerate(steps):
+        yield from _step_and_children(step, f"{where}[{index}]")
+
+
+def _step_and_children(step: dict[str, Any], here: str) -> Iterator[tuple[dict[str, Any], str]]:
+    yield step, here
+    kind = step["kind"]
+    if kind == "condition":
+        for name in ("then", "else"):
+            yield from _every_step(step.get(name, []), f"{here}.{name}")
+    elif kind == "parallel":
+        for name, body in step["branches"].items():
+            yield from _every_body(body, f"{here}.branches.{name}")
+    elif kind in ("foreach", "loop"):
+        yield from _every_body(step["do"], f"{here}.do")
+
+
+def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
+    if isinstance(body, list):
+        yield from _every_step(body, where)
+    else:
+        yield from _step_and_children(body, where)
+
+
+def _strings(value: Any, where: str) -> Iterator[tuple[str, str]]:
+    if isinstance(value, str):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(item, _join(where, str(key)))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _strings(item, f"{where}[{index}]")
+
+
+def _join(where: str, location: str) -> str:
+    if not location:
+        return where
+    if location.startswith("["):
+        return where + location
+    return f"{where}.{location}" if where else location

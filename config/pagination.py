@@ -1,0 +1,41 @@
+"""Cursor pagination in the contract's shape: ``{"results": [...], "next": <cursor>|null}``."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+from rest_framework.pagination import CursorPagination
+from rest_framework.response import Response
+
+
+class ContractCursorPagination(CursorPagination):
+    """``next`` is the opaque cursor itself, to send back as ``?cursor=``, not a URL."""
+
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 500
+    cursor_query_param = "cursor"
+
+    def next_cursor(self) -> str | None:
+        link = self.get_next_link()
+        if link is None:
+            return None
+        return parse_qs(urlparse(link).query).get(self.cursor_query_param, [None])[0]
+
+    def get_paginated_response(self, data: list[Any]) -> Response:
+        return Response({"results": data, "next": self.next_cursor()})
+
+    def get_paginated_response_schema(self, schema: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "required": ["results", "next"],
+            "properties": {
+                "results": schema,
+                "next": {
+                    "type": "string",
+                    "nullable": True,
+                    "description": "Send back as ?cursor= for the next page; null at the end.",
+                },
+            },
+        }

@@ -1,0 +1,39 @@
+"""Reads of workflow definitions that are more than a filter."""
+
+from __future__ import annotations
+
+from django.db.models import Max, OuterRef, QuerySet, Subquery
+
+from .errors import FieldError, NotFound
+from .models import Workflow, WorkflowVersion
+
+
+def workflow_list() -> QuerySet[Workflow]:
+    latest = WorkflowVersion.objects.filter(workflow=OuterRef("pk")).order_by("-number")
+    return Workflow.objects.annotate(
+        latest_number=Max("versions__number"),
+        latest_description=Subquery(latest.values("description")[:1]),
+    )
+
+
+def workflow_get(*, workflow_id: str) -> Workflow:
+    workflow = workflow_list().filter(id=workflow_id).first()
+    if workflow is None:
+        raise NotFound(errors=[FieldError("id", f"unknown workflow '{workflow_id}'")])
+    return workflow
+
+
+def version_get(*, workflow_id: str, number: int | None = None) -> WorkflowVersion:
+    """The given version of a workflow, or its latest when ``number`` is None."""
+    versions = WorkflowVersion.objects.filter(workflow_id=workflow_id).select_related("created_by")
+    if number is None:
+        version = versions.order_by("-number").first()
+    else:
+        version = versions.filter(number=number).first()
+    if version is None:
+        if number is not None and versions.exists():
+            raise NotFound(
+                errors=[FieldError("version", f"workflow '{workflow_id}' has no version {number}")]
+            )
+        raise NotFound(errors=[FieldError("workflow", f"unknown workflow '{workflow_id}'")])
+    return version

@@ -1,0 +1,60 @@
+"""Shapes of definitions in the API. Input is the raw document; these only render output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from .models import Workflow, WorkflowVersion
+
+
+class SavedDefinitionSerializer(serializers.Serializer):
+    """The answer to ``POST /definitions``, rendered from a ``services.SaveResult``."""
+
+    id = serializers.CharField(source="version.workflow_id")
+    version = serializers.IntegerField(source="version.number")
+    created = serializers.BooleanField(
+        help_text="true when this call stored a new version (201), false when it was known (200)"
+    )
+    created_at = serializers.DateTimeField(source="version.created_at")
+    content_hash = serializers.CharField(source="version.content_hash")
+
+
+class VersionSummarySerializer(serializers.ModelSerializer):
+    version = serializers.IntegerField(source="number")
+    created_by = serializers.CharField(source="created_by.get_username", default=None)
+
+    class Meta:
+        model = WorkflowVersion
+        fields = ["version", "content_hash", "description", "created_at", "created_by"]
+
+
+class VersionSerializer(VersionSummarySerializer):
+    id = serializers.CharField(source="workflow_id")
+    document = serializers.JSONField()
+
+    class Meta(VersionSummarySerializer.Meta):
+        fields = ["id", *VersionSummarySerializer.Meta.fields, "document"]
+
+
+class WorkflowListSerializer(serializers.ModelSerializer):
+    latest_version = serializers.IntegerField(source="latest_number", allow_null=True)
+    description = serializers.CharField(source="latest_description", allow_null=True)
+
+    class Meta:
+        model = Workflow
+        fields = ["id", "latest_version", "description", "created_at"]
+
+
+class WorkflowDetailSerializer(WorkflowListSerializer):
+    versions = VersionSummarySerializer(many=True, read_only=True)
+    document = serializers.SerializerMethodField()
+
+    class Meta(WorkflowListSerializer.Meta):
+        fields = [*WorkflowListSerializer.Meta.fields, "versions", "document"]
+
+    def get_document(self, workflow: Workflow) -> dict[str, Any] | None:
+        """The latest version's document."""
+        latest = max(workflow.versions.all(), key=lambda v: v.number, default=None)
+        return latest.document if latest else None

@@ -1,0 +1,133 @@
+"""The definitions API (contract section 7). Views parse and render; services decide."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import Prefetch
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import status
+from rest_framework.permissions import AllowAny
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from config.pagination import ContractCursorPagination
+
+from . import selectors, services
+from .errors import FieldError, NotFound
+from .models import WorkflowVersion
+from .schema import load_schema
+from .serializers import (
+    SavedDefinitionSerializer,
+    VersionSerializer,
+    WorkflowDetailSerializer,
+    WorkflowListSerializer,
+)
+
+ERRORS = OpenApiResponse(
+    response={
+        "type": "object",
+        "properties": {
+            "errors": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
+                    "required": ["message"],
+                },
+            }
+        },
+    },
+    description="Every problem, each naming its field where it has one.",
+)
+
+
+class DefinitionPagination(ContractCursorPagination):
+    ordering = "id"
+
+
+class DefinitionListView(APIView):
+    pagination_class = DefinitionPagination
+
+    @extend_schema(
+        operation_id="definitions_list",
+        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        responses={200: WorkflowListSerializer(many=True), 400: ERRORS, 401: ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(selectors.workflow_list(), request, view=self)
+        data = WorkflowListSerializer(page, many=True).data
+        return paginator.get_paginated_response(data)
+
+    @extend_schema(
+        operation_id="definitions_save",
+        request=OpenApiTypes.OBJECT,
+        description=(
+            "Save a workflow document (see /api/v1/definition.schema.json). The same body again"
+            " answers 200 with the existing version; a different body for an existing version"
+            " is 409; an omitted version gets the next number (201)."
+        ),
+        responses={
+            201: SavedDefinitionSerializer,
+            200: SavedDefinitionSerializer,
+            400: ERRORS,
+            401: ERRORS,
+            409: ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        result = services.definition_save(document=request.data, user=request.user)
+        body = SavedDefinitionSerializer(result).data
+        return Response(body, status=status.HTTP_201_CREATED if result.created else 200)
+
+
+class DefinitionDetailView(APIView):
+    @extend_schema(
+        operation_id="definitions_read",
+        responses={200: WorkflowDetailSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, workflow_id: str) -> Response:
+        workflow = selectors.workflow_get(workflow_id=workflow_id)
+        versions = WorkflowVersion.objects.select_related("created_by").order_by("-number")
+        workflow = (
+            selectors.workflow_list()
+            .prefetch_related(Prefetch("versions", queryset=versions))
+            .get(pk=workflow.pk)
+        )
+        return Response(WorkflowDetailSerializer(workflow).data)
+
+
+class DefinitionVersionView(APIView):
+    @extend_schema(
+        operation_id="definitions_version_read",
+        parameters=[OpenApiParameter("version", int, OpenApiParameter.PATH)],
+        responses={200: VersionSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, workflow_id: str, version: str) -> Response:
+        number = _version_number(version)
+        found = selectors.version_get(workflow_id=workflow_id, number=number)
+        return Response(VersionSerializer(found).data)
+
+
+class DefinitionSchemaView(APIView):
+    """The JSON Schema of workflow documents: public, like any published schema."""
+
+    permission_classes = [AllowAny]
+    authentication_classes: list[Any] = []
+
+    @extend_schema(operation_id="definition_schema", responses={200: OpenApiTypes.OBJECT})
+    def get(self, request: Request) -> Response:
+        response = Response(load_schema())
+        response["Content-Type"] = "application/schema+json"
+        return response
+
+
+def _version_number(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) <= 2_147_483_647:
+        raise NotFound(
+            errors=[FieldError("version", f"'{text}' is not a version number (1, 2, ...)")]
+        )
+    return int(text)
