@@ -1,0 +1,1 @@
+"""Workflow modules that tests of ``sync_workflows`` import by dotted path."""
