@@ -1,0 +1,142 @@
+"""The settings read the environment. Each case imports them afresh in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+CONFIG_VARS = (
+    "DATABASE_URL",
+    "CELERY_BROKER_URL",
+    "CELERY_RESULT_BACKEND",
+    "CELERY_VISIBILITY_TIMEOUT",
+    "SENTRY_DSN",
+)
+
+# Prints what the tests look at, as JSON, from a process that imported the settings fresh.
+PROBE = """
+import json
+import sentry_sdk
+from django.conf import settings
+from config.celery import app
+
+db = settings.DATABASES["default"]
+client = sentry_sdk.get_client()
+print(json.dumps({
+    "var_dir": str(settings.VAR_DIR),
+    "db_engine": db["ENGINE"],
+    "db_name": str(db["NAME"]),
+    "db_host": db.get("HOST", ""),
+    "broker_url": app.conf.broker_url,
+    "result_backend": app.conf.result_backend,
+    "transport_options": app.conf.broker_transport_options,
+    "accept_content": list(app.conf.accept_content),
+    "result_accept_content": list(app.conf.result_accept_content or []),
+    "task_serializer": app.conf.task_serializer,
+    "result_serializer": app.conf.result_serializer,
+    "acks_late": app.conf.task_acks_late,
+    "reject_on_worker_lost": app.conf.task_reject_on_worker_lost,
+    "prefetch_multiplier": app.conf.worker_prefetch_multiplier,
+    "sentry_active": client.is_active(),
+    "sentry_integrations": sorted(getattr(client, "integrations", {})),
+}))
+# Nothing was captured; close without waiting so nothing could be sent.
+client.close(timeout=0)
+"""
+
+
+def load_settings(tmp_path: Path, **env: str) -> dict[str, Any]:
+    environ = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
+    environ.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path), **env)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=BASE_DIR,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def assert_durable_celery(conf: dict[str, Any]) -> None:
+    assert conf["accept_content"] == ["json"]
+    assert conf["result_accept_content"] == ["json"]
+    assert conf["task_serializer"] == "json"
+    assert conf["result_serializer"] == "json"
+    assert conf["acks_late"] is True
+    assert conf["reject_on_worker_lost"] is True
+    assert conf["prefetch_multiplier"] == 1
+
+
+def test_nothing_set_means_the_embedded_default_under_the_var_dir(tmp_path: Path) -> None:
+    conf = load_settings(tmp_path)
+
+    assert conf["var_dir"] == str(tmp_path)
+    assert conf["db_engine"] == "django.db.backends.sqlite3"
+    assert Path(conf["db_name"]).parent == tmp_path
+    assert conf["broker_url"] == "filesystem://"
+    assert conf["result_backend"].startswith("db+sqlite:///")
+    assert conf["result_backend"].endswith(str(tmp_path / "celery-results.sqlite3"))
+    for key in ("data_folder_in", "data_folder_out", "control_folder"):
+        assert Path(conf["transport_options"][key]).is_relative_to(tmp_path)
+    assert_durable_celery(conf)
+    assert conf["sentry_active"] is False
+
+
+def test_service_urls_switch_to_postgres_and_redis(tmp_path: Path) -> None:
+    conf = load_settings(
+        tmp_path,
+        DATABASE_URL="postgres://flows:secret@db.example:5432/flows",
+        CELERY_BROKER_URL="redis://cache.example:6379/0",
+        CELERY_RESULT_BACKEND="redis://cache.example:6379/1",
+    )
+
+    assert conf["db_engine"] == "django.db.backends.postgresql"
+    assert (conf["db_name"], conf["db_host"]) == ("flows", "db.example")
+    assert conf["broker_url"] == "redis://cache.example:6379/0"
+    assert conf["result_backend"] == "redis://cache.example:6379/1"
+    # Above any step time limit: leases in the database recover lost work, not redelivery.
+    assert conf["transport_options"] == {"visibility_timeout": 12 * 3600}
+    assert_durable_celery(conf)
+
+
+def test_visibility_timeout_comes_from_the_environment(tmp_path: Path) -> None:
+    conf = load_settings(
+        tmp_path, CELERY_BROKER_URL="redis://127.0.0.1:6379/0", CELERY_VISIBILITY_TIMEOUT="90000"
+    )
+    assert conf["transport_options"]["visibility_timeout"] == 90000
+
+
+def test_sentry_dsn_turns_on_django_and_celery_integrations(tmp_path: Path) -> None:
+    # A loopback DSN: even if something were captured, it could not leave the machine.
+    conf = load_settings(tmp_path, SENTRY_DSN="https://public@127.0.0.1/1")
+
+    assert conf["sentry_active"] is True
+    assert {"django", "celery"} <= set(conf["sentry_integrations"])
+
+
+def _settings_env_vars() -> set[str]:
+    source = (BASE_DIR / "config" / "settings.py").read_text()
+    return set(re.findall(r"\benv(?:\.\w+)?\(\s*\"([A-Z][A-Z0-9_]*)\"", source))
+
+
+def test_settings_read_some_env_vars() -> None:
+    # Guards the regex below it: finding nothing would make the README check vacuous.
+    assert {"DATABASE_URL", "CELERY_BROKER_URL", "SECRET_KEY"} <= _settings_env_vars()
+
+
+@pytest.mark.parametrize("name", sorted(_settings_env_vars()))
+def test_readme_documents_every_env_var_of_the_settings(name: str) -> None:
+    readme = (BASE_DIR / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
+    assert rows, f"README.md's configuration table has no row for {name}"
