@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from rest_framework.exceptions import NotFound
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
+
+from workflows.errors import FieldError, InvalidInput
 
 
 class ContractCursorPagination(CursorPagination):
@@ -16,6 +19,15 @@ class ContractCursorPagination(CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 500
     cursor_query_param = "cursor"
+
+    def decode_cursor(self, request: Any) -> Any:
+        try:
+            return super().decode_cursor(request)
+        except NotFound:
+            # DRF answers 404 for a cursor it cannot read; it is the client's bad input.
+            raise InvalidInput(
+                errors=[FieldError("cursor", "is not a cursor this API gave out")]
+            ) from None
 
     def next_cursor(self) -> str | None:
         link = self.get_next_link()

@@ -26,7 +26,15 @@ from jsonschema.exceptions import SchemaError, ValidationError
 
 from .errors import FieldError, InvalidDocument
 from .schema import DEFAULT_RUN_TIMEOUT_MS, MAX_DURATION_MS, schema_validator
-from .templates import REFERENCE, references, split_path, translate_legacy
+from .templates import (
+    REFERENCE,
+    is_valid_path,
+    join_location,
+    reference_errors,
+    references,
+    split_path,
+    translate_legacy,
+)
 
 WorkflowExists = Callable[[str, "int | None"], bool]
 
@@ -369,13 +377,14 @@ class _Checker:
     # templates and guards
 
     def _check_template(self, template: Any, where: str, scope: _Scope) -> None:
-        for location, text in _strings(template, ""):
-            if "${" in REFERENCE.sub("", text.replace("$${", "")):
-                self.fail(_join(where, location), "has an unclosed or malformed '${' reference")
+        for location, message in reference_errors(template):
+            self.fail(join_location(where, location), message)
         for location, path in references(template):
+            if not is_valid_path(path):
+                continue  # reported above as malformed
             message = self._path_problem(path, scope)
             if message:
-                self.fail(_join(where, location), message)
+                self.fail(join_location(where, location), message)
 
     def _check_guard(self, guard: dict[str, Any], where: str, scope: _Scope) -> None:
         if "all" in guard or "any" in guard:
@@ -503,22 +512,3 @@ def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
         yield from _every_step(body, where)
     else:
         yield from _step_and_children(body, where)
-
-
-def _strings(value: Any, where: str) -> Iterator[tuple[str, str]]:
-    if isinstance(value, str):
-        yield where, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _strings(item, _join(where, str(key)))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            yield from _strings(item, f"{where}[{index}]")
-
-
-def _join(where: str, location: str) -> str:
-    if not location:
-        return where
-    if location.startswith("["):
-        return where + location
-    return f"{where}.{location}" if where else location

@@ -159,8 +159,8 @@ def test_list_is_cursor_paginated(api: APIClient) -> None:
 
 def test_a_bad_cursor_is_a_4xx(api: APIClient) -> None:
     response = api.get("/api/v1/definitions?cursor=%%%garbage")
-    assert response.status_code == 404
-    assert response.json()["errors"][0]["message"]
+    assert response.status_code == 400
+    assert response.json()["errors"][0]["field"] == "cursor"
 
 
 def test_read_a_workflow_and_its_versions(api: APIClient) -> None:
