@@ -1,0 +1,402 @@
+"""Admin for authoring workflow definitions.
+
+Documents are written through ``workflows.services.definition_save`` only, so the admin, the
+API and the builder store the same thing. The admin holds no rules of its own: it shows the
+editor, hands the parsed JSON to the service, and lists the service's ``{field, message}``
+errors against the user's unchanged text. Versions are immutable and read-only here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.db.models import OuterRef, QuerySet, Subquery
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
+
+from .diff import diff_line_kind, document_diff, reading_order
+from .errors import EngineError, FieldError
+from .forms import DocumentForm
+from .models import Workflow, WorkflowVersion
+from .services import SaveResult, definition_save
+
+# What the add page starts from: the shape of a document, for the user to fill in.
+STARTER_DOCUMENT: dict[str, Any] = {
+    "id": "",
+    "description": "",
+    "steps": [{"id": "first_step", "kind": "task"}],
+}
+
+HASH_PREFIX_LENGTH = 12
+
+
+def _pretty(document: dict[str, Any]) -> str:
+    return json.dumps(reading_order(document), indent=2, ensure_ascii=False)
+
+
+def _version_url(version: WorkflowVersion) -> str:
+    return reverse("admin:workflows_workflowversion_change", args=[version.pk])
+
+
+def _workflow_url(
+    workflow_id: str, view: str = "change", query: dict[str, Any] | None = None
+) -> str:
+    url = reverse(f"admin:workflows_workflow_{view}", args=[quote(workflow_id)])
+    return f"{url}?{urlencode(query)}" if query else url
+
+
+class WorkflowVersionInline(admin.TabularInline):
+    """The versions of a workflow, newest first; a table to read, never a formset to edit."""
+
+    model = WorkflowVersion
+    fields = ("number", "hash_prefix", "description", "created_by", "created_at", "links")
+    readonly_fields = fields
+    ordering = ("-number",)
+    extra = 0
+    can_delete = False
+    verbose_name_plural = "versions"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkflowVersion]:
+        return super().get_queryset(request).select_related("created_by")
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="hash")
+    def hash_prefix(self, version: WorkflowVersion) -> str:
+        return format_html("<code>{}</code>", version.content_hash[:HASH_PREFIX_LENGTH])
+
+    @admin.display(description="")
+    def links(self, version: WorkflowVersion) -> str:
+        return format_html(
+            '<a href="{}">view</a> · <a href="{}">diff with previous</a> · '
+            '<a href="{}">new version from this</a>',
+            _version_url(version),
+            _workflow_url(version.workflow_id, "diff", {"to": version.number}),
+            _workflow_url(version.workflow_id, "new_version", {"from": version.number}),
+        )
+
+
+@admin.register(Workflow)
+class WorkflowAdmin(admin.ModelAdmin):
+    list_display = ("id", "latest_number", "latest_description", "created_at")
+    search_fields = ("id",)
+    fields = ("id", "created_at", "latest_document")
+    readonly_fields = fields
+    inlines = (WorkflowVersionInline,)
+    document_form_template = "admin/workflows/workflow/document_form.html"
+    diff_template = "admin/workflows/workflow/diff.html"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Workflow]:
+        latest = WorkflowVersion.objects.filter(workflow=OuterRef("pk")).order_by("-number")
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                latest_number=Subquery(latest.values("number")[:1]),
+                latest_description=Subquery(latest.values("description")[:1]),
+            )
+        )
+
+    # --- list and change page ---------------------------------------------------------------
+
+    @admin.display(description="latest version", ordering="latest_number")
+    def latest_number(self, workflow: Workflow) -> int | None:
+        return workflow.latest_number  # type: ignore[attr-defined]
+
+    @admin.display(description="description")
+    def latest_description(self, workflow: Workflow) -> str:
+        return workflow.latest_description or ""  # type: ignore[attr-defined]
+
+    @admin.display(description="latest document")
+    def latest_document(self, workflow: Workflow) -> str:
+        version = workflow.latest_version
+        if version is None:
+            return "—"
+        return format_html('<pre class="djflow-document">{}</pre>', _pretty(version.document))
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Versions are immutable and runs pin them: a workflow is never deleted from here.
+        return False
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        # Nothing on this page is editable; a new body goes through "New version".
+        if request.method not in ("GET", "HEAD"):
+            return HttpResponseNotAllowed(["GET", "HEAD"])
+        workflow_id = unquote(object_id)
+        context = {
+            "title": f"Workflow {workflow_id}",
+            "show_save": False,
+            "show_save_and_continue": False,
+            "show_save_and_add_another": False,
+            "show_delete": False,
+            "can_author": self.has_change_permission(request),
+            "new_version_url": _workflow_url(workflow_id, "new_version"),
+            "diff_url": _workflow_url(workflow_id, "diff"),
+            **(extra_context or {}),
+        }
+        return super().change_view(request, object_id, form_url, extra_context=context)
+
+    # --- authoring ----------------------------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        info = (self.opts.app_label, self.opts.model_name)
+        custom = [
+            path(
+                "<path:object_id>/new-version/",
+                self.admin_site.admin_view(self.new_version_view),
+                name="{}_{}_new_version".format(*info),
+            ),
+            path(
+                "<path:object_id>/diff/",
+                self.admin_site.admin_view(self.diff_view),
+                name="{}_{}_diff".format(*info),
+            ),
+        ]
+        return custom + super().get_urls()
+
+    def add_view(
+        self, request: HttpRequest, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        return self._document_view(
+            request, workflow=None, initial=STARTER_DOCUMENT, title="Add workflow"
+        )
+
+    def new_version_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        workflow = self.get_object(request, unquote(object_id))
+        if workflow is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not self.has_change_permission(request, workflow):
+            raise PermissionDenied
+        versions = workflow.versions.all()
+        base_number = request.GET.get("from")
+        base = (
+            versions.filter(number=base_number).first()
+            if base_number and base_number.isdigit()
+            else versions.order_by("-number").first()
+        )
+        initial = (
+            {k: v for k, v in base.document.items() if k != "version"}
+            if base is not None
+            else {**STARTER_DOCUMENT, "id": workflow.id}
+        )
+        title = f"New version of {workflow.id}"
+        if base is not None:
+            title += f" (starting from version {base.number})"
+        return self._document_view(request, workflow=workflow, initial=initial, title=title)
+
+    def _document_view(
+        self,
+        request: HttpRequest,
+        *,
+        workflow: Workflow | None,
+        initial: dict[str, Any],
+        title: str,
+    ) -> HttpResponse:
+        workflow_id = workflow.id if workflow is not None else None
+        if request.method == "POST":
+            form = DocumentForm(request.POST, workflow_id=workflow_id)
+            if form.is_valid():
+                document = form.cleaned_data["document"]
+                refused = self._refusals(request, workflow, document)
+                if refused:
+                    form.add_document_errors(refused)
+                else:
+                    try:
+                        result = definition_save(document=document, user=request.user)
+                    except EngineError as exc:
+                        form.add_document_errors(exc.errors)
+                    else:
+                        return self._saved(request, result)
+        else:
+            form = DocumentForm(initial={"document": _pretty(initial)}, workflow_id=workflow_id)
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": title,
+            "workflow": workflow,
+            "form": form,
+            "media": self.media + form.media,
+            "has_view_permission": self.has_view_permission(request),
+        }
+        return TemplateResponse(request, self.document_form_template, context)
+
+    def _refusals(
+        self, request: HttpRequest, workflow: Workflow | None, document: Any
+    ) -> list[FieldError]:
+        """Permission, not validation: the add page saves a new version when the id exists,
+        as the API does, and that takes the change permission the "New version" page needs."""
+        if workflow is not None or not isinstance(document, dict):
+            return []
+        existing = Workflow.objects.filter(id=document.get("id")).first()
+        if existing is None or self.has_change_permission(request, existing):
+            return []
+        return [
+            FieldError(
+                "id",
+                f"workflow '{existing.id}' already exists and you may not add versions to it; "
+                "choose another id",
+            )
+        ]
+
+    def _saved(self, request: HttpRequest, result: SaveResult) -> HttpResponse:
+        version = result.version
+        workflow_id = version.workflow_id
+        if result.created:
+            message = f"Saved {workflow_id} version {version.number}."
+            if version.workflow.versions.count() == 1:
+                self.log_addition(request, version.workflow, [{"added": {}}])
+            else:
+                self.log_change(request, version.workflow, message)
+            self.message_user(request, message, messages.SUCCESS)
+        else:
+            self.message_user(
+                request,
+                f"unchanged: this is already version {version.number} of {workflow_id}",
+                messages.WARNING,
+            )
+        return HttpResponseRedirect(_workflow_url(workflow_id))
+
+    # --- diff ---------------------------------------------------------------------------------
+
+    def diff_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """``?from=1&to=3``; ``to`` defaults to the latest, ``from`` to the one before ``to``."""
+        workflow = self.get_object(request, unquote(object_id))
+        if workflow is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not self.has_view_or_change_permission(request, workflow):
+            raise PermissionDenied
+        numbers = list(workflow.versions.order_by("number").values_list("number", flat=True))
+        problems: list[str] = []
+
+        def pick(name: str, default: int | None) -> int | None:
+            raw = request.GET.get(name)
+            if not raw:
+                return default
+            if raw.isdigit() and int(raw) in numbers:
+                return int(raw)
+            problems.append(f"{workflow.id} has no version {raw!r} (for '{name}').")
+            return None
+
+        to_number = pick("to", numbers[-1] if numbers else None)
+        earlier = [n for n in numbers if to_number is not None and n < to_number]
+        from_number = pick("from", earlier[-1] if earlier else to_number)
+
+        rows: list[tuple[str, str]] | None = None
+        if from_number is not None and to_number is not None:
+            docs = dict(
+                workflow.versions.filter(number__in={from_number, to_number}).values_list(
+                    "number", "document"
+                )
+            )
+            lines = document_diff(
+                docs[from_number],
+                docs[to_number],
+                fromfile=f"{workflow.id} version {from_number}",
+                tofile=f"{workflow.id} version {to_number}",
+            )
+            rows = [(line, diff_line_kind(line)) for line in lines]
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Changes in {workflow.id}",
+            "workflow": workflow,
+            "numbers": numbers,
+            "from_number": from_number,
+            "to_number": to_number,
+            "problems": problems,
+            "rows": rows,
+            "change_url": _workflow_url(workflow.id),
+            "has_view_permission": True,
+        }
+        return TemplateResponse(request, self.diff_template, context)
+
+
+@admin.register(WorkflowVersion)
+class WorkflowVersionAdmin(admin.ModelAdmin):
+    """Versions are immutable: they can be looked at, never added, changed or deleted here."""
+
+    list_display = ("__str__", "number", "hash_prefix", "description", "created_by", "created_at")
+    list_filter = ("workflow",)
+    search_fields = ("workflow__id", "description")
+    list_select_related = ("created_by",)
+    fields = (
+        "workflow_link",
+        "number",
+        "content_hash",
+        "description",
+        "created_by",
+        "created_at",
+        "pretty_document",
+    )
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="hash")
+    def hash_prefix(self, version: WorkflowVersion) -> str:
+        return format_html("<code>{}</code>", version.content_hash[:HASH_PREFIX_LENGTH])
+
+    @admin.display(description="workflow")
+    def workflow_link(self, version: WorkflowVersion) -> str:
+        return format_html(
+            '<a href="{}">{}</a>', _workflow_url(version.workflow_id), version.workflow_id
+        )
+
+    @admin.display(description="document")
+    def pretty_document(self, version: WorkflowVersion) -> str:
+        return format_html('<pre class="djflow-document">{}</pre>', _pretty(version.document))
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        version = self.get_object(request, unquote(object_id))
+        context = dict(extra_context or {})
+        if version is not None:
+            context["version_links"] = format_html_join(
+                "",
+                '<li><a href="{}">{}</a></li>',
+                [
+                    (
+                        _workflow_url(version.workflow_id, "diff", {"to": version.number}),
+                        "Diff with previous",
+                    ),
+                    (
+                        _workflow_url(version.workflow_id, "new_version", {"from": version.number}),
+                        "New version from this",
+                    ),
+                ],
+            )
+        return super().change_view(request, object_id, form_url, extra_context=context)
