@@ -127,6 +127,18 @@ def test_author_a_workflow_in_the_json_editor(page, live_server, django_user_mod
         **DOCUMENT,
     }
 
+    # The version's own page is for reading: the pretty document, nothing to save or delete.
+    page.click("#versions-group a:text-is('view')")
+    page.locator("pre.djflow-document").wait_for()
+    assert json.loads(page.locator("pre.djflow-document").inner_text()) == {
+        "version": 1,
+        **DOCUMENT,
+    }
+    assert page.locator("input[name=_save]").count() == 0
+    assert page.locator("a.deletelink").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "admin-version.png"), full_page=True)
+    page.go_back()
+
     # 2. Open "New version", put in an invalid document, and see every error by its field.
     page.click("#new-version-link")
     wait_for_editor(page)
