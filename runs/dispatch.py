@@ -1,0 +1,37 @@
+"""Messages the engine sends: always after commit, always ids only.
+
+Every message may arrive twice, late or never; the receiving task is idempotent and the
+sweep finds what a lost message left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from django.db import transaction
+
+logger = logging.getLogger(__name__)
+
+
+def advance_on_commit(run_id: Any) -> None:
+    from .tasks import advance
+
+    transaction.on_commit(lambda: advance.delay(str(run_id)))
+
+
+def revoke_on_commit(task_ids: Iterable[str]) -> None:
+    ids = [t for t in task_ids if t]
+    if not ids:
+        return
+
+    def revoke() -> None:
+        from config.celery import app
+
+        try:
+            app.control.revoke(ids)
+        except Exception:  # best-effort: the attempt is already cancelled in the journal
+            logger.warning("could not revoke tasks %s", ids, exc_info=True)
+
+    transaction.on_commit(revoke)

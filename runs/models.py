@@ -1,0 +1,152 @@
+"""Runs and the step journal: Postgres is the only source of truth for what a run did.
+
+A run pins one workflow version. Every attempt of every step is its own ``StepRun`` row:
+claimed, completed and expired by conditional updates (see ``runs.engine.apply`` and
+``workers.execution``), never read-modify-written without a lock or a condition.
+"""
+
+from __future__ import annotations
+
+import uuid
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+from django.utils import timezone
+
+from workflows.models import Workflow, WorkflowVersion
+
+from .status import RunStatus, StepStatus
+
+
+class Effect(models.TextChoices):
+    AT_LEAST_ONCE = "at_least_once"
+    AT_MOST_ONCE = "at_most_once"
+
+
+class Run(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    workflow = models.ForeignKey(
+        Workflow, on_delete=models.PROTECT, related_name="runs", db_index=False
+    )
+    version = models.ForeignKey(WorkflowVersion, on_delete=models.PROTECT, related_name="runs")
+    status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.PENDING)
+    input = models.JSONField(null=True, blank=True)
+    output = models.JSONField(null=True, blank=True)
+    # {"class", "message", "step"} once the run has failed, timed out or been cancelled.
+    error = models.JSONField(null=True, blank=True)
+    correlation = models.CharField(max_length=255, null=True, blank=True)
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    parent_run = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+    )
+    parent_step_run = models.ForeignKey(
+        "StepRun", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # A retry from the failed step starts a new generation: attempt budgets and limits count
+    # within one generation, and what earlier generations completed is kept.
+    generation = models.PositiveIntegerField(default=1)
+    attempts = models.PositiveIntegerField(default=0)
+    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    # When the run times out (limits.run_timeout_ms from the start of this generation).
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    # The next moment the engine must look at this run without any message: a retry back-off
+    # or a deadline. The sweep advances runs whose wake_at has passed.
+    wake_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["-created_at", "-id"], name="run_newest"),
+            models.Index(fields=["status", "-created_at", "-id"], name="run_status_newest"),
+            models.Index(fields=["workflow", "-created_at", "-id"], name="run_workflow_newest"),
+            models.Index(
+                fields=["workflow", "status", "-created_at", "-id"], name="run_wf_status_newest"
+            ),
+            models.Index(fields=["wake_at"], name="run_wake", condition=Q(wake_at__isnull=False)),
+            models.Index(
+                fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
+            ),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["workflow", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False),
+                name="run_idempotency_key_unique",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow_id} run {self.id}"
+
+
+class StepRun(models.Model):
+    """One attempt of one step of a run."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    step_id = models.CharField(max_length=100)
+    # Where the step sits when it runs more than once in a run (a foreach item, a loop
+    # iteration); empty for a step of the top-level list or a condition's branch.
+    path = models.CharField(max_length=500, blank=True, default="")
+    kind = models.CharField(max_length=32)
+    attempt = models.PositiveIntegerField()
+    generation = models.PositiveIntegerField(default=1)
+    status = models.CharField(max_length=20, choices=StepStatus.choices)
+    # For a condition: the branch taken ("then" or "else").
+    branch = models.CharField(max_length=100, blank=True, default="")
+    input = models.JSONField(null=True, blank=True)
+    output = models.JSONField(null=True, blank=True)
+    # {"class", "message", "traceback"?}
+    error = models.JSONField(null=True, blank=True)
+    effect = models.CharField(max_length=20, choices=Effect.choices, default=Effect.AT_LEAST_ONCE)
+    queue = models.CharField(max_length=200, default="default")
+    timeout_ms = models.BigIntegerField(default=60000)
+    idempotency_key = models.CharField(max_length=255, blank=True, default="")
+    worker = models.CharField(max_length=255, blank=True, default="")
+    # The fencing token of the claim: a completion must present it, so a worker whose lease
+    # expired (and whose attempt was given up or offered again) cannot record a result.
+    claim = models.UUIDField(null=True, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    deadline_at = models.DateTimeField(null=True, blank=True)
+    not_before = models.DateTimeField(null=True, blank=True)
+    # Times a worker without the handler handed the attempt back (class unservable).
+    refusals = models.PositiveIntegerField(default=0)
+    usage = models.JSONField(default=dict, blank=True)
+    spans = models.JSONField(default=list, blank=True)
+    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    celery_task_id = models.CharField(max_length=255, blank=True, default="")
+    scheduled_at = models.DateTimeField(default=timezone.now)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "path", "step_id", "attempt"], name="step_run_attempt_unique"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["lease_expires_at"],
+                name="step_run_lease",
+                condition=Q(status="running"),
+            ),
+            models.Index(
+                fields=["scheduled_at"],
+                name="step_run_scheduled",
+                condition=Q(status="scheduled"),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        where = f"{self.path}/" if self.path else ""
+        return f"{where}{self.step_id} #{self.attempt} ({self.status})"

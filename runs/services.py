@@ -1,0 +1,183 @@
+"""Writes for runs: start, cancel, pause, resume, retry. Views, admin, the builder and tasks
+call these; none of them changes a status without a lock on the run row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from jsonschema import Draft202012Validator
+
+from workflows.errors import FieldError, InvalidInput, NotFound
+from workflows.models import WorkflowVersion
+from workflows.validation import field_path
+
+from . import dispatch
+from .models import Run, StepRun
+from .status import RUN_TERMINAL, RunStatus, StepStatus, check_run_move
+
+
+@dataclass(frozen=True)
+class StartResult:
+    run: Run
+    created: bool
+
+
+def _version_for(workflow: str, version: int | None) -> WorkflowVersion:
+    versions = WorkflowVersion.objects.filter(workflow_id=workflow)
+    found = (
+        versions.order_by("-number").first()
+        if version is None
+        else versions.filter(number=version).first()
+    )
+    if found is None:
+        if version is not None and versions.exists():
+            raise NotFound(
+                errors=[FieldError("version", f"workflow '{workflow}' has no version {version}")]
+            )
+        raise NotFound(errors=[FieldError("workflow", f"unknown workflow '{workflow}'")])
+    return found
+
+
+def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
+    """Problems with a run input against the version's ``input_schema``, each naming its field."""
+    schema = version.document.get("input_schema")
+    if schema is None:
+        return []
+    validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+    errors = []
+    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+        path = field_path(["input", *error.absolute_path])
+        if error.validator == "required":
+            for name in error.validator_value:
+                if isinstance(error.instance, dict) and name not in error.instance:
+                    errors.append(
+                        FieldError(f"{path}.{name}", f"required field '{name}' is missing")
+                    )
+        else:
+            errors.append(FieldError(path, error.message))
+    return errors
+
+
+def run_start(
+    *,
+    workflow: str,
+    input: Any = None,
+    version: int | None = None,
+    idempotency_key: str | None = None,
+    correlation: str | None = None,
+    user: AbstractBaseUser | None = None,
+) -> StartResult:
+    """Start a run of ``workflow`` (its latest version unless pinned).
+
+    The same ``idempotency_key`` for the same workflow returns the run it started first
+    (``created`` false), whatever the rest of the call says. The run is advanced by a message
+    sent after commit.
+    """
+    if idempotency_key is not None:
+        existing = Run.objects.filter(workflow_id=workflow, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return StartResult(existing, created=False)
+    pinned = _version_for(workflow, version)
+    problems = input_errors(pinned, input)
+    if problems:
+        raise InvalidInput(errors=problems)
+    try:
+        with transaction.atomic():
+            run = Run.objects.create(
+                workflow_id=workflow,
+                version=pinned,
+                input=input,
+                idempotency_key=idempotency_key,
+                correlation=correlation,
+                created_by=user if user is not None and user.is_authenticated else None,
+            )
+            dispatch.advance_on_commit(run.id)
+    except IntegrityError:
+        # A concurrent start with the same idempotency key won the insert.
+        existing = Run.objects.get(workflow_id=workflow, idempotency_key=idempotency_key)
+        return StartResult(existing, created=False)
+    return StartResult(run, created=True)
+
+
+def _locked(run_id: Any) -> Run:
+    run = Run.objects.select_for_update().filter(id=run_id).first()
+    if run is None:
+        raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    return run
+
+
+@transaction.atomic
+def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
+    """Cancel the run and, transitively, its children. Scheduled attempts are cancelled;
+    running ones are revoked best-effort and their results will be refused."""
+    run = _locked(run_id)
+    check_run_move(run.status, RunStatus.CANCELLED)
+    now = timezone.now()
+    in_flight = list(
+        StepRun.objects.filter(
+            run=run, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
+        ).values_list("celery_task_id", flat=True)
+    )
+    StepRun.objects.filter(
+        run=run, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
+    ).update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
+    run.status = RunStatus.CANCELLED
+    run.error = {"class": "cancelled", "message": reason, "step": None}
+    run.finished_at = now
+    run.wake_at = None
+    run.save(update_fields=["status", "error", "finished_at", "wake_at", "updated_at"])
+    dispatch.revoke_on_commit([task_id for task_id in in_flight if task_id])
+    for child in run.children.exclude(status__in=RUN_TERMINAL).values_list("id", flat=True):
+        run_cancel(run_id=child, reason=f"parent run {run.id} was cancelled")
+    return run
+
+
+@transaction.atomic
+def run_pause(*, run_id: Any) -> Run:
+    """Stop scheduling new steps. Attempts already running finish and are recorded."""
+    run = _locked(run_id)
+    check_run_move(run.status, RunStatus.PAUSED)
+    run.status = RunStatus.PAUSED
+    run.save(update_fields=["status", "updated_at"])
+    return run
+
+
+@transaction.atomic
+def run_resume(*, run_id: Any) -> Run:
+    run = _locked(run_id)
+    check_run_move(run.status, RunStatus.RUNNING)
+    if run.status != RunStatus.PAUSED:
+        raise InvalidInput(errors=[FieldError("status", f"a {run.status} run is not paused")])
+    run.status = RunStatus.RUNNING
+    run.save(update_fields=["status", "updated_at"])
+    dispatch.advance_on_commit(run.id)
+    return run
+
+
+@transaction.atomic
+def run_retry(*, run_id: Any) -> Run:
+    """Retry a failed run from its failed step, keeping what succeeded.
+
+    A new generation starts: the failed step gets a fresh attempt budget, and the run's
+    limits (max_steps, max_cost_usd, run_timeout_ms) count afresh from now.
+    """
+    run = _locked(run_id)
+    if run.status != RunStatus.FAILED:
+        raise InvalidInput(
+            errors=[FieldError("status", f"only a failed run can be retried; this one is {run.status}")]
+        )
+    check_run_move(run.status, RunStatus.RUNNING)
+    run.status = RunStatus.RUNNING
+    run.generation += 1
+    run.error = None
+    run.output = None
+    run.finished_at = None
+    run.started_at = timezone.now()
+    run.deadline_at = None  # set by the next advance from the document's limits
+    run.save()
+    dispatch.advance_on_commit(run.id)
+    return run
