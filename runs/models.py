@@ -36,8 +36,9 @@ class Run(models.Model):
     output = models.JSONField(null=True, blank=True)
     # {"class", "message", "step"} once the run has failed, timed out or been cancelled.
     error = models.JSONField(null=True, blank=True)
-    correlation = models.CharField(max_length=255, null=True, blank=True)
-    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    # NULL, not "", means "none given": the unique constraint below only binds given keys.
+    correlation = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     parent_run = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
     )

@@ -168,7 +168,9 @@ def run_retry(*, run_id: Any) -> Run:
     run = _locked(run_id)
     if run.status != RunStatus.FAILED:
         raise InvalidInput(
-            errors=[FieldError("status", f"only a failed run can be retried; this one is {run.status}")]
+            errors=[
+                FieldError("status", f"only a failed run can be retried; this one is {run.status}")
+            ]
         )
     check_run_move(run.status, RunStatus.RUNNING)
     run.status = RunStatus.RUNNING

@@ -10,9 +10,7 @@ ID_PATTERN = r"^[a-z][a-z0-9_]*$"
 
 
 class Workflow(models.Model):
-    id = models.CharField(
-        primary_key=True, max_length=100, validators=[RegexValidator(ID_PATTERN)]
-    )
+    id = models.CharField(primary_key=True, max_length=100, validators=[RegexValidator(ID_PATTERN)])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

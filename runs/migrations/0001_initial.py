@@ -9,123 +9,250 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('workflows', '0001_initial'),
+        ("workflows", "0001_initial"),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Run',
+            name="Run",
             fields=[
-                ('id', models.UUIDField(default=uuid.uuid4, editable=False, primary_key=True, serialize=False)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('running', 'Running'), ('waiting', 'Waiting'), ('pending_approval', 'Pending Approval'), ('paused', 'Paused'), ('completed', 'Completed'), ('failed', 'Failed'), ('cancelled', 'Cancelled'), ('timed_out', 'Timed Out')], default='pending', max_length=20)),
-                ('input', models.JSONField(blank=True, null=True)),
-                ('output', models.JSONField(blank=True, null=True)),
-                ('error', models.JSONField(blank=True, null=True)),
-                ('correlation', models.CharField(blank=True, max_length=255, null=True)),
-                ('idempotency_key', models.CharField(blank=True, max_length=255, null=True)),
-                ('generation', models.PositiveIntegerField(default=1)),
-                ('attempts', models.PositiveIntegerField(default=0)),
-                ('cost_usd', models.DecimalField(decimal_places=6, default=Decimal('0'), max_digits=14)),
-                ('created_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('deadline_at', models.DateTimeField(blank=True, null=True)),
-                ('wake_at', models.DateTimeField(blank=True, null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('created_by', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to=settings.AUTH_USER_MODEL)),
-                ('parent_run', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='children', to='runs.run')),
-                ('version', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='runs', to='workflows.workflowversion')),
-                ('workflow', models.ForeignKey(db_index=False, on_delete=django.db.models.deletion.PROTECT, related_name='runs', to='workflows.workflow')),
+                (
+                    "id",
+                    models.UUIDField(
+                        default=uuid.uuid4, editable=False, primary_key=True, serialize=False
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("running", "Running"),
+                            ("waiting", "Waiting"),
+                            ("pending_approval", "Pending Approval"),
+                            ("paused", "Paused"),
+                            ("completed", "Completed"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                            ("timed_out", "Timed Out"),
+                        ],
+                        default="pending",
+                        max_length=20,
+                    ),
+                ),
+                ("input", models.JSONField(blank=True, null=True)),
+                ("output", models.JSONField(blank=True, null=True)),
+                ("error", models.JSONField(blank=True, null=True)),
+                ("correlation", models.CharField(blank=True, max_length=255, null=True)),
+                ("idempotency_key", models.CharField(blank=True, max_length=255, null=True)),
+                ("generation", models.PositiveIntegerField(default=1)),
+                ("attempts", models.PositiveIntegerField(default=0)),
+                (
+                    "cost_usd",
+                    models.DecimalField(decimal_places=6, default=Decimal("0"), max_digits=14),
+                ),
+                ("created_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("deadline_at", models.DateTimeField(blank=True, null=True)),
+                ("wake_at", models.DateTimeField(blank=True, null=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "created_by",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="+",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "parent_run",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="children",
+                        to="runs.run",
+                    ),
+                ),
+                (
+                    "version",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="runs",
+                        to="workflows.workflowversion",
+                    ),
+                ),
+                (
+                    "workflow",
+                    models.ForeignKey(
+                        db_index=False,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="runs",
+                        to="workflows.workflow",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at', '-id'],
+                "ordering": ["-created_at", "-id"],
             },
         ),
         migrations.CreateModel(
-            name='StepRun',
+            name="StepRun",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('step_id', models.CharField(max_length=100)),
-                ('path', models.CharField(blank=True, default='', max_length=500)),
-                ('kind', models.CharField(max_length=32)),
-                ('attempt', models.PositiveIntegerField()),
-                ('generation', models.PositiveIntegerField(default=1)),
-                ('status', models.CharField(choices=[('scheduled', 'Scheduled'), ('running', 'Running'), ('waiting', 'Waiting'), ('succeeded', 'Succeeded'), ('failed', 'Failed'), ('skipped', 'Skipped'), ('cancelled', 'Cancelled'), ('timed_out', 'Timed Out')], max_length=20)),
-                ('branch', models.CharField(blank=True, default='', max_length=100)),
-                ('input', models.JSONField(blank=True, null=True)),
-                ('output', models.JSONField(blank=True, null=True)),
-                ('error', models.JSONField(blank=True, null=True)),
-                ('effect', models.CharField(choices=[('at_least_once', 'At Least Once'), ('at_most_once', 'At Most Once')], default='at_least_once', max_length=20)),
-                ('queue', models.CharField(default='default', max_length=200)),
-                ('timeout_ms', models.BigIntegerField(default=60000)),
-                ('idempotency_key', models.CharField(blank=True, default='', max_length=255)),
-                ('worker', models.CharField(blank=True, default='', max_length=255)),
-                ('claim', models.UUIDField(blank=True, null=True)),
-                ('lease_expires_at', models.DateTimeField(blank=True, null=True)),
-                ('deadline_at', models.DateTimeField(blank=True, null=True)),
-                ('not_before', models.DateTimeField(blank=True, null=True)),
-                ('refusals', models.PositiveIntegerField(default=0)),
-                ('usage', models.JSONField(blank=True, default=dict)),
-                ('spans', models.JSONField(blank=True, default=list)),
-                ('cost_usd', models.DecimalField(decimal_places=6, default=Decimal('0'), max_digits=14)),
-                ('celery_task_id', models.CharField(blank=True, default='', max_length=255)),
-                ('scheduled_at', models.DateTimeField(default=django.utils.timezone.now)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('run', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='steps', to='runs.run')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("step_id", models.CharField(max_length=100)),
+                ("path", models.CharField(blank=True, default="", max_length=500)),
+                ("kind", models.CharField(max_length=32)),
+                ("attempt", models.PositiveIntegerField()),
+                ("generation", models.PositiveIntegerField(default=1)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("scheduled", "Scheduled"),
+                            ("running", "Running"),
+                            ("waiting", "Waiting"),
+                            ("succeeded", "Succeeded"),
+                            ("failed", "Failed"),
+                            ("skipped", "Skipped"),
+                            ("cancelled", "Cancelled"),
+                            ("timed_out", "Timed Out"),
+                        ],
+                        max_length=20,
+                    ),
+                ),
+                ("branch", models.CharField(blank=True, default="", max_length=100)),
+                ("input", models.JSONField(blank=True, null=True)),
+                ("output", models.JSONField(blank=True, null=True)),
+                ("error", models.JSONField(blank=True, null=True)),
+                (
+                    "effect",
+                    models.CharField(
+                        choices=[
+                            ("at_least_once", "At Least Once"),
+                            ("at_most_once", "At Most Once"),
+                        ],
+                        default="at_least_once",
+                        max_length=20,
+                    ),
+                ),
+                ("queue", models.CharField(default="default", max_length=200)),
+                ("timeout_ms", models.BigIntegerField(default=60000)),
+                ("idempotency_key", models.CharField(blank=True, default="", max_length=255)),
+                ("worker", models.CharField(blank=True, default="", max_length=255)),
+                ("claim", models.UUIDField(blank=True, null=True)),
+                ("lease_expires_at", models.DateTimeField(blank=True, null=True)),
+                ("deadline_at", models.DateTimeField(blank=True, null=True)),
+                ("not_before", models.DateTimeField(blank=True, null=True)),
+                ("refusals", models.PositiveIntegerField(default=0)),
+                ("usage", models.JSONField(blank=True, default=dict)),
+                ("spans", models.JSONField(blank=True, default=list)),
+                (
+                    "cost_usd",
+                    models.DecimalField(decimal_places=6, default=Decimal("0"), max_digits=14),
+                ),
+                ("celery_task_id", models.CharField(blank=True, default="", max_length=255)),
+                ("scheduled_at", models.DateTimeField(default=django.utils.timezone.now)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "run",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="steps",
+                        to="runs.run",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['run', 'id'],
+                "ordering": ["run", "id"],
             },
         ),
         migrations.AddField(
-            model_name='run',
-            name='parent_step_run',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='+', to='runs.steprun'),
+            model_name="run",
+            name="parent_step_run",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.SET_NULL,
+                related_name="+",
+                to="runs.steprun",
+            ),
         ),
         migrations.AddIndex(
-            model_name='steprun',
-            index=models.Index(condition=models.Q(('status', 'running')), fields=['lease_expires_at'], name='step_run_lease'),
+            model_name="steprun",
+            index=models.Index(
+                condition=models.Q(("status", "running")),
+                fields=["lease_expires_at"],
+                name="step_run_lease",
+            ),
         ),
         migrations.AddIndex(
-            model_name='steprun',
-            index=models.Index(condition=models.Q(('status', 'scheduled')), fields=['scheduled_at'], name='step_run_scheduled'),
+            model_name="steprun",
+            index=models.Index(
+                condition=models.Q(("status", "scheduled")),
+                fields=["scheduled_at"],
+                name="step_run_scheduled",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='steprun',
-            constraint=models.UniqueConstraint(fields=('run', 'path', 'step_id', 'attempt'), name='step_run_attempt_unique'),
+            model_name="steprun",
+            constraint=models.UniqueConstraint(
+                fields=("run", "path", "step_id", "attempt"), name="step_run_attempt_unique"
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['-created_at', '-id'], name='run_newest'),
+            model_name="run",
+            index=models.Index(fields=["-created_at", "-id"], name="run_newest"),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['status', '-created_at', '-id'], name='run_status_newest'),
+            model_name="run",
+            index=models.Index(fields=["status", "-created_at", "-id"], name="run_status_newest"),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['workflow', '-created_at', '-id'], name='run_workflow_newest'),
+            model_name="run",
+            index=models.Index(
+                fields=["workflow", "-created_at", "-id"], name="run_workflow_newest"
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(fields=['workflow', 'status', '-created_at', '-id'], name='run_wf_status_newest'),
+            model_name="run",
+            index=models.Index(
+                fields=["workflow", "status", "-created_at", "-id"], name="run_wf_status_newest"
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(condition=models.Q(('wake_at__isnull', False)), fields=['wake_at'], name='run_wake'),
+            model_name="run",
+            index=models.Index(
+                condition=models.Q(("wake_at__isnull", False)), fields=["wake_at"], name="run_wake"
+            ),
         ),
         migrations.AddIndex(
-            model_name='run',
-            index=models.Index(condition=models.Q(('parent_run__isnull', False)), fields=['parent_run'], name='run_parent'),
+            model_name="run",
+            index=models.Index(
+                condition=models.Q(("parent_run__isnull", False)),
+                fields=["parent_run"],
+                name="run_parent",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='run',
-            constraint=models.UniqueConstraint(condition=models.Q(('idempotency_key__isnull', False)), fields=('workflow', 'idempotency_key'), name='run_idempotency_key_unique'),
+            model_name="run",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("idempotency_key__isnull", False)),
+                fields=("workflow", "idempotency_key"),
+                name="run_idempotency_key_unique",
+            ),
         ),
     ]
