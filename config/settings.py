@@ -142,6 +142,10 @@ CELERY_RESULT_BACKEND = env(
 )
 if CELERY_BROKER_URL.startswith("filesystem://"):
     _broker_dir = VAR_DIR / "broker"
+    # kombu's file-system transport does not create its folders; a bare `celery worker`
+    # on the embedded default would fail without them.
+    for _sub in ("out", "control", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "out"),
         "data_folder_out": str(_broker_dir / "out"),
