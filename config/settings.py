@@ -9,6 +9,7 @@ Postgres and Redis, the production and test path.
 from pathlib import Path
 
 import environ
+from kombu import Queue
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -169,6 +170,10 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# The engine's own tasks (advance, sweep) have a queue of their own so a backlog of step
+# bodies never delays planning. `celery -A config worker` with no -Q consumes both.
+CELERY_TASK_QUEUES = [Queue("default"), Queue("engine")]
+CELERY_TASK_ROUTES = {"runs.*": {"queue": "engine"}}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env.float("CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT", default=10)
 CELERY_TIMEZONE = TIME_ZONE
@@ -181,6 +186,30 @@ WORKFLOW_MODULES = env.list("WORKFLOW_MODULES", default=[])
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
+    # A running attempt's lease: its worker renews it every third of this while the body
+    # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
+    # again, at_most_once ones fail). Never renewed past the attempt's deadline plus grace.
+    "LEASE_SECONDS": env.float("DJFLOW_LEASE_SECONDS", default=30.0),
+    # How long past an attempt's timeout_ms the engine waits for the worker's own time-out
+    # report (Celery's soft time limit) before it times the attempt out itself.
+    "DEADLINE_GRACE_SECONDS": env.float("DJFLOW_DEADLINE_GRACE_SECONDS", default=5.0),
+    # Most runs the 1-second sweep advances per tick.
+    "SWEEP_BATCH": env.int("DJFLOW_SWEEP_BATCH", default=500),
+    # A worker without a step's handler hands the attempt back (class unservable) at most
+    # this many times in a row at once; after that it waits for the sweep between offers.
+    "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
+    # Model prices in USD per million tokens: {"model": {"input": x, "output": y}}.
+    # DJFLOW_PRICES (JSON) replaces the defaults below.
+    "PRICES": env.json(
+        "DJFLOW_PRICES",
+        default={
+            "claude-sonnet-4": {"input": 3.0, "output": 15.0},
+            "claude-opus-4": {"input": 15.0, "output": 75.0},
+            "claude-haiku-4": {"input": 1.0, "output": 5.0},
+            "gpt-4o": {"input": 2.5, "output": 10.0},
+            "gpt-4o-mini": {"input": 0.15, "output": 0.6},
+        },
+    ),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 

@@ -35,3 +35,23 @@ def revoke_on_commit(task_ids: Iterable[str]) -> None:
             logger.warning("could not revoke tasks %s", ids, exc_info=True)
 
     transaction.on_commit(revoke)
+
+
+def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
+    """Offer an attempt to a worker on the step's queue once the transaction commits.
+
+    The task id was chosen and stored with the attempt, so an operator can revoke it and
+    Flower shows ``<workflow>.<step>`` as the task's name.
+    """
+    from workers.tasks import execute_step
+
+    options = {
+        "task_id": step_run.celery_task_id,
+        "queue": step_run.queue,
+        "shadow": f"{workflow_id}.{step_run.step_id}",
+        # The worker-side limit; the engine enforces the same deadline on its own.
+        "soft_time_limit": step_run.timeout_ms / 1000,
+        "time_limit": step_run.timeout_ms / 1000 + 10,
+    }
+    step_run_id = step_run.id
+    transaction.on_commit(lambda: execute_step.apply_async((step_run_id,), **options))

@@ -11,3 +11,11 @@ def advance(run_id: str) -> None:
     from .engine.advance import run_advance
 
     run_advance(run_id=run_id)
+
+
+@shared_task(name="runs.sweep", ignore_result=True)
+def sweep() -> int:
+    """The engine's clock tick (beat, every second): advance runs with something due."""
+    from .engine.sweep import sweep_due
+
+    return sweep_due()

@@ -1,0 +1,611 @@
+"""The planner: a pure function from (document, run, journal, now) to actions.
+
+It holds the workflow semantics of contract sections 1-5 at run time: step order, guards,
+templates resolved per attempt, retry policies and back-off, ``on_error``, the run's limits,
+the output template and ``condition`` branches. It imports no Django and touches no
+database: ``runs.engine.apply`` is the only writer, and the journal it is given is the whole
+truth about what happened so far.
+
+Invariants:
+
+- Planning is idempotent: the actions it returns, once applied, make the next plan over the
+  new journal return no action for the same step (a second ``advance`` finds nothing to do).
+- A step's guard is evaluated once, when the step is first reached; a retry re-resolves the
+  input template but never re-evaluates the guard.
+- Back-off is deterministic: jitter is derived from the run, the step and the attempt, so
+  two planners given the same journal agree on when a retry is due.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Any
+
+from workflows.guards import evaluate
+from workflows.templates import resolve
+
+# Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
+WORKER_KINDS = frozenset({"task", "agent"})
+DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
+DEFAULT_RUN_TIMEOUT_MS = 300_000
+DEFAULT_STEP_TIMEOUT_MS = 60_000
+DEFAULT_INITIAL_MS = 2_000
+DEFAULT_MAX_MS = 30_000
+# Share of the back-off added at most as jitter.
+JITTER_SHARE = 0.2
+
+# Error classes (contract section 5), plus the two the engine itself assigns.
+RETRYABLE = "retryable"
+TIMEOUT = "timeout"
+LOST = "lost"  # the worker vanished (its lease expired) before recording a result
+LIMIT = "limit"
+UNSUPPORTED = "unsupported"
+
+IN_FLIGHT = frozenset({"scheduled", "running", "waiting"})
+
+
+# --- what the planner reads ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunView:
+    id: str
+    status: str
+    input: Any
+    correlation: str | None
+    generation: int
+    started_at: datetime | None
+    deadline_at: datetime | None
+
+
+@dataclass(frozen=True)
+class AttemptView:
+    """One journal row."""
+
+    id: int
+    step_id: str
+    attempt: int
+    status: str
+    kind: str = "task"
+    path: str = ""
+    generation: int = 1
+    branch: str = ""
+    output: Any = None
+    error: Mapping[str, Any] | None = None
+    effect: str = "at_least_once"
+    finished_at: datetime | None = None
+    lease_expires_at: datetime | None = None
+    deadline_at: datetime | None = None
+    cost_usd: float = 0.0
+
+
+# --- what the planner decides -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StartRun:
+    """pending → running (or a new generation after a retry): the clock starts."""
+
+    started_at: datetime
+    deadline_at: datetime
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A new attempt of a worker step, offered to a worker on commit."""
+
+    step_id: str
+    path: str
+    kind: str
+    attempt: int
+    generation: int
+    input: Any
+    effect: str
+    queue: str
+    timeout_ms: int
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A false guard: the step is written ``skipped`` and the run goes on."""
+
+    step_id: str
+    path: str
+    kind: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Open:
+    """An engine step's row (a condition): ``running`` while its branch runs, or already
+    ``succeeded`` when the branch finished within the same plan."""
+
+    step_id: str
+    path: str
+    kind: str
+    attempt: int
+    generation: int
+    branch: str
+    status: str = "running"
+    output: Any = None
+
+
+@dataclass(frozen=True)
+class Close:
+    """An engine step's open row is done."""
+
+    attempt_id: int
+    status: str
+    output: Any = None
+    error: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    """A running attempt is given up: past its deadline (``timed_out``, class timeout) or its
+    worker's lease lapsed (``failed``, class lost). Its worker can no longer record a result."""
+
+    attempt_id: int
+    status: str
+    error: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing is in flight but something falls due at ``at`` (a retry back-off)."""
+
+    at: datetime
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run ends: ``completed``, ``failed`` or ``timed_out``."""
+
+    status: str
+    output: Any = None
+    error: Mapping[str, Any] | None = None
+
+
+Action = StartRun | Schedule | Skip | Open | Close | Expire | Wake | Finish
+
+
+@dataclass
+class Plan:
+    actions: list[Action] = field(default_factory=list)
+
+    def of(self, kind: type) -> list[Any]:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+    @property
+    def finish(self) -> Finish | None:
+        found = self.of(Finish)
+        return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Engine tunables the planner needs (``settings.DJFLOW`` in production)."""
+
+    # How long past an attempt's deadline the engine waits for the worker's own time-out
+    # report before it expires the attempt itself.
+    deadline_grace: timedelta = timedelta(seconds=5)
+
+
+# --- the walk -----------------------------------------------------------------------------
+
+
+class _Go(Enum):
+    CONTINUE = "continue"  # this step is settled; go on to the next
+    BLOCKED = "blocked"  # something is in flight or not yet due; plan no further
+    STOP = "stop"  # the run ends (a Finish was emitted)
+
+
+def plan(
+    document: Mapping[str, Any],
+    run: RunView,
+    journal: Sequence[AttemptView],
+    now: datetime,
+    settings: Settings | None = None,
+) -> Plan:
+    """Decide what to do next for ``run``. See the module docstring for the invariants."""
+    return _Planner(document, run, journal, now, settings or Settings()).run()
+
+
+class _Planner:
+    def __init__(
+        self,
+        document: Mapping[str, Any],
+        run: RunView,
+        journal: Sequence[AttemptView],
+        now: datetime,
+        settings: Settings,
+    ) -> None:
+        self.document = document
+        self.run_view = run
+        self.now = now
+        self.settings = settings
+        self.limits = document.get("limits", {})
+        self.out = Plan()
+        self.journal = list(journal)
+        self.by_step: dict[tuple[str, str], list[AttemptView]] = {}
+        self.context: dict[str, Any] = {
+            "input": run.input,
+            "steps": {},
+            "run": {"id": run.id, "correlation": run.correlation},
+        }
+        self.previous_output: Any = run.input
+        self.ran_before = False  # has any step (not skipped) come before this one?
+        self.counted = 0
+
+    # entry
+
+    def run(self) -> Plan:
+        if self.run_view.status in ("completed", "failed", "cancelled", "timed_out"):
+            return self.out
+        deadline = self._start()
+        if self.now >= deadline:
+            timeout = self.limits.get("run_timeout_ms", DEFAULT_RUN_TIMEOUT_MS)
+            self.out.actions.append(
+                Finish(
+                    "timed_out",
+                    error={
+                        "class": TIMEOUT,
+                        "message": f"limits.run_timeout_ms ({timeout} ms) reached",
+                        "step": None,
+                    },
+                )
+            )
+            return self.out
+        if self.run_view.status == "paused":
+            # A paused run only watches its deadline; resuming plans the rest.
+            self.out.actions.append(Wake(deadline))
+            return self.out
+        self._expire_attempts()
+        self._index()
+        if self._over_cost():
+            return self.out
+        go = self._walk(self.document["steps"], "")
+        if go is _Go.CONTINUE:
+            self._complete()
+        return self.out
+
+    def _start(self) -> datetime:
+        view = self.run_view
+        if view.started_at is not None and view.deadline_at is not None:
+            return view.deadline_at
+        timeout = self.limits.get("run_timeout_ms", DEFAULT_RUN_TIMEOUT_MS)
+        started = view.started_at or self.now
+        deadline = started + timedelta(milliseconds=timeout)
+        self.out.actions.append(StartRun(started_at=started, deadline_at=deadline))
+        return deadline
+
+    def _expire_attempts(self) -> None:
+        """Give up running attempts past their deadline or whose worker's lease lapsed, and
+        plan on as if they had failed so."""
+        grace = self.settings.deadline_grace
+        for index, attempt in enumerate(self.journal):
+            if attempt.status != "running" or attempt.kind not in WORKER_KINDS:
+                continue
+            if attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace:
+                expired = Expire(
+                    attempt.id,
+                    "timed_out",
+                    {"class": TIMEOUT, "message": "the attempt ran past its timeout_ms"},
+                )
+            elif attempt.lease_expires_at is not None and self.now >= attempt.lease_expires_at:
+                expired = Expire(
+                    attempt.id,
+                    "failed",
+                    {"class": LOST, "message": "the worker was lost while running the attempt"},
+                )
+            else:
+                continue
+            self.out.actions.append(expired)
+            self.journal[index] = replace(
+                attempt, status=expired.status, error=expired.error, finished_at=self.now
+            )
+
+    def _index(self) -> None:
+        generation = self.run_view.generation
+        for attempt in self.journal:
+            self.by_step.setdefault((attempt.path, attempt.step_id), []).append(attempt)
+            if attempt.generation == generation and _counts_as_attempt(attempt):
+                self.counted += 1
+        for attempts in self.by_step.values():
+            attempts.sort(key=lambda a: a.attempt)
+
+    def _over_cost(self) -> bool:
+        limit = self.limits.get("max_cost_usd")
+        if limit is None:
+            return False
+        generation = self.run_view.generation
+        spent = sum(a.cost_usd for a in self.journal if a.generation == generation)
+        if spent <= limit:
+            return False
+        last = max(
+            (a for a in self.journal if a.generation == generation and a.cost_usd),
+            key=lambda a: a.id,
+            default=None,
+        )
+        self.out.actions.append(
+            Finish(
+                "failed",
+                error={
+                    "class": LIMIT,
+                    "message": f"limits.max_cost_usd ({limit}) exceeded: the steps reported "
+                    f"${spent:.6f}",
+                    "step": last.step_id if last else None,
+                },
+            )
+        )
+        return True
+
+    def _complete(self) -> None:
+        if "output" in self.document:
+            output = resolve(self.document["output"], self.context)
+        else:
+            output = self.previous_output if self.ran_before else None
+        self.out.actions.append(Finish("completed", output=output))
+
+    # steps
+
+    def _walk(self, steps: Sequence[Mapping[str, Any]], path: str) -> _Go:
+        for step in steps:
+            go = self._visit(step, path)
+            if go is not _Go.CONTINUE:
+                return go
+        return _Go.CONTINUE
+
+    def _visit(self, step: Mapping[str, Any], path: str) -> _Go:
+        if step["kind"] == "condition":
+            return self._condition(step, path)
+        attempts = self.by_step.get((path, step["id"]), [])
+        latest = attempts[-1] if attempts else None
+        if latest is None:
+            return self._first(step, path)
+        if latest.status in IN_FLIGHT:
+            return _Go.BLOCKED
+        if latest.status == "succeeded":
+            self._settle(step, "succeeded", latest.output, None)
+            return _Go.CONTINUE
+        if latest.status == "skipped":
+            self._settle_skipped(step)
+            return _Go.CONTINUE
+        return self._after_failure(step, path, attempts, latest)
+
+    def _first(self, step: Mapping[str, Any], path: str) -> _Go:
+        guard = step.get("when")
+        if guard is not None and not evaluate(guard, self.context):
+            self.out.actions.append(Skip(step["id"], path, step["kind"], self.run_view.generation))
+            self._settle_skipped(step)
+            return _Go.CONTINUE
+        return self._schedule(step, path, attempt=1)
+
+    def _after_failure(
+        self,
+        step: Mapping[str, Any],
+        path: str,
+        attempts: list[AttemptView],
+        latest: AttemptView,
+    ) -> _Go:
+        generation = self.run_view.generation
+        error = dict(latest.error or {"class": "fatal", "message": latest.status})
+        continues = step.get("on_error", "fail_run") == "continue"
+        if latest.generation < generation:
+            # The run was retried from its failed step: this step starts a fresh budget,
+            # unless an earlier generation already went on past it.
+            if continues:
+                self._settle(step, "failed", None, error)
+                return _Go.CONTINUE
+            return self._schedule(step, path, attempt=latest.attempt + 1)
+        due = self._retry_due(step, path, attempts, latest, error)
+        if due is not None:
+            if due <= self.now:
+                return self._schedule(step, path, attempt=latest.attempt + 1)
+            self.out.actions.append(Wake(due))
+            return _Go.BLOCKED
+        if continues:
+            self._settle(step, "failed", None, error)
+            return _Go.CONTINUE
+        self.out.actions.append(
+            Finish(
+                "failed",
+                error={
+                    "class": error.get("class", "fatal"),
+                    "message": error.get("message", ""),
+                    "step": step["id"],
+                },
+            )
+        )
+        return _Go.STOP
+
+    def _retry_due(
+        self,
+        step: Mapping[str, Any],
+        path: str,
+        attempts: list[AttemptView],
+        latest: AttemptView,
+        error: Mapping[str, Any],
+    ) -> datetime | None:
+        """When the next attempt is due, or None when the step is not tried again."""
+        error_class = error.get("class")
+        at_most_once = step.get("effect", "at_least_once") == "at_most_once"
+        finished = latest.finished_at or self.now
+        if error_class == LOST:
+            # A lost at_least_once attempt is offered again without using the budget; an
+            # at_most_once one may have had its effect, so it is never run twice.
+            return None if at_most_once else finished
+        if error_class not in (RETRYABLE, TIMEOUT):
+            return None
+        if at_most_once and error_class == TIMEOUT:
+            # A timed-out body may have done its effect before the limit hit it.
+            return None
+        policy = step.get("retry", {})
+        max_attempts = policy.get("max_attempts", DEFAULT_MAX_ATTEMPTS.get(step["kind"], 1))
+        generation = self.run_view.generation
+        used = sum(
+            1
+            for a in attempts
+            if a.generation == generation and (a.error or {}).get("class") != LOST
+        )
+        if used >= max_attempts:
+            return None
+        delay_ms = backoff_ms(policy, used, seed=f"{self.run_view.id}/{path}/{step['id']}/{used}")
+        delay_ms = max(delay_ms, int(error.get("retry_after_ms") or 0))
+        return finished + timedelta(milliseconds=delay_ms)
+
+    def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
+        kind = step["kind"]
+        if kind not in WORKER_KINDS:
+            self.out.actions.append(
+                Finish(
+                    "failed",
+                    error={
+                        "class": UNSUPPORTED,
+                        "message": f"step kind '{kind}' is not supported by this engine yet",
+                        "step": step["id"],
+                    },
+                )
+            )
+            return _Go.STOP
+        max_steps = self.limits.get("max_steps")
+        if max_steps is not None and self.counted >= max_steps:
+            self.out.actions.append(
+                Finish(
+                    "failed",
+                    error={
+                        "class": LIMIT,
+                        "message": f"limits.max_steps ({max_steps}) reached",
+                        "step": step["id"],
+                    },
+                )
+            )
+            return _Go.STOP
+        self.counted += 1
+        self.out.actions.append(
+            Schedule(
+                step_id=step["id"],
+                path=path,
+                kind=kind,
+                attempt=attempt,
+                generation=self.run_view.generation,
+                input=self._input(step),
+                effect=step.get("effect", "at_least_once"),
+                queue=step.get("queue", "default"),
+                timeout_ms=step.get(
+                    "timeout_ms", self.limits.get("step_timeout_ms", DEFAULT_STEP_TIMEOUT_MS)
+                ),
+            )
+        )
+        return _Go.BLOCKED
+
+    def _input(self, step: Mapping[str, Any]) -> Any:
+        if "input" in step:
+            return resolve(step["input"], self.context)
+        # The default: the run input for the first step, else the previous step's output.
+        return copy.deepcopy(self.previous_output if self.ran_before else self.run_view.input)
+
+    def _condition(self, step: Mapping[str, Any], path: str) -> _Go:
+        attempts = self.by_step.get((path, step["id"]), [])
+        latest = attempts[-1] if attempts else None
+        generation = self.run_view.generation
+        if latest is not None and latest.status == "succeeded":
+            self._settle(step, "succeeded", latest.output, None)
+            return _Go.CONTINUE
+        if latest is not None and latest.status == "skipped":
+            self._settle_skipped(step)
+            return _Go.CONTINUE
+        opening = latest is None or (latest.status != "running" and latest.generation < generation)
+        if latest is None:
+            guard = step.get("when")
+            if guard is not None and not evaluate(guard, self.context):
+                self.out.actions.append(Skip(step["id"], path, "condition", generation))
+                self._settle_skipped(step)
+                return _Go.CONTINUE
+        position = len(self.out.actions)
+        if opening:
+            branch = "then" if evaluate(step["if"], self.context) else "else"
+        elif latest is not None and latest.status == "running":
+            branch = latest.branch
+        else:
+            return _Go.BLOCKED  # a row of this generation that ended without succeeding
+        go, output = self._walk_branch(step.get(branch, []), path)
+        done = go is _Go.CONTINUE
+        if opening:
+            self.out.actions.insert(
+                position,
+                Open(
+                    step["id"],
+                    path,
+                    "condition",
+                    attempt=(latest.attempt + 1) if latest else 1,
+                    generation=generation,
+                    branch=branch,
+                    status="succeeded" if done else "running",
+                    output=output if done else None,
+                ),
+            )
+        elif done and latest is not None:
+            self.out.actions.append(Close(latest.id, "succeeded", output=output))
+        if done:
+            self._settle(step, "succeeded", output, None)
+            return _Go.CONTINUE
+        return go
+
+    def _walk_branch(self, steps: Sequence[Mapping[str, Any]], path: str) -> tuple[_Go, Any]:
+        """Walk a condition's branch; when it is done, also the output of its last step."""
+        last = None
+        for step in steps:
+            go = self._visit(step, path)
+            if go is not _Go.CONTINUE:
+                return go, None
+            last = self.context["steps"][step["id"]]["output"]
+        return _Go.CONTINUE, last
+
+    # context
+
+    def _record(
+        self, step: Mapping[str, Any], status: str, output: Any, error: Mapping[str, Any] | None
+    ) -> None:
+        self.context["steps"][step["id"]] = {
+            "output": output,
+            "status": status,
+            "error": dict(error) if error else None,
+        }
+
+    def _settle(
+        self, step: Mapping[str, Any], status: str, output: Any, error: Mapping[str, Any] | None
+    ) -> None:
+        self._record(step, status, output, error)
+        self.previous_output = output
+        self.ran_before = True
+
+    def _settle_skipped(self, step: Mapping[str, Any]) -> None:
+        self._record(step, "skipped", None, None)
+
+
+def _counts_as_attempt(attempt: AttemptView) -> bool:
+    """``max_steps`` counts every attempt of a step body; skips and condition rows are not."""
+    return attempt.status != "skipped" and attempt.kind != "condition"
+
+
+def backoff_ms(policy: Mapping[str, Any], failures: int, *, seed: str) -> int:
+    """The wait before the next attempt after ``failures`` failed ones (contract section 1:
+    ``min(max_ms, initial_ms * 2^(failures-1) + jitter)`` for exponential back-off)."""
+    backoff = policy.get("backoff", "exponential")
+    if backoff == "none":
+        return 0
+    initial = policy.get("initial_ms", DEFAULT_INITIAL_MS)
+    ceiling = policy.get("max_ms", DEFAULT_MAX_MS)
+    base = initial if backoff == "fixed" else initial * 2 ** max(failures - 1, 0)
+    jitter = 0
+    if policy.get("jitter", True) and base > 0:
+        digest = hashlib.sha256(seed.encode()).digest()
+        fraction = int.from_bytes(digest[:8], "big") / 2**64
+        jitter = int(base * JITTER_SHARE * fraction)
+    return int(min(ceiling, base + jitter))

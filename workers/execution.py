@@ -1,0 +1,242 @@
+"""Running one attempt of a worker step: claim, run the handler, record, advance.
+
+Claiming is idempotent: the claim is a conditional update from ``scheduled``, so a duplicate
+delivery, a second worker or a redelivered message updates no row and does nothing. The
+claim commits before the body runs, which is what ``at_most_once`` needs: an attempt lost
+after ``started`` is found ``running`` with a lapsed lease and failed, never run again.
+Recording is conditional on the claim's fencing token, so a worker whose attempt was given
+up meanwhile (expired, cancelled) cannot overwrite the journal.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import traceback
+import uuid
+from collections.abc import Iterator, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from runs import dispatch
+from runs.engine import journal
+from runs.engine.advance import advance_locked
+from runs.models import Run, StepRun
+from runs.status import RUN_TERMINAL, StepStatus
+from workflows import registry
+from workflows.sdk import StepFailure
+
+from .context import StepContext, bound_logger
+
+logger = logging.getLogger(__name__)
+
+
+def execute(step_run_id: int, *, worker: str) -> str:
+    """Run one attempt; returns what happened (``claimed-elsewhere``, ``succeeded``, ...)."""
+    row = (
+        StepRun.objects.select_related("run")
+        .filter(id=step_run_id)
+        .only(
+            "id",
+            "step_id",
+            "attempt",
+            "status",
+            "input",
+            "timeout_ms",
+            "idempotency_key",
+            "queue",
+            "celery_task_id",
+            "refusals",
+            "run__id",
+            "run__workflow_id",
+            "run__version_id",
+            "run__status",
+        )
+        .first()
+    )
+    if row is None or row.status != StepStatus.SCHEDULED:
+        return "not-scheduled"
+    now = timezone.now()
+    deadline = now + timedelta(milliseconds=row.timeout_ms)
+    claim = uuid.uuid4()
+    claimed = StepRun.objects.filter(id=row.id, status=StepStatus.SCHEDULED).update(
+        status=StepStatus.RUNNING,
+        claim=claim,
+        worker=worker,
+        started_at=now,
+        deadline_at=deadline,
+        lease_expires_at=_lease_until(now, deadline),
+    )
+    if not claimed:
+        return "claimed-elsewhere"
+
+    run = row.run
+    step = journal.steps_of(run.version_id)[row.step_id]
+    handler = registry.lookup(run.workflow_id, row.step_id, step.get("handler"))
+    if handler is None:
+        _hand_back(row, claim, run.workflow_id)
+        return "unservable"
+
+    ctx = StepContext(
+        run_id=str(run.id),
+        step_id=row.step_id,
+        attempt=row.attempt,
+        idempotency_key=row.idempotency_key,
+        workflow_id=run.workflow_id,
+        logger=bound_logger(str(run.id), row.step_id, row.attempt),
+    )
+    heartbeat = _Heartbeat(row.id, claim, deadline)
+    heartbeat.start()
+    status, output, error = StepStatus.SUCCEEDED, None, None
+    try:
+        output = handler(ctx, row.input, _Prior(run.id))
+    except StepFailure as failure:
+        if failure.error_class == "unservable":
+            heartbeat.finish()
+            _hand_back(row, claim, run.workflow_id)
+            return "unservable"
+        status, error = StepStatus.FAILED, failure.as_error()
+        if failure.retry_after_ms is not None:
+            error["retry_after_ms"] = failure.retry_after_ms
+    except SoftTimeLimitExceeded:
+        status = StepStatus.TIMED_OUT
+        error = {"class": "timeout", "message": f"the attempt ran past {row.timeout_ms} ms"}
+    except Exception as exc:  # any other exception is fatal (contract section 5)
+        status, error = StepStatus.FAILED, _fatal(exc)
+    finally:
+        heartbeat.finish()
+    if status == StepStatus.SUCCEEDED:
+        try:
+            json.dumps(output)
+        except (TypeError, ValueError) as exc:
+            status, output = StepStatus.FAILED, None
+            error = {"class": "fatal", "message": f"the handler's output is not JSON: {exc}"}
+    return _record(row, claim, status, output, error, ctx)
+
+
+def _record(
+    row: StepRun,
+    claim: uuid.UUID,
+    status: str,
+    output: Any,
+    error: dict[str, Any] | None,
+    ctx: StepContext,
+) -> str:
+    """Record the attempt's result and advance the run, in one transaction."""
+    cost = ctx.cost_usd()
+    with transaction.atomic():
+        run = Run.objects.select_for_update().get(id=row.run_id)
+        recorded = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
+            status=status,
+            output=output,
+            error=error,
+            finished_at=timezone.now(),
+            lease_expires_at=None,
+            usage=ctx.usage(),
+            spans=[span.as_dict() for span in ctx.spans],
+            cost_usd=cost,
+        )
+        if not recorded:
+            # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
+            logger.info("attempt %s finished after it was given up; result dropped", row.id)
+            return "dropped"
+        if cost:
+            Run.objects.filter(id=run.id).update(cost_usd=F("cost_usd") + cost)
+        if run.status not in RUN_TERMINAL:
+            advance_locked(run)
+    return status
+
+
+def _hand_back(row: StepRun, claim: uuid.UUID, workflow_id: str) -> None:
+    """This worker lacks the handler (class unservable): requeue the attempt for another
+    worker without using its retry budget."""
+    with transaction.atomic():
+        returned = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
+            status=StepStatus.SCHEDULED,
+            claim=None,
+            worker="",
+            started_at=None,
+            deadline_at=None,
+            lease_expires_at=None,
+            refusals=F("refusals") + 1,
+            scheduled_at=timezone.now(),
+        )
+        if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
+            # After that many refusals in a row the sweep offers it again, slower.
+            dispatch.offer_on_commit(row, workflow_id=workflow_id)
+
+
+def _fatal(exc: BaseException) -> dict[str, Any]:
+    return {
+        "class": "fatal",
+        "message": f"{type(exc).__name__}: {exc}",
+        "traceback": "".join(traceback.format_exception(exc))[-8000:],
+    }
+
+
+def _lease_until(now: datetime, deadline: datetime) -> datetime:
+    lease = now + timedelta(seconds=settings.DJFLOW["LEASE_SECONDS"])
+    grace = timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"])
+    return min(lease, deadline + grace)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the attempt's lease while the body runs, on its own database connection."""
+
+    def __init__(self, step_run_id: int, claim: uuid.UUID, deadline: datetime) -> None:
+        super().__init__(daemon=True, name=f"heartbeat-{step_run_id}")
+        self.step_run_id = step_run_id
+        self.claim = claim
+        self.deadline = deadline
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        interval = settings.DJFLOW["LEASE_SECONDS"] / 3
+        try:
+            while not self.stopped.wait(interval):
+                renewed = StepRun.objects.filter(
+                    id=self.step_run_id, status=StepStatus.RUNNING, claim=self.claim
+                ).update(lease_expires_at=_lease_until(timezone.now(), self.deadline))
+                if not renewed:
+                    return
+        except Exception:  # a database blip: the next renewal, or the lease, decides
+            logger.warning("lease renewal of attempt %s failed", self.step_run_id, exc_info=True)
+        finally:
+            connection.close()
+
+    def finish(self) -> None:
+        self.stopped.set()
+
+
+class _Prior(Mapping[str, Any]):
+    """``prior``: earlier steps' outputs by id, read from the journal on first use."""
+
+    def __init__(self, run_id: Any) -> None:
+        self.run_id = run_id
+        self._outputs: dict[str, Any] | None = None
+
+    def _load(self) -> dict[str, Any]:
+        if self._outputs is None:
+            rows = (
+                StepRun.objects.filter(run_id=self.run_id, status=StepStatus.SUCCEEDED)
+                .order_by("id")
+                .values_list("step_id", "output")
+            )
+            self._outputs = dict(rows)
+        return self._outputs
+
+    def __getitem__(self, key: str) -> Any:
+        return self._load()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())

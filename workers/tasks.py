@@ -1,0 +1,16 @@
+"""The worker's task: run one attempt of a step. Thin: the id in, the service does the rest."""
+
+from __future__ import annotations
+
+import os
+
+from celery import shared_task
+
+from . import execution
+
+
+@shared_task(name="workers.execute_step", bind=True, ignore_result=True)
+def execute_step(self, step_run_id: int) -> str:
+    """Idempotent: a duplicate delivery finds the attempt claimed and does nothing."""
+    worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
+    return execution.execute(step_run_id, worker=worker)
