@@ -1,0 +1,528 @@
+"""plan() without a database: document + journal + clock in, actions out."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from runs.engine.plan import (
+    AttemptView,
+    Close,
+    Expire,
+    Finish,
+    Open,
+    RunView,
+    Schedule,
+    Skip,
+    StartRun,
+    Wake,
+    backoff_ms,
+    plan,
+)
+
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+NOW = T0 + timedelta(seconds=10)
+
+
+def doc(*steps: dict[str, Any], **top: Any) -> dict[str, Any]:
+    return {"id": "wf", "steps": list(steps), **top}
+
+
+def task(step_id: str, **fields: Any) -> dict[str, Any]:
+    return {"id": step_id, "kind": "task", **fields}
+
+
+def run(**changes: Any) -> RunView:
+    values = {
+        "id": "r1",
+        "status": "running",
+        "input": {"ticket": "Q: hello"},
+        "correlation": "c-1",
+        "generation": 1,
+        "started_at": T0,
+        "deadline_at": T0 + timedelta(minutes=5),
+    }
+    values.update(changes)
+    return RunView(**values)
+
+
+_ids = iter(range(1, 10**6))
+
+
+def ok(step_id: str, output: Any = None, **fields: Any) -> AttemptView:
+    return AttemptView(
+        id=next(_ids),
+        step_id=step_id,
+        attempt=fields.pop("attempt", 1),
+        status="succeeded",
+        output=output,
+        finished_at=T0,
+        **fields,
+    )
+
+
+def failed(
+    step_id: str, cls: str = "fatal", attempt: int = 1, at: datetime = NOW, **fields: Any
+) -> AttemptView:
+    error = {"class": cls, "message": f"{cls} failure", **fields.pop("error_extra", {})}
+    return AttemptView(
+        id=next(_ids),
+        step_id=step_id,
+        attempt=attempt,
+        status=fields.pop("status", "failed"),
+        error=error,
+        finished_at=at,
+        **fields,
+    )
+
+
+def in_flight(step_id: str, status: str = "running", **fields: Any) -> AttemptView:
+    return AttemptView(
+        id=next(_ids), step_id=step_id, attempt=fields.pop("attempt", 1), status=status, **fields
+    )
+
+
+def only(actions: list, kind: type) -> Any:
+    found = [a for a in actions if isinstance(a, kind)]
+    assert len(found) == 1, actions
+    return found[0]
+
+
+# --- starting and ordering ---------------------------------------------------------------
+
+
+def test_a_pending_run_starts_its_clock_and_schedules_the_first_step_with_the_run_input() -> None:
+    out = plan(
+        doc(task("a"), task("b")), run(status="pending", started_at=None, deadline_at=None), [], NOW
+    )
+    start = only(out.actions, StartRun)
+    assert start.started_at == NOW
+    assert start.deadline_at == NOW + timedelta(milliseconds=300_000)
+    first = only(out.actions, Schedule)
+    assert (first.step_id, first.attempt, first.input) == ("a", 1, {"ticket": "Q: hello"})
+    assert (first.effect, first.queue, first.timeout_ms) == ("at_least_once", "default", 60_000)
+
+
+def test_run_timeout_from_limits() -> None:
+    out = plan(
+        doc(task("a"), limits={"run_timeout_ms": 1000}),
+        run(started_at=None, deadline_at=None),
+        [],
+        NOW,
+    )
+    assert only(out.actions, StartRun).deadline_at == NOW + timedelta(seconds=1)
+
+
+def test_steps_run_in_order_one_at_a_time() -> None:
+    out = plan(doc(task("a"), task("b"), task("c")), run(), [ok("a", 1)], NOW)
+    assert [a.step_id for a in out.of(Schedule)] == ["b"]
+
+
+def test_the_default_input_is_the_previous_steps_output() -> None:
+    out = plan(doc(task("a"), task("b")), run(), [ok("a", {"x": 1})], NOW)
+    assert only(out.actions, Schedule).input == {"x": 1}
+
+
+def test_in_flight_step_blocks_the_plan() -> None:
+    for status in ("scheduled", "running", "waiting"):
+        out = plan(doc(task("a"), task("b")), run(), [in_flight("a", status)], NOW)
+        assert out.actions == []
+
+
+def test_planning_is_idempotent_once_applied() -> None:
+    document = doc(task("a"), task("b"))
+    first = plan(document, run(), [ok("a", 1)], NOW)
+    assert len(first.of(Schedule)) == 1
+    again = plan(document, run(), [ok("a", 1), in_flight("b", "scheduled")], NOW)
+    assert again.actions == []
+
+
+def test_all_done_completes_with_the_last_output_or_the_output_template() -> None:
+    out = plan(doc(task("a"), task("b")), run(), [ok("a", 1), ok("b", {"sent": True})], NOW)
+    assert only(out.actions, Finish) == Finish("completed", output={"sent": True})
+    out = plan(
+        doc(
+            task("a"),
+            task("b"),
+            output={"sent": "${steps.b.output.sent}", "a": "${steps.a.output}"},
+        ),
+        run(),
+        [ok("a", 1), ok("b", {"sent": True})],
+        NOW,
+    )
+    assert only(out.actions, Finish).output == {"sent": True, "a": 1}
+
+
+# --- templates and guards ----------------------------------------------------------------
+
+
+def test_input_template_is_resolved_with_every_root() -> None:
+    step = task(
+        "b",
+        input={
+            "kind": "${steps.a.output.kind}",
+            "whole": "${steps.a.output}",
+            "t": "${input.ticket}",
+            "run": "${run.id}/${run.correlation}",
+            "status": "${steps.a.status}",
+            "missing": "${steps.a.output.nope}",
+            "first": "${steps.a.output.list.0}",
+        },
+    )
+    out = plan(doc(task("a"), step), run(), [ok("a", {"kind": "bug", "list": [7, 8]})], NOW)
+    assert only(out.actions, Schedule).input == {
+        "kind": "bug",
+        "whole": {"kind": "bug", "list": [7, 8]},
+        "t": "Q: hello",
+        "run": "r1/c-1",
+        "status": "succeeded",
+        "missing": None,
+        "first": 7,
+    }
+
+
+def test_a_false_guard_writes_skipped_and_goes_on() -> None:
+    guarded = task("b", when={"path": "steps.a.output.kind", "op": "eq", "value": "bug"})
+    out = plan(doc(task("a"), guarded, task("c")), run(), [ok("a", {"kind": "question"})], NOW)
+    assert only(out.actions, Skip).step_id == "b"
+    # c's default input is the output of the last step that ran (a), not the skipped b.
+    assert only(out.actions, Schedule).step_id == "c"
+    assert only(out.actions, Schedule).input == {"kind": "question"}
+
+
+def test_a_true_guard_schedules() -> None:
+    guarded = task("b", when={"path": "steps.a.output.kind", "op": "eq", "value": "bug"})
+    out = plan(doc(task("a"), guarded), run(), [ok("a", {"kind": "bug"})], NOW)
+    assert only(out.actions, Schedule).step_id == "b"
+
+
+def test_several_skips_then_completion_in_one_plan() -> None:
+    never = {"path": "input.nope", "op": "exists"}
+    out = plan(
+        doc(task("a"), task("b", when=never), task("c", when=never)), run(), [ok("a", 5)], NOW
+    )
+    assert [s.step_id for s in out.of(Skip)] == ["b", "c"]
+    assert only(out.actions, Finish) == Finish("completed", output=5)
+
+
+def test_a_skipped_step_reads_as_skipped_with_null_output() -> None:
+    step = task("c", input={"b": "${steps.b.status}", "out": "${steps.b.output}"})
+    out = plan(
+        doc(task("a"), task("b"), step),
+        run(),
+        [ok("a", 1), AttemptView(id=99, step_id="b", attempt=1, status="skipped")],
+        NOW,
+    )
+    assert only(out.actions, Schedule).input == {"b": "skipped", "out": None}
+
+
+# --- retries -----------------------------------------------------------------------------
+
+RETRY3 = {"max_attempts": 3, "backoff": "exponential", "initial_ms": 500, "jitter": False}
+
+
+@pytest.mark.parametrize(
+    ("error_class", "retried"),
+    [
+        ("retryable", True),
+        ("timeout", True),
+        ("fatal", False),
+        ("invalid_input", False),
+        ("rejected", False),
+    ],
+)
+def test_which_error_classes_are_retried(error_class: str, retried: bool) -> None:
+    finished = NOW - timedelta(seconds=60)
+    out = plan(doc(task("a", retry=RETRY3)), run(), [failed("a", error_class, at=finished)], NOW)
+    if retried:
+        assert only(out.actions, Schedule).attempt == 2
+    else:
+        assert only(out.actions, Finish).error == {
+            "class": error_class,
+            "message": f"{error_class} failure",
+            "step": "a",
+        }
+
+
+def test_retry_waits_for_its_backoff() -> None:
+    finished = NOW - timedelta(milliseconds=100)
+    out = plan(doc(task("a", retry=RETRY3)), run(), [failed("a", "retryable", at=finished)], NOW)
+    assert out.of(Schedule) == []
+    assert only(out.actions, Wake).at == finished + timedelta(milliseconds=500)
+
+
+def test_retry_after_ms_sets_the_earliest_retry() -> None:
+    finished = NOW - timedelta(milliseconds=100)
+    attempt = failed("a", "retryable", at=finished, error_extra={"retry_after_ms": 2000})
+    out = plan(doc(task("a", retry=RETRY3)), run(), [attempt], NOW)
+    assert only(out.actions, Wake).at == finished + timedelta(milliseconds=2000)
+
+
+def test_exponential_backoff_doubles_per_failure() -> None:
+    attempts = [
+        failed("a", "retryable", attempt=1, at=T0),
+        failed("a", "retryable", attempt=2, at=NOW),
+    ]
+    out = plan(doc(task("a", retry=RETRY3)), run(), attempts, NOW)
+    assert only(out.actions, Wake).at == NOW + timedelta(milliseconds=1000)
+
+
+def test_budget_exhaustion_fails_the_run_naming_the_step() -> None:
+    attempts = [failed("a", "retryable", attempt=n, at=T0) for n in (1, 2, 3)]
+    out = plan(doc(task("a", retry=RETRY3)), run(), attempts, NOW)
+    assert only(out.actions, Finish).status == "failed"
+    assert only(out.actions, Finish).error["step"] == "a"
+
+
+def test_default_budget_is_one_attempt_for_tasks() -> None:
+    out = plan(doc(task("a")), run(), [failed("a", "retryable", at=T0)], NOW)
+    assert only(out.actions, Finish).status == "failed"
+
+
+def test_on_error_continue_marks_failed_and_goes_on() -> None:
+    later = task(
+        "b",
+        input={"a": "${steps.a.status}", "e": "${steps.a.error.class}"},
+        when={"path": "steps.a.status", "op": "eq", "value": "failed"},
+    )
+    out = plan(
+        doc(task("a", on_error="continue"), later), run(), [failed("a", "fatal", at=T0)], NOW
+    )
+    assert only(out.actions, Schedule).input == {"a": "failed", "e": "fatal"}
+
+
+def test_timed_out_attempt_is_retried_per_policy() -> None:
+    attempt = failed("a", "timeout", at=T0, status="timed_out")
+    out = plan(doc(task("a", retry=RETRY3)), run(), [attempt], NOW)
+    assert only(out.actions, Schedule).attempt == 2
+
+
+@pytest.mark.parametrize("cls", ["timeout", "lost"])
+def test_at_most_once_never_reruns_after_a_timeout_or_a_lost_worker(cls: str) -> None:
+    attempt = failed("a", cls, at=T0)
+    out = plan(doc(task("a", effect="at_most_once", retry=RETRY3)), run(), [attempt], NOW)
+    assert only(out.actions, Finish).error["class"] == cls
+
+
+def test_at_most_once_is_retried_on_an_explicit_retryable_failure() -> None:
+    out = plan(
+        doc(task("a", effect="at_most_once", retry=RETRY3)),
+        run(),
+        [failed("a", "retryable", at=T0)],
+        NOW,
+    )
+    assert only(out.actions, Schedule).attempt == 2
+
+
+def test_lost_at_least_once_attempt_is_offered_again_without_using_the_budget() -> None:
+    attempts = [failed("a", "lost", attempt=n, at=T0) for n in (1, 2, 3, 4)]
+    out = plan(doc(task("a")), run(), attempts, NOW)
+    assert only(out.actions, Schedule).attempt == 5
+
+
+def test_backoff_formula() -> None:
+    policy = {"initial_ms": 2000, "max_ms": 30000, "jitter": False}
+    assert [backoff_ms(policy, n, seed="s") for n in (1, 2, 3, 4, 5, 6)] == [
+        2000,
+        4000,
+        8000,
+        16000,
+        30000,
+        30000,
+    ]
+    assert backoff_ms({"backoff": "fixed", "initial_ms": 700, "jitter": False}, 4, seed="s") == 700
+    assert backoff_ms({"backoff": "none"}, 4, seed="s") == 0
+    jittered = {backoff_ms({"initial_ms": 1000}, 1, seed=str(n)) for n in range(50)}
+    assert min(jittered) >= 1000 and max(jittered) <= 1200 and len(jittered) > 10
+    assert backoff_ms({"initial_ms": 1000}, 1, seed="x") == backoff_ms(
+        {"initial_ms": 1000}, 1, seed="x"
+    )
+
+
+# --- deadlines, leases, limits ---------------------------------------------------------
+
+
+def test_running_attempt_past_its_deadline_is_timed_out_and_retried() -> None:
+    attempt = in_flight(
+        "a", deadline_at=NOW - timedelta(seconds=6), lease_expires_at=NOW + timedelta(seconds=10)
+    )
+    out = plan(doc(task("a", retry=RETRY3)), run(), [attempt], NOW)
+    expired = only(out.actions, Expire)
+    assert (expired.attempt_id, expired.status, expired.error["class"]) == (
+        attempt.id,
+        "timed_out",
+        "timeout",
+    )
+    assert only(out.actions, Wake)  # the retry waits for its back-off from now
+
+
+def test_deadline_has_a_grace_for_the_workers_own_report() -> None:
+    attempt = in_flight(
+        "a", deadline_at=NOW - timedelta(seconds=1), lease_expires_at=NOW + timedelta(seconds=10)
+    )
+    assert plan(doc(task("a")), run(), [attempt], NOW).actions == []
+
+
+def test_a_lapsed_lease_is_a_lost_worker() -> None:
+    attempt = in_flight(
+        "a", deadline_at=NOW + timedelta(minutes=1), lease_expires_at=NOW - timedelta(seconds=1)
+    )
+    out = plan(doc(task("a")), run(), [attempt], NOW)
+    assert only(out.actions, Expire).error["class"] == "lost"
+    assert only(out.actions, Schedule).attempt == 2
+
+
+def test_run_deadline_times_the_run_out() -> None:
+    out = plan(
+        doc(task("a"), limits={"run_timeout_ms": 1000}), run(deadline_at=NOW), [in_flight("a")], NOW
+    )
+    finish = only(out.actions, Finish)
+    assert finish.status == "timed_out"
+    assert "limits.run_timeout_ms (1000 ms)" in finish.error["message"]
+
+
+def test_max_steps_counts_every_attempt() -> None:
+    attempts = [failed("a", "retryable", attempt=n, at=T0) for n in (1, 2)]
+    out = plan(
+        doc(task("a", retry={"max_attempts": 10, "backoff": "none"}), limits={"max_steps": 2}),
+        run(),
+        attempts,
+        NOW,
+    )
+    finish = only(out.actions, Finish)
+    assert finish.error["class"] == "limit" and "limits.max_steps (2)" in finish.error["message"]
+
+
+def test_max_cost_usd_stops_the_run() -> None:
+    attempts = [ok("a", 1, cost_usd=1.5), ok("b", 2, cost_usd=0.75)]
+    out = plan(
+        doc(task("a"), task("b"), task("c"), limits={"max_cost_usd": 2.0}), run(), attempts, NOW
+    )
+    finish = only(out.actions, Finish)
+    assert finish.status == "failed" and "limits.max_cost_usd (2.0)" in finish.error["message"]
+    assert finish.error["step"] == "b"
+    assert plan(
+        doc(task("a"), task("b"), task("c"), limits={"max_cost_usd": 2.5}), run(), attempts, NOW
+    ).of(Schedule)
+
+
+def test_a_paused_run_schedules_nothing_but_watches_its_deadline() -> None:
+    out = plan(doc(task("a"), task("b")), run(status="paused"), [ok("a", 1)], NOW)
+    assert out.of(Schedule) == [] and only(out.actions, Wake).at == T0 + timedelta(minutes=5)
+
+
+def test_terminal_runs_plan_nothing() -> None:
+    for status in ("completed", "failed", "cancelled", "timed_out"):
+        assert plan(doc(task("a")), run(status=status), [], NOW).actions == []
+
+
+def test_unsupported_kinds_fail_the_run_clearly() -> None:
+    out = plan(doc({"id": "nap", "kind": "sleep", "ms": 5}), run(), [], NOW)
+    assert only(out.actions, Finish).error["class"] == "unsupported"
+
+
+# --- retry from the failed step (a new generation) -------------------------------------
+
+
+def test_retry_generation_keeps_what_succeeded_and_gives_a_fresh_budget() -> None:
+    attempts = [ok("a", 1), failed("b", "fatal", at=T0)]
+    out = plan(doc(task("a"), task("b"), task("c")), run(generation=2), attempts, NOW)
+    assert only(out.actions, Schedule) == Schedule(
+        "b", "", "task", 2, 2, 1, "at_least_once", "default", 60000
+    )
+
+
+def test_retry_generation_counts_limits_afresh() -> None:
+    attempts = [
+        ok("a", 1),
+        failed("b", "retryable", attempt=1, at=T0),
+        failed("b", "retryable", attempt=2, at=T0),
+    ]
+    document = doc(
+        task("a"), task("b", retry={"max_attempts": 5, "backoff": "none"}), limits={"max_steps": 3}
+    )
+    assert only(plan(document, run(), attempts, NOW).actions, Finish).error["class"] == "limit"
+    assert only(plan(document, run(generation=2), attempts, NOW).actions, Schedule).attempt == 3
+
+
+# --- conditions ------------------------------------------------------------------------
+
+
+def cond(step_id: str = "branch", **fields: Any) -> dict[str, Any]:
+    return {
+        "id": step_id,
+        "kind": "condition",
+        "if": {"path": "steps.a.output.kind", "op": "eq", "value": "bug"},
+        "then": [task("t1"), task("t2")],
+        "else": [task("e1")],
+        **fields,
+    }
+
+
+def test_condition_opens_its_row_and_schedules_the_branch_taken() -> None:
+    out = plan(doc(task("a"), cond()), run(), [ok("a", {"kind": "bug"})], NOW)
+    opened = only(out.actions, Open)
+    assert (opened.step_id, opened.branch, opened.status) == ("branch", "then", "running")
+    assert only(out.actions, Schedule).step_id == "t1"
+    assert out.actions.index(opened) < out.actions.index(only(out.actions, Schedule))
+    out = plan(doc(task("a"), cond()), run(), [ok("a", {"kind": "q"})], NOW)
+    assert only(out.actions, Open).branch == "else"
+    assert only(out.actions, Schedule).step_id == "e1"
+
+
+def test_condition_closes_with_the_last_branch_output_and_the_run_goes_on() -> None:
+    opened = AttemptView(
+        id=50, step_id="branch", attempt=1, status="running", kind="condition", branch="then"
+    )
+    journal = [ok("a", {"kind": "bug"}), opened, ok("t1", 1), ok("t2", {"done": 2})]
+    out = plan(
+        doc(task("a"), cond(), task("after", input="${steps.branch.output}")), run(), journal, NOW
+    )
+    assert only(out.actions, Close) == Close(50, "succeeded", output={"done": 2})
+    assert only(out.actions, Schedule).input == {"done": 2}
+
+
+def test_an_empty_branch_opens_and_closes_at_once() -> None:
+    step = cond(**{"else": []})
+    step.pop("else")
+    out = plan(doc(task("a"), step, task("z")), run(), [ok("a", {"kind": "q"})], NOW)
+    opened = only(out.actions, Open)
+    assert (opened.branch, opened.status, opened.output) == ("else", "succeeded", None)
+    assert only(out.actions, Schedule).step_id == "z"
+
+
+def test_nested_conditions() -> None:
+    inner = {
+        "id": "inner",
+        "kind": "condition",
+        "if": {"path": "input.ticket", "op": "matches", "value": "^Q"},
+        "then": [task("deep")],
+    }
+    outer = {
+        "id": "outer",
+        "kind": "condition",
+        "if": {"path": "steps.a.output", "op": "eq", "value": 1},
+        "then": [inner],
+    }
+    out = plan(doc(task("a"), outer), run(), [ok("a", 1)], NOW)
+    assert [(o.step_id, o.branch) for o in out.of(Open)] == [("outer", "then"), ("inner", "then")]
+    assert only(out.actions, Schedule).step_id == "deep"
+
+
+def test_a_failure_inside_a_branch_fails_the_run_naming_the_inner_step() -> None:
+    opened = AttemptView(
+        id=50, step_id="branch", attempt=1, status="running", kind="condition", branch="else"
+    )
+    out = plan(
+        doc(task("a"), cond()), run(), [ok("a", {"kind": "q"}), opened, failed("e1", at=T0)], NOW
+    )
+    assert only(out.actions, Finish).error["step"] == "e1"
+
+
+def test_a_skipped_condition_writes_skipped() -> None:
+    step = cond(when={"path": "input.nope", "op": "exists"})
+    out = plan(doc(task("a"), step), run(), [ok("a", {"kind": "bug"})], NOW)
+    assert only(out.actions, Skip).kind == "condition"
+    assert only(out.actions, Finish).status == "completed"
