@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+
+from tests.processes import CeleryProcess, CeleryProcesses, purge_broker
 
 
 @pytest.fixture
@@ -34,3 +38,43 @@ def api(user) -> APIClient:
 @pytest.fixture
 def anon_api() -> APIClient:
     return APIClient()
+
+
+# --- Real worker and beat processes (tests/processes.py) -----------------------------------
+
+
+@pytest.fixture
+def celery_processes(transactional_db, tmp_path, request) -> Iterator[CeleryProcesses]:
+    """Worker and beat processes for this test, on its test database and the test broker.
+
+    Requesting it makes the test transactional: rows the test writes are committed, so the
+    processes see them. The broker is purged first (messages left by earlier tests or runs
+    must not reach this test's workers); that happens at set-up, so messages the test body
+    sends before it starts a worker are kept. Every process is stopped at teardown, and when
+    the test failed the tail of each log is printed.
+    """
+    cluster = CeleryProcesses(tmp_path / "celery")
+    purge_broker()
+    failed_before = request.session.testsfailed
+    try:
+        yield cluster
+    finally:
+        cluster.stop_all()
+        if request.session.testsfailed > failed_before and cluster.processes:
+            reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line("")
+                reporter.write_line(cluster.logs(tail=200))
+
+
+@pytest.fixture
+def celery_worker(celery_processes: CeleryProcesses) -> Callable[..., CeleryProcess]:
+    """``celery_worker(workflow_modules=..., env=..., queues=..., concurrency=2, ...)`` starts
+    a ``celery -A config worker`` and returns it once it answers a ping."""
+    return celery_processes.worker
+
+
+@pytest.fixture
+def celery_beat(celery_processes: CeleryProcesses) -> Callable[..., CeleryProcess]:
+    """``celery_beat(env=..., ...)`` starts ``celery -A config beat`` on the DatabaseScheduler."""
+    return celery_processes.beat

@@ -1,0 +1,178 @@
+"""What every benchmark shares: the services, the worker process, the Redis clock, the table.
+
+The benchmarks run on their own services so they never mix with the tests: Redis database 5
+for the broker, the results and the measurements, and the Postgres database ``djflow_bench``
+(created and migrated on first use). ``DJFLOW_BENCH_DATABASE_URL``, ``DJFLOW_BENCH_REDIS_URL``
+override them. The worker is the project's own ``celery -A config worker`` with its settings
+(prefork, ``-c 2`` by default), started with the tests' process harness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from tests.processes import CeleryProcess, purge_broker, service_env, wait_for, worker_process
+
+DATABASE_URL = os.environ.get(
+    "DJFLOW_BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/djflow_bench"
+)
+REDIS_URL = os.environ.get("DJFLOW_BENCH_REDIS_URL", "redis://127.0.0.1:6379/5")
+KEY_PREFIX = "bench:"
+
+
+def configure() -> None:
+    """Point this process's Django and Celery app at the bench services, create the database
+    if it is missing, and migrate it. Call it before anything reads Django's settings."""
+    import django
+
+    os.environ.update(
+        DATABASE_URL=DATABASE_URL,
+        CELERY_BROKER_URL=REDIS_URL,
+        CELERY_RESULT_BACKEND=REDIS_URL,
+        DJANGO_SETTINGS_MODULE="config.settings",
+    )
+    os.environ.pop("SENTRY_DSN", None)
+    create_database(DATABASE_URL)
+    django.setup()
+
+    from django.conf import settings
+    from django.core.management import call_command
+
+    if settings.CELERY_BROKER_URL != REDIS_URL:  # settings were read before configure()
+        raise RuntimeError("bench.common.configure() must run before Django's settings load")
+    call_command("migrate", interactive=False, verbosity=0)
+
+
+def create_database(url: str) -> None:
+    """``CREATE DATABASE`` the Postgres database of ``url`` unless it exists."""
+    import psycopg
+    from psycopg import sql
+
+    parts = urlsplit(url)
+    name = parts.path.lstrip("/")
+    maintenance = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(maintenance, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
+        if not exists:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def bench_redis() -> redis.Redis:
+    """Where the tasks write their timestamps and counters (in the broker's database)."""
+    return redis.Redis.from_url(REDIS_URL)
+
+
+@contextlib.contextmanager
+def running_worker(
+    *,
+    concurrency: int = 2,
+    pool: str = "prefork",
+    loglevel: str = "warning",
+    include: Sequence[str] = ("bench.bare_celery",),
+    workflow_modules: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[CeleryProcess]:
+    """A ``celery -A config worker`` on the bench services, stopped on exit.
+
+    The broker is purged first, so a backlog from an interrupted run cannot skew the figures.
+    ``loglevel`` defaults to ``warning``: at ``info`` the worker writes two log lines per task,
+    which is a cost of the configuration, not of the engine or of Celery.
+    """
+    purge_broker()
+    with tempfile.TemporaryDirectory(prefix="djflow-bench-") as workdir:
+        worker = worker_process(
+            env=service_env(
+                database_url=DATABASE_URL,
+                broker_url=REDIS_URL,
+                result_backend=REDIS_URL,
+                workflow_modules=workflow_modules,
+                extra=env,
+            ),
+            workdir=Path(workdir),
+            name="bench",
+            concurrency=concurrency,
+            pool=pool,
+            loglevel=loglevel,
+            include=include,
+        )
+        worker.start()
+        try:
+            worker.wait_ready(timeout=60)
+            yield worker
+        except BaseException:
+            print(worker.logs()[-5000:])
+            raise
+        finally:
+            worker.stop(timeout=30)
+
+
+def wait_for_key(key: str, timeout: float, worker: CeleryProcess | None = None) -> bytes:
+    """Poll Redis for ``key``: the client only watches, the timing is the worker's."""
+    client = bench_redis()
+    return wait_for(
+        lambda: client.get(key),
+        timeout=timeout,
+        interval=0.005,
+        message=(lambda: f"{key}\n{worker.logs()[-5000:]}") if worker else key,
+    )
+
+
+def median_of(repeat: int, measure: Callable[[], float]) -> float:
+    return statistics.median(measure() for _ in range(repeat))
+
+
+# --- The table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    """One comparison. ``unit`` names the figure; ``lower_is_better`` reads the ratio."""
+
+    name: str
+    unit: str
+    engine: float | None
+    bare: float | None
+    lower_is_better: bool
+
+    @property
+    def ratio(self) -> float | None:
+        if self.engine is None or not self.bare:
+            return None
+        return self.engine / self.bare
+
+
+def _figure(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if value >= 100 else f"{value:.2f}"
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """``name | engine | bare | ratio`` (ratio = engine / bare), aligned for a terminal."""
+    header = ("name", "engine", "bare", "ratio")
+    cells = [header]
+    for row in rows:
+        ratio = "n/a" if row.ratio is None else f"{row.ratio:.2f}x"
+        better = "lower is better" if row.lower_is_better else "higher is better"
+        cells.append(
+            (f"{row.name} ({row.unit}, {better})", _figure(row.engine), _figure(row.bare), ratio)
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    lines = [
+        " | ".join(
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i])
+            for i, cell in enumerate(line)
+        )
+        for line in cells
+    ]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""``python -m bench.run_all``: issue 3's benchmark, the engine beside bare Celery.
+
+Starts one ``celery -A config worker`` (prefork, ``-c 2``, the project's settings) on the
+bench services, measures bare Celery and the engine on it in one sitting, and prints
+``name | engine | bare | ratio``. Engine figures the engine does not provide yet print n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from bench import common
+
+
+def _engine(measure: Callable[[], float]) -> float | None:
+    try:
+        return measure()
+    except NotImplementedError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__)
+    parser.add_argument("--steps", type=int, default=200, help="hops of the sequential runs")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median")
+    parser.add_argument("--concurrency", type=int, default=2, help="worker pool size")
+    parser.add_argument("--loglevel", default="warning", help="the worker's log level")
+    args = parser.parse_args(argv)
+
+    common.configure()
+    # Imported after configure(): they read Django's settings.
+    from bench import bare_celery as bare
+    from bench import engine
+
+    steps, repeat = args.steps, args.repeat
+    shapes = [(16, 200), (1000, 5)]
+    rows: list[common.Row] = []
+    with common.running_worker(
+        concurrency=args.concurrency,
+        loglevel=args.loglevel,
+        workflow_modules=engine.WORKFLOW_MODULES,
+    ) as worker:
+        # Warm the pool (imports, connections) before anything is timed.
+        bare.relay(20, worker)
+        bare.throughput(100, 1, worker)
+
+        relay = common.median_of(repeat, lambda: bare.relay(steps, worker))
+        chain = common.median_of(repeat, lambda: bare.chain(steps, worker))
+        sequential = _engine(lambda: engine.engine_sequential(steps))
+        rows += [
+            common.Row(f"{steps} steps vs relay", "ms/step", sequential, relay, True),
+            common.Row(f"{steps} steps vs chain", "ms/step", sequential, chain, True),
+        ]
+        for runs, hops in shapes:
+            tasks = common.median_of(
+                repeat, lambda r=runs, h=hops: bare.throughput(r * h, 1, worker)
+            )
+            relays = common.median_of(repeat, lambda r=runs, h=hops: bare.throughput(r, h, worker))
+            concurrent = _engine(lambda r=runs, h=hops: engine.engine_throughput(r, h))
+            rows += [
+                common.Row(
+                    f"{runs}x{hops} vs independent tasks", "steps/s", concurrent, tasks, False
+                ),
+                common.Row(f"{runs}x{hops} vs {runs} relays", "steps/s", concurrent, relays, False),
+            ]
+
+    print(
+        f"worker: celery -A config worker -P prefork -c {args.concurrency} -l {args.loglevel}, "
+        f"broker {common.REDIS_URL}; median of {repeat}; ratio = engine / bare"
+    )
+    print(common.format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
