@@ -4,7 +4,7 @@ import logging
 import os
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import beat_init, worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -27,3 +27,15 @@ def save_workflow_modules(**_: object) -> None:
     for workflow_id, result in sync_modules(settings.WORKFLOW_MODULES):
         state = "created" if result.created else "unchanged"
         logger.info("workflow %s v%s %s", workflow_id, result.version.number, state)
+
+
+@beat_init.connect
+def install_beat_entries(**_: object) -> None:
+    """Make sure the engine's beat entries exist before beat reads its schedule."""
+    from django.db import transaction
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    from runs.beat import install_beat_entries as install
+
+    with transaction.atomic():
+        install(IntervalSchedule, PeriodicTask)

@@ -193,6 +193,9 @@ DJFLOW = {
     # How long past an attempt's timeout_ms the engine waits for the worker's own time-out
     # report (Celery's soft time limit) before it times the attempt out itself.
     "DEADLINE_GRACE_SECONDS": env.float("DJFLOW_DEADLINE_GRACE_SECONDS", default=5.0),
+    # A run whose advance message (sent on start, resume or retry) was lost is advanced by
+    # the sweep after this long.
+    "LOST_MESSAGE_SECONDS": env.float("DJFLOW_LOST_MESSAGE_SECONDS", default=10.0),
     # Most runs the 1-second sweep advances per tick.
     "SWEEP_BATCH": env.int("DJFLOW_SWEEP_BATCH", default=500),
     # A worker without a step's handler hands the attempt back (class unservable) at most

@@ -4,8 +4,10 @@ call these; none of them changes a status without a lock on the run row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -94,6 +96,7 @@ def run_start(
                 idempotency_key=idempotency_key,
                 correlation=correlation,
                 created_by=user if user is not None and user.is_authenticated else None,
+                wake_at=_recovery_time(),
             )
             dispatch.advance_on_commit(run.id)
     except IntegrityError:
@@ -101,6 +104,11 @@ def run_start(
         existing = Run.objects.get(workflow_id=workflow, idempotency_key=idempotency_key)
         return StartResult(existing, created=False)
     return StartResult(run, created=True)
+
+
+def _recovery_time() -> datetime:
+    """When the sweep advances the run if the advance message sent on commit is lost."""
+    return timezone.now() + timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
 
 
 def _locked(run_id: Any) -> Run:
@@ -153,7 +161,8 @@ def run_resume(*, run_id: Any) -> Run:
     if run.status != RunStatus.PAUSED:
         raise InvalidInput(errors=[FieldError("status", f"a {run.status} run is not paused")])
     run.status = RunStatus.RUNNING
-    run.save(update_fields=["status", "updated_at"])
+    run.wake_at = _recovery_time()
+    run.save(update_fields=["status", "wake_at", "updated_at"])
     dispatch.advance_on_commit(run.id)
     return run
 
@@ -180,6 +189,7 @@ def run_retry(*, run_id: Any) -> Run:
     run.finished_at = None
     run.started_at = timezone.now()
     run.deadline_at = None  # set by the next advance from the document's limits
+    run.wake_at = _recovery_time()
     run.save()
     dispatch.advance_on_commit(run.id)
     return run

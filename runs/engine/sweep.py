@@ -54,7 +54,7 @@ def sweep_due() -> int:
 
 def _reoffer_refused(now: datetime) -> None:
     quick = settings.DJFLOW["MAX_QUICK_REFUSALS"]
-    stale = now - timedelta(seconds=5)
+    stale = now - timedelta(seconds=1)
     rows = StepRun.objects.filter(
         status=StepStatus.SCHEDULED, refusals__gte=quick, scheduled_at__lte=stale
     ).select_related("run")[:100]

@@ -1,30 +1,19 @@
-"""Install the engine's one beat entry: the 1-second sweep (STYLE.md: periodic work is code)."""
+"""Install the engine's one beat entry: the 1-second sweep."""
 
 from django.db import migrations
 
-TASK_NAME = "djflow: sweep (every second)"
+from runs.beat import SWEEP, install_beat_entries
 
 
 def install(apps, schema_editor):
-    IntervalSchedule = apps.get_model("django_celery_beat", "IntervalSchedule")
-    PeriodicTask = apps.get_model("django_celery_beat", "PeriodicTask")
-    every_second, _ = IntervalSchedule.objects.get_or_create(every=1, period="seconds")
-    PeriodicTask.objects.update_or_create(
-        name=TASK_NAME,
-        defaults={
-            "task": "runs.sweep",
-            "interval": every_second,
-            "queue": "engine",
-            "enabled": True,
-            # A tick that waited past the next one is worthless: drop it, the next comes.
-            "expire_seconds": 5,
-            "description": "Advances runs with a due retry, deadline or lost worker.",
-        },
+    install_beat_entries(
+        apps.get_model("django_celery_beat", "IntervalSchedule"),
+        apps.get_model("django_celery_beat", "PeriodicTask"),
     )
 
 
 def uninstall(apps, schema_editor):
-    apps.get_model("django_celery_beat", "PeriodicTask").objects.filter(name=TASK_NAME).delete()
+    apps.get_model("django_celery_beat", "PeriodicTask").objects.filter(name=SWEEP).delete()
 
 
 class Migration(migrations.Migration):
