@@ -1,0 +1,256 @@
+"""Admin for inspecting runs and the step journal.
+
+Runs and step runs are written by the engine only: here they are read, never added, changed
+or deleted. The two actions call the lifecycle services and report, run by run, what each
+answered; they take the ``runs.change_run`` permission, so a view-only operator can look but
+not act.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html, format_html_join
+
+from workflows.errors import EngineError
+
+from .models import Run, StepRun
+from .services import run_cancel, run_retry
+
+
+def _pretty_json(value: Any) -> str:
+    if value is None:
+        return "—"
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    return format_html('<pre class="djflow-json">{}</pre>', text)
+
+
+def _run_link(run_id: Any, text: str | None = None) -> str:
+    url = reverse("admin:runs_run_change", args=[run_id])
+    return format_html('<a href="{}">{}</a>', url, text or str(run_id))
+
+
+class ReadOnlyMixin:
+    """Rows the engine writes: viewing is allowed, adding, changing and deleting are not."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class StepRunInline(ReadOnlyMixin, admin.TabularInline):
+    """The journal of a run, one row per attempt, in the order it was written."""
+
+    model = StepRun
+    fields = (
+        "step_id",
+        "path",
+        "kind",
+        "attempt",
+        "status",
+        "worker",
+        "started_at",
+        "finished_at",
+        "error_class",
+        "error_message",
+        "cost_usd",
+    )
+    readonly_fields = fields
+    ordering = ("id",)
+    extra = 0
+    verbose_name_plural = "step runs (the journal)"
+
+    @admin.display(description="error class")
+    def error_class(self, step: StepRun) -> str:
+        return str(step.error.get("class", "")) if isinstance(step.error, dict) else ""
+
+    @admin.display(description="error message")
+    def error_message(self, step: StepRun) -> str:
+        return str(step.error.get("message", "")) if isinstance(step.error, dict) else ""
+
+
+@admin.register(Run)
+class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = (
+        "id",
+        "workflow",
+        "version_number",
+        "status",
+        "created_at",
+        "finished_at",
+        "cost_usd",
+    )
+    list_filter = ("status", "workflow")
+    search_fields = ("id", "correlation", "idempotency_key")
+    list_select_related = ("version",)
+    fields = (
+        "id",
+        "workflow",
+        "version_number",
+        "status",
+        "correlation",
+        "idempotency_key",
+        "parent_link",
+        "children_links",
+        "generation",
+        "attempts",
+        "cost_usd",
+        "created_by",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "deadline_at",
+        "wake_at",
+        "pretty_input",
+        "pretty_output",
+        "pretty_error",
+    )
+    readonly_fields = fields
+    inlines = (StepRunInline,)
+    actions = ("cancel_runs", "retry_runs")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Run]:
+        return super().get_queryset(request).select_related("version", "parent_step_run")
+
+    def has_operate_permission(self, request: HttpRequest) -> bool:
+        """Cancelling or retrying changes a run: it takes the model's change permission, which
+        Django grants although nothing here edits a run's fields."""
+        opts = self.opts
+        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+    @admin.display(description="version", ordering="version__number")
+    def version_number(self, run: Run) -> int:
+        return run.version.number
+
+    @admin.display(description="parent")
+    def parent_link(self, run: Run) -> str:
+        if run.parent_run_id is None:
+            return "—"
+        step = run.parent_step_run
+        where = f" (step {step.step_id})" if step is not None else ""
+        return format_html("{}{}", _run_link(run.parent_run_id), where)
+
+    @admin.display(description="children")
+    def children_links(self, run: Run) -> str:
+        children = run.children.order_by("created_at", "id").values_list(
+            "id", "workflow_id", "status"
+        )
+        if not children:
+            return "—"
+        return format_html_join(
+            "",
+            "<div>{} {} ({})</div>",
+            ((_run_link(child_id), workflow, status) for child_id, workflow, status in children),
+        )
+
+    @admin.display(description="input")
+    def pretty_input(self, run: Run) -> str:
+        return _pretty_json(run.input)
+
+    @admin.display(description="output")
+    def pretty_output(self, run: Run) -> str:
+        return _pretty_json(run.output)
+
+    @admin.display(description="error")
+    def pretty_error(self, run: Run) -> str:
+        return _pretty_json(run.error)
+
+    # --- actions --------------------------------------------------------------------------
+
+    @admin.action(description="Cancel selected runs", permissions=["operate"])
+    def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        self._each(request, queryset, run_cancel, "cancelled")
+
+    @admin.action(description="Retry selected failed runs", permissions=["operate"])
+    def retry_runs(self, request: HttpRequest, queryset: QuerySet[Run]) -> None:
+        self._each(request, queryset, run_retry, "retried")
+
+    def _each(
+        self,
+        request: HttpRequest,
+        queryset: QuerySet[Run],
+        service: Callable[..., Run],
+        done: str,
+    ) -> None:
+        """Call ``service`` for each run, each in its own transaction, and report each."""
+        for run_id in queryset.order_by("created_at", "id").values_list("id", flat=True):
+            try:
+                service(run_id=run_id)
+            except EngineError as exc:
+                self.message_user(request, f"Run {run_id}: {exc}", messages.ERROR)
+            else:
+                self.message_user(request, f"Run {run_id} {done}.", messages.SUCCESS)
+
+
+@admin.register(StepRun)
+class StepRunAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = (
+        "__str__",
+        "run_link",
+        "kind",
+        "attempt",
+        "status",
+        "worker",
+        "scheduled_at",
+        "finished_at",
+        "cost_usd",
+    )
+    list_filter = ("status", "kind")
+    search_fields = ("step_id", "run__id")
+    fields = (
+        "run_link",
+        "step_id",
+        "path",
+        "kind",
+        "attempt",
+        "generation",
+        "status",
+        "branch",
+        "effect",
+        "queue",
+        "worker",
+        "idempotency_key",
+        "scheduled_at",
+        "started_at",
+        "finished_at",
+        "lease_expires_at",
+        "deadline_at",
+        "refusals",
+        "cost_usd",
+        "pretty_input",
+        "pretty_output",
+        "pretty_error",
+        "pretty_usage",
+    )
+    readonly_fields = fields
+
+    @admin.display(description="run", ordering="run__created_at")
+    def run_link(self, step: StepRun) -> str:
+        return _run_link(step.run_id)
+
+    @admin.display(description="input")
+    def pretty_input(self, step: StepRun) -> str:
+        return _pretty_json(step.input)
+
+    @admin.display(description="output")
+    def pretty_output(self, step: StepRun) -> str:
+        return _pretty_json(step.output)
+
+    @admin.display(description="error")
+    def pretty_error(self, step: StepRun) -> str:
+        return _pretty_json(step.error)
+
+    @admin.display(description="usage")
+    def pretty_usage(self, step: StepRun) -> str:
+        return _pretty_json(step.usage)

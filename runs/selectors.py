@@ -1,0 +1,51 @@
+"""Reads of runs and their journal that are more than a filter."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from django.db.models import Prefetch, QuerySet
+
+from workflows.errors import FieldError, NotFound
+
+from .models import Run, StepRun
+
+
+def run_list(*, workflow: str | None = None, status: str | None = None) -> QuerySet[Run]:
+    """Runs, newest first, optionally of one workflow and in one status.
+
+    Rows carry what a list shows (the version number, the parent's step id), not the journal
+    or the children: those are for :func:`run_get`.
+    """
+    runs = Run.objects.select_related("version", "parent_step_run").order_by("-created_at", "-id")
+    if workflow is not None:
+        runs = runs.filter(workflow_id=workflow)
+    if status is not None:
+        runs = runs.filter(status=status)
+    return runs
+
+
+def run_detail_queryset() -> QuerySet[Run]:
+    """Runs with their journal (every attempt, in the order it was written) and children."""
+    return Run.objects.select_related("version", "parent_step_run").prefetch_related(
+        Prefetch("steps", queryset=StepRun.objects.order_by("id")),
+        Prefetch(
+            "children",
+            queryset=Run.objects.order_by("created_at", "id").only(
+                "id", "workflow", "status", "parent_run"
+            ),
+        ),
+    )
+
+
+def run_get(*, run_id: Any) -> Run:
+    """The run with its journal and children; a malformed or unknown id is a 404 naming ``id``."""
+    try:
+        key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
+        raise NotFound(errors=[FieldError("id", f"'{run_id}' is not a run id")]) from None
+    run = run_detail_queryset().filter(id=key).first()
+    if run is None:
+        raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    return run

@@ -1,0 +1,292 @@
+"""Shapes of runs in the API (contract section 7).
+
+The input serializers check only the shape of a request (types, lengths, unknown fields); what
+a value means (does the workflow exist, does the input fit its schema) is for the services.
+The output serializers render rows as they are stored and decide nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from workflows.validation import field_path
+
+from .models import Run, StepRun
+from .status import RunStatus
+
+MAX_VERSION = 2_147_483_647  # the largest number a version column holds
+MAX_INPUT_DEPTH = 100
+
+
+# --- input ----------------------------------------------------------------------------------
+
+
+class StrictIntegerField(serializers.IntegerField):
+    """A JSON integer, not a numeric string, a boolean or a float."""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, bool) or not isinstance(data, int):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+def _too_deep(value: Any) -> bool:
+    """More than :data:`MAX_INPUT_DEPTH` objects or arrays inside each other? Walked without
+    recursion, so any parsed value can be checked."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, enclosing = stack.pop()
+        if isinstance(item, Mapping | list):
+            if enclosing >= MAX_INPUT_DEPTH:
+                return True
+            children = item.values() if isinstance(item, Mapping) else item
+            stack.extend((child, enclosing + 1) for child in children)
+    return False
+
+
+def _nul_problems(value: Any) -> list[tuple[list[str | int], str]]:
+    """``\\u0000`` in a string or a key: JSON allows it, Postgres' ``jsonb`` does not."""
+    problems: list[tuple[list[str | int], str]] = []
+    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                problems.append((path, "a string may not contain the character \\u0000"))
+        elif isinstance(item, Mapping):
+            for key, child in item.items():
+                if "\x00" in str(key):
+                    problems.append((path, "a key may not contain the character \\u0000"))
+                stack.append((child, [*path, str(key)]))
+        elif isinstance(item, list):
+            stack.extend((child, [*path, index]) for index, child in enumerate(item))
+    return problems
+
+
+class RunInputField(serializers.JSONField):
+    """Any JSON, nested no deeper than :data:`MAX_INPUT_DEPTH`: deeper values would exhaust
+    Python's recursion in DRF's own check, the input schema's and the templates'. Numbers
+    that overflow to infinity (``1e999``) are refused by DRF's ``JSONField``."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if _too_deep(data):
+            raise serializers.ValidationError(f"is nested deeper than {MAX_INPUT_DEPTH} levels")
+        return super().to_internal_value(data)
+
+
+class StrictCharField(serializers.CharField):
+    """A JSON string, not a number turned into one."""
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class RunStartSerializer(serializers.Serializer):
+    """The body of ``POST /runs``. Unknown fields are refused, each named."""
+
+    workflow = StrictCharField(max_length=100, trim_whitespace=False, help_text="the workflow's id")
+    version = StrictIntegerField(
+        min_value=1,
+        max_value=MAX_VERSION,
+        required=False,
+        allow_null=True,
+        help_text="the version to pin; the latest when omitted",
+    )
+    input = RunInputField(
+        default=None,
+        allow_null=True,
+        help_text="any JSON; checked against the version's input_schema",
+    )
+    idempotency_key = StrictCharField(
+        max_length=255,
+        required=False,
+        allow_null=True,
+        trim_whitespace=False,
+        help_text="the same key for the same workflow returns the run it started (200)",
+    )
+    correlation = StrictCharField(
+        max_length=255, required=False, allow_null=True, trim_whitespace=False
+    )
+
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        # Before DRF's own checks, which answer a null body without naming anything.
+        if not isinstance(data, Mapping):
+            shown = "null" if data is None or data is serializers.empty else type(data).__name__
+            raise serializers.ValidationError({"body": [f"must be a JSON object, not {shown}"]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError(
+                {name: ["is not a field of a run start"] for name in unknown}
+            )
+        return super().run_validation(data)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # Checked here, not in the field, so each problem names its place (input.items[2]).
+        problems: dict[str, list[str]] = {}
+        for path, message in _nul_problems(attrs.get("input")):
+            problems.setdefault(field_path(["input", *path]), []).append(message)
+        if problems:
+            raise serializers.ValidationError(dict(sorted(problems.items())))
+        return attrs
+
+
+class RunListQuerySerializer(serializers.Serializer):
+    """The filters of ``GET /runs``."""
+
+    workflow = serializers.CharField(max_length=100, required=False, trim_whitespace=False)
+    status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+
+
+# --- output ---------------------------------------------------------------------------------
+
+RUN_ERROR_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "description": "null, or why the run failed, timed out or was cancelled",
+    "properties": {
+        "class": {"type": "string"},
+        "message": {"type": "string"},
+        "step": {"type": "string", "nullable": True},
+    },
+    "required": ["class", "message", "step"],
+}
+
+STEP_ERROR_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "description": "null, or why this attempt failed: class, message and, if any, traceback",
+    "properties": {
+        "class": {"type": "string"},
+        "message": {"type": "string"},
+        "traceback": {"type": "string"},
+    },
+}
+
+PARENT_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "description": "null, or the run and the subworkflow step that started this run",
+    "properties": {
+        "run": {"type": "string", "format": "uuid"},
+        "step": {"type": "string", "nullable": True},
+    },
+    "required": ["run", "step"],
+}
+
+
+class StepRunSerializer(serializers.ModelSerializer):
+    """One attempt of one step."""
+
+    cost_usd = serializers.FloatField(read_only=True)
+    input = serializers.JSONField(read_only=True, allow_null=True)
+    output = serializers.JSONField(read_only=True, allow_null=True)
+    usage = serializers.JSONField(read_only=True)
+    error = serializers.SerializerMethodField()
+
+    class Meta:
+        model = StepRun
+        fields = [
+            "id",
+            "step_id",
+            "path",
+            "kind",
+            "attempt",
+            "generation",
+            "status",
+            "effect",
+            "branch",
+            "input",
+            "output",
+            "error",
+            "worker",
+            "scheduled_at",
+            "started_at",
+            "finished_at",
+            "usage",
+            "cost_usd",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(STEP_ERROR_SCHEMA)
+    def get_error(self, step: StepRun) -> dict[str, Any] | None:
+        return step.error or None
+
+
+class RunChildSerializer(serializers.ModelSerializer):
+    workflow = serializers.CharField(source="workflow_id", read_only=True)
+
+    class Meta:
+        model = Run
+        fields = ["id", "workflow", "status"]
+        read_only_fields = fields
+
+
+class RunListSerializer(serializers.ModelSerializer):
+    """A run without its journal and children (what ``GET /runs`` lists)."""
+
+    workflow = serializers.CharField(source="workflow_id", read_only=True)
+    version = serializers.IntegerField(source="version.number", read_only=True)
+    input = serializers.JSONField(read_only=True, allow_null=True)
+    output = serializers.JSONField(read_only=True, allow_null=True)
+    error = serializers.SerializerMethodField()
+    parent = serializers.SerializerMethodField()
+    cost_usd = serializers.FloatField(read_only=True)
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "workflow",
+            "version",
+            "status",
+            "input",
+            "output",
+            "error",
+            "correlation",
+            "idempotency_key",
+            "parent",
+            "generation",
+            "attempts",
+            "cost_usd",
+            "created_at",
+            "started_at",
+            "finished_at",
+            "deadline_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(RUN_ERROR_SCHEMA)
+    def get_error(self, run: Run) -> dict[str, Any] | None:
+        if not run.error:
+            return None
+        error = dict(run.error)
+        return {
+            **error,
+            "class": str(error.get("class") or "error"),
+            "message": str(error.get("message") or ""),
+            "step": error.get("step"),
+        }
+
+    @extend_schema_field(PARENT_SCHEMA)
+    def get_parent(self, run: Run) -> dict[str, Any] | None:
+        if run.parent_run_id is None:
+            return None
+        step = run.parent_step_run
+        return {"run": str(run.parent_run_id), "step": step.step_id if step else None}
+
+
+class RunSerializer(RunListSerializer):
+    """A run with its children and its journal: every attempt, in the order it was written."""
+
+    children = RunChildSerializer(many=True, read_only=True)
+    steps = StepRunSerializer(many=True, read_only=True)
+
+    class Meta(RunListSerializer.Meta):
+        fields = [*RunListSerializer.Meta.fields, "children", "steps"]
+        read_only_fields = fields

@@ -1,0 +1,12 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("runs", views.RunListView.as_view(), name="runs"),
+    path("runs/<str:run_id>", views.RunDetailView.as_view(), name="run"),
+    path("runs/<str:run_id>/cancel", views.RunCancelView.as_view(), name="run-cancel"),
+    path("runs/<str:run_id>/pause", views.RunPauseView.as_view(), name="run-pause"),
+    path("runs/<str:run_id>/resume", views.RunResumeView.as_view(), name="run-resume"),
+    path("runs/<str:run_id>/retry", views.RunRetryView.as_view(), name="run-retry"),
+]

@@ -1,0 +1,215 @@
+"""The runs API (contract section 7). Views parse and render; services and selectors decide."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
+from rest_framework import parsers, status
+from rest_framework.exceptions import ParseError
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from config.pagination import ContractCursorPagination
+from workflows.errors import FieldError, InvalidInput
+from workflows.views import ERRORS
+
+from . import selectors, services
+from .models import Run
+from .serializers import (
+    RunListQuerySerializer,
+    RunListSerializer,
+    RunSerializer,
+    RunStartSerializer,
+)
+from .status import RunStatus
+
+RUN_ID = OpenApiParameter(
+    "run_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="the run's id (a UUID)"
+)
+
+
+class JSONParser(parsers.JSONParser):
+    """DRF's JSON parser, with a body nested past Python's recursion limit a 400, not a 500.
+
+    TODO: belongs in config (DEFAULT_PARSER_CLASSES) so the definitions API has it too.
+    """
+
+    def parse(self, stream: Any, media_type: Any = None, parser_context: Any = None) -> Any:
+        try:
+            return super().parse(stream, media_type, parser_context)
+        except RecursionError:
+            raise ParseError("JSON parse error - nested too deeply") from None
+
+
+class RunPagination(ContractCursorPagination):
+    ordering = ("-created_at", "-id")
+
+    def decode_cursor(self, request: Any) -> Any:
+        cursor = super().decode_cursor(request)
+        # The position is compared with created_at: one that is not a time is a bad cursor,
+        # not a database error.
+        if cursor is not None and cursor.position is not None:
+            try:
+                valid = parse_datetime(cursor.position) is not None
+            except ValueError:
+                valid = False
+            if not valid:
+                raise InvalidInput(
+                    errors=[FieldError("cursor", "is not a cursor this API gave out")]
+                )
+        return cursor
+
+
+class RunListView(APIView):
+    pagination_class = RunPagination
+    parser_classes = [JSONParser]
+
+    @extend_schema(
+        operation_id="runs_list",
+        description=(
+            "Runs, newest first, cursor-paginated. List rows leave out `steps` and `children`"
+            " for speed; read one run for its journal and children."
+        ),
+        parameters=[
+            RunListQuerySerializer,
+            OpenApiParameter("cursor", str),
+            OpenApiParameter("limit", int),
+        ],
+        responses={200: RunListSerializer(many=True), 400: ERRORS, 401: ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        query = RunListQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        runs = selectors.run_list(**query.validated_data)
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(runs, request, view=self)
+        return paginator.get_paginated_response(RunListSerializer(page, many=True).data)
+
+    @extend_schema(
+        operation_id="runs_start",
+        request=RunStartSerializer,
+        examples=[
+            OpenApiExample(
+                "support_ticket",
+                value={
+                    "workflow": "support_ticket",
+                    "input": {"ticket": "Q: where is my parcel?"},
+                    "idempotency_key": "order-55",
+                    "correlation": "crm-7781",
+                },
+                request_only=True,
+            )
+        ],
+        description=(
+            "Start a run of a workflow, on its latest version unless `version` pins one. 201 with"
+            " the new run; the same `idempotency_key` for the same workflow answers 200 with the"
+            " run it started. Input failing the version's `input_schema` is a 400 naming the"
+            " field (`input.ticket`); an unknown workflow or version is a 404 naming it."
+        ),
+        responses={
+            201: RunSerializer,
+            200: RunSerializer,
+            400: ERRORS,
+            401: ERRORS,
+            403: ERRORS,
+            404: ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        body = RunStartSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        result = services.run_start(**body.validated_data, user=request.user)
+        run = selectors.run_get(run_id=result.run.id)
+        return Response(
+            RunSerializer(run).data,
+            status=status.HTTP_201_CREATED if result.created else status.HTTP_200_OK,
+        )
+
+
+class RunDetailView(APIView):
+    @extend_schema(
+        operation_id="runs_read",
+        parameters=[RUN_ID],
+        description="The run with its children and its journal: every attempt of every step.",
+        responses={200: RunSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        return Response(RunSerializer(selectors.run_get(run_id=run_id)).data)
+
+
+class RunActionView(APIView):
+    """``POST /runs/{id}/<action>``: one lifecycle service, then the run as it now is."""
+
+    action: Callable[..., Run]
+
+    def post(self, request: Request, run_id: str) -> Response:
+        run = selectors.run_get(run_id=run_id)
+        self.action(run_id=run.id)
+        return Response(RunSerializer(selectors.run_get(run_id=run.id)).data)
+
+
+def _action_schema(name: str, description: str, codes: tuple[int, ...]) -> Any:
+    return extend_schema(
+        operation_id=f"runs_{name}",
+        parameters=[RUN_ID],
+        request=None,
+        description=description,
+        responses={200: RunSerializer, **dict.fromkeys(codes, ERRORS)},
+    )
+
+
+class RunCancelView(RunActionView):
+    action = staticmethod(services.run_cancel)
+
+    @_action_schema(
+        "cancel",
+        "Cancel the run and its children, transitively. Scheduled and running attempts are"
+        " cancelled. A run that has already ended is a 409.",
+        (401, 403, 404, 409),
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        return super().post(request, run_id)
+
+
+class RunPauseView(RunActionView):
+    action = staticmethod(services.run_pause)
+
+    @_action_schema(
+        "pause",
+        "Stop scheduling new steps; attempts already running finish and are recorded."
+        " A run that has ended or is already paused is a 409.",
+        (401, 403, 404, 409),
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        return super().post(request, run_id)
+
+
+class RunResumeView(RunActionView):
+    action = staticmethod(services.run_resume)
+
+    @_action_schema(
+        "resume",
+        f"Resume a {RunStatus.PAUSED} run. A run that is not paused is a 400 or, when it has"
+        " ended, a 409.",
+        (400, 401, 403, 404, 409),
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        return super().post(request, run_id)
+
+
+class RunRetryView(RunActionView):
+    action = staticmethod(services.run_retry)
+
+    @_action_schema(
+        "retry",
+        "Retry a failed run from its failed step, keeping what succeeded: a new generation"
+        " starts. A run that has not failed is a 400.",
+        (400, 401, 403, 404, 409),
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        return super().post(request, run_id)
