@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 def advance_on_commit(run_id: Any) -> None:
     from .tasks import advance
 
-    transaction.on_commit(lambda: advance.delay(str(run_id)))
+    # robust: a broker outage must not turn a committed start into an error; the sweep
+    # advances the run when its wake_at (set by the caller) passes.
+    transaction.on_commit(lambda: advance.delay(str(run_id)), robust=True)
 
 
 def revoke_on_commit(task_ids: Iterable[str]) -> None:
@@ -54,4 +56,5 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
         "time_limit": step_run.timeout_ms / 1000 + 10,
     }
     step_run_id = step_run.id
-    transaction.on_commit(lambda: execute_step.apply_async((step_run_id,), **options))
+    # robust: if the broker is down the attempt stays scheduled for the reconciler.
+    transaction.on_commit(lambda: execute_step.apply_async((step_run_id,), **options), robust=True)

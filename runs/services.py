@@ -3,6 +3,7 @@ call these; none of them changes a status without a lock on the run row."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -100,6 +101,8 @@ def run_start(
             )
             dispatch.advance_on_commit(run.id)
     except IntegrityError:
+        if idempotency_key is None:
+            raise
         # A concurrent start with the same idempotency key won the insert.
         existing = Run.objects.get(workflow_id=workflow, idempotency_key=idempotency_key)
         return StartResult(existing, created=False)
@@ -112,6 +115,10 @@ def _recovery_time() -> datetime:
 
 
 def _locked(run_id: Any) -> Run:
+    try:
+        run_id = uuid.UUID(str(run_id))
+    except ValueError:
+        raise NotFound(errors=[FieldError("id", f"'{run_id}' is not a run id")]) from None
     run = Run.objects.select_for_update().filter(id=run_id).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])

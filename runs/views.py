@@ -8,8 +8,7 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
-from rest_framework import parsers, status
-from rest_framework.exceptions import ParseError
+from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -33,19 +32,6 @@ RUN_ID = OpenApiParameter(
 )
 
 
-class JSONParser(parsers.JSONParser):
-    """DRF's JSON parser, with a body nested past Python's recursion limit a 400, not a 500.
-
-    TODO: belongs in config (DEFAULT_PARSER_CLASSES) so the definitions API has it too.
-    """
-
-    def parse(self, stream: Any, media_type: Any = None, parser_context: Any = None) -> Any:
-        try:
-            return super().parse(stream, media_type, parser_context)
-        except RecursionError:
-            raise ParseError("JSON parse error - nested too deeply") from None
-
-
 class RunPagination(ContractCursorPagination):
     ordering = ("-created_at", "-id")
 
@@ -67,7 +53,6 @@ class RunPagination(ContractCursorPagination):
 
 class RunListView(APIView):
     pagination_class = RunPagination
-    parser_classes = [JSONParser]
 
     @extend_schema(
         operation_id="runs_list",

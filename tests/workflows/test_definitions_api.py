@@ -323,3 +323,15 @@ def test_concurrent_saves_of_a_new_workflow_and_same_explicit_version() -> None:
     assert failures == []
     assert sorted(created) == [False] * 5 + [True]
     assert WorkflowVersion.objects.filter(workflow_id="fresh").count() == 1
+
+
+@pytest.mark.parametrize("depth", [101, 5000])
+def test_json_nested_too_deep_is_a_400(api: APIClient, depth: int) -> None:
+    nested = '{"a": ' * (depth - 1) + "{}" + "}" * (depth - 1)
+    raw = '{"id": "deep", "steps": [{"id": "a", "kind": "task", "input": ' + nested + "}]}"
+    response = api.generic("POST", "/api/v1/definitions", raw, content_type="application/json")
+    assert response.status_code == 400
+    assert response.json()["errors"] == [
+        {"field": "body", "message": "JSON nested more than 100 levels deep"}
+    ]
+    assert not Workflow.objects.exists()
