@@ -1,23 +1,77 @@
-"""The engine's half of issue 3's benchmark: TODO, by the engine's author.
+"""The engine's half of issue 3's benchmark.
 
 Each function runs against the worker ``bench.run_all`` started (the same worker, broker and
-settings as the bare-Celery figures; add the workflow modules it needs to
-``WORKFLOW_MODULES``) and times the work from the journal (the first step's start to the last
-step's finish in Postgres), never from a client waiting on results.
+settings as the bare-Celery figures) and times the work from the journal in Postgres (the
+first step's start to the last step's finish), never from a client waiting on results.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from django.db.models import Max, Min
+
 # Dotted modules defining the no-op workflows below; the bench worker saves their documents.
-WORKFLOW_MODULES: list[str] = []
+WORKFLOW_MODULES: list[str] = ["bench.flows"]
+
+
+def _start_runs(workflow: str, count: int) -> list[Any]:
+    """Insert ``count`` pending runs in one transaction, then send their advance messages
+    with one producer: what is timed is the engine on the worker, not this loop."""
+    from django.db import transaction
+
+    from config.celery import app
+    from runs.models import Run
+    from runs.tasks import advance
+    from workflows.models import WorkflowVersion
+
+    version = WorkflowVersion.objects.filter(workflow_id=workflow).order_by("-number").first()
+    if version is None:
+        raise RuntimeError(f"workflow {workflow} is not saved: is bench.flows loaded?")
+    with transaction.atomic():
+        runs = Run.objects.bulk_create(
+            [Run(workflow_id=workflow, version=version, input={}) for _ in range(count)]
+        )
+    with app.producer_or_acquire() as producer:
+        for run in runs:
+            advance.apply_async((str(run.id),), producer=producer)
+    return [run.id for run in runs]
+
+
+def _wait(run_ids: list[Any], timeout: float) -> None:
+    from runs.models import Run
+
+    deadline = time.monotonic() + timeout
+    while Run.objects.filter(id__in=run_ids).exclude(status="completed").exists():
+        failed = Run.objects.filter(id__in=run_ids, status__in=["failed", "timed_out"]).first()
+        if failed is not None:
+            raise RuntimeError(f"bench run {failed.id} ended {failed.status}: {failed.error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench runs not done within {timeout:g}s")
+        time.sleep(0.2)
+
+
+def _span(run_ids: list[Any]) -> float:
+    """Seconds from the first step's start to the last step's finish, from the journal."""
+    from runs.models import StepRun
+
+    bounds = StepRun.objects.filter(run_id__in=run_ids).aggregate(
+        first=Min("started_at"), last=Max("finished_at")
+    )
+    return (bounds["last"] - bounds["first"]).total_seconds()
 
 
 def engine_sequential(steps: int) -> float:
     """Milliseconds per step of one run of ``steps`` sequential no-op ``task`` steps."""
-    raise NotImplementedError("TODO: the engine side of the sequential benchmark")
+    run_ids = _start_runs(f"bench_seq_{steps}", 1)
+    _wait(run_ids, timeout=60 + steps * 0.1)
+    return _span(run_ids) * 1000 / (steps - 1)
 
 
 def engine_throughput(runs: int, steps: int) -> float:
     """Steps per second of ``runs`` concurrent runs of ``steps`` no-op steps, first step's
     start to last step's finish."""
-    raise NotImplementedError("TODO: the engine side of the throughput benchmark")
+    run_ids = _start_runs(f"bench_seq_{steps}", runs)
+    _wait(run_ids, timeout=120 + runs * steps * 0.02)
+    return runs * steps / _span(run_ids)

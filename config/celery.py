@@ -4,7 +4,7 @@ import logging
 import os
 
 from celery import Celery
-from celery.signals import beat_init, worker_init
+from celery.signals import beat_init, task_prerun, worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -39,3 +39,12 @@ def install_beat_entries(**_: object) -> None:
 
     with transaction.atomic():
         install(IntervalSchedule, PeriodicTask)
+
+
+@task_prerun.connect
+def recycle_database_connections(**_: object) -> None:
+    """What Django does at the start of each request: drop a connection that errored or
+    outlived CONN_MAX_AGE, and health-check the one kept before its first use."""
+    from django.db import close_old_connections
+
+    close_old_connections()
