@@ -12,95 +12,62 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping
-from datetime import datetime, timedelta
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch
 from runs.engine import journal
-from runs.engine.advance import advance_locked
+from runs.engine.advance import advance_locked, lock_run
+from runs.engine.store import record_result
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import registry
 from workflows.sdk import StepFailure
 
+from .claims import Claimed, claim_attempt
 from .context import StepContext, bound_logger
+from .leases import keeper
 
 logger = logging.getLogger(__name__)
 
 
 def execute(step_run_id: int, *, worker: str) -> str:
     """Run one attempt; returns what happened (``claimed-elsewhere``, ``succeeded``, ...)."""
-    row = (
-        StepRun.objects.select_related("run")
-        .filter(id=step_run_id)
-        .only(
-            "id",
-            "step_id",
-            "attempt",
-            "status",
-            "input",
-            "timeout_ms",
-            "idempotency_key",
-            "queue",
-            "celery_task_id",
-            "refusals",
-            "run__id",
-            "run__workflow_id",
-            "run__version_id",
-            "run__status",
-        )
-        .first()
-    )
-    if row is None or row.status != StepStatus.SCHEDULED:
+    row = claim_attempt(step_run_id, worker=worker, now=timezone.now())
+    if row is None:
         return "not-scheduled"
-    now = timezone.now()
-    deadline = now + timedelta(milliseconds=row.timeout_ms)
-    claim = uuid.uuid4()
-    claimed = StepRun.objects.filter(id=row.id, status=StepStatus.SCHEDULED).update(
-        status=StepStatus.RUNNING,
-        claim=claim,
-        worker=worker,
-        started_at=now,
-        deadline_at=deadline,
-        lease_expires_at=_lease_until(now, deadline),
-    )
-    if not claimed:
-        return "claimed-elsewhere"
+    claim, deadline = row.claim, row.deadline_at
 
-    run = row.run
-    step = journal.steps_of(run.version_id)[row.step_id]
-    handler = registry.lookup(run.workflow_id, row.step_id, step.get("handler"))
+    step = journal.steps_of(row.version_id)[row.step_id]
+    handler = registry.lookup(row.workflow_id, row.step_id, step.get("handler"))
     if handler is None:
-        _hand_back(row, claim, run.workflow_id)
+        _hand_back(row, claim, row.workflow_id)
         return "unservable"
 
     ctx = StepContext(
-        run_id=str(run.id),
+        run_id=str(row.run_id),
         step_id=row.step_id,
         attempt=row.attempt,
         idempotency_key=row.idempotency_key,
-        workflow_id=run.workflow_id,
-        logger=bound_logger(str(run.id), row.step_id, row.attempt),
+        workflow_id=row.workflow_id,
+        logger=bound_logger(str(row.run_id), row.step_id, row.attempt),
     )
-    heartbeat = _Heartbeat(row.id, claim, deadline)
-    heartbeat.start()
+    keeper.hold(row.id, claim, deadline)
     status, output, error = StepStatus.SUCCEEDED, None, None
     try:
-        output = handler(ctx, row.input, _Prior(run.id))
+        output = handler(ctx, row.input, _Prior(row.run_id))
     except StepFailure as failure:
         if failure.error_class == "unservable":
-            heartbeat.finish()
-            _hand_back(row, claim, run.workflow_id)
+            keeper.release(row.id)
+            _hand_back(row, claim, row.workflow_id)
             return "unservable"
         status, error = StepStatus.FAILED, failure.as_error()
         if failure.retry_after_ms is not None:
@@ -111,7 +78,7 @@ def execute(step_run_id: int, *, worker: str) -> str:
     except Exception as exc:  # any other exception is fatal (contract section 5)
         status, error = StepStatus.FAILED, _fatal(exc)
     finally:
-        heartbeat.finish()
+        keeper.release(row.id)
     if status == StepStatus.SUCCEEDED:
         try:
             json.dumps(output)
@@ -122,7 +89,7 @@ def execute(step_run_id: int, *, worker: str) -> str:
 
 
 def _record(
-    row: StepRun,
+    row: Claimed,
     claim: uuid.UUID,
     status: str,
     output: Any,
@@ -132,16 +99,22 @@ def _record(
     """Record the attempt's result and advance the run, in one transaction."""
     cost = ctx.cost_usd()
     with transaction.atomic():
-        run = Run.objects.select_for_update().get(id=row.run_id)
-        recorded = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
-            status=status,
-            output=output,
-            error=error,
-            finished_at=timezone.now(),
-            lease_expires_at=None,
-            usage=ctx.usage(),
-            spans=[span.as_dict() for span in ctx.spans],
-            cost_usd=cost,
+        run = lock_run(row.run_id)
+        if run is None:
+            return "dropped"
+        recorded = record_result(
+            row.id,
+            claim,
+            {
+                "status": status,
+                "output": output,
+                "error": error,
+                "finished_at": timezone.now(),
+                "lease_expires_at": None,
+                "usage": ctx.usage(),
+                "spans": [span.as_dict() for span in ctx.spans],
+                "cost_usd": cost,
+            },
         )
         if not recorded:
             # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
@@ -154,7 +127,7 @@ def _record(
     return status
 
 
-def _hand_back(row: StepRun, claim: uuid.UUID, workflow_id: str) -> None:
+def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     """This worker lacks the handler (class unservable): requeue the attempt for another
     worker without using its retry budget."""
     with transaction.atomic():
@@ -179,40 +152,6 @@ def _fatal(exc: BaseException) -> dict[str, Any]:
         "message": f"{type(exc).__name__}: {exc}",
         "traceback": "".join(traceback.format_exception(exc))[-8000:],
     }
-
-
-def _lease_until(now: datetime, deadline: datetime) -> datetime:
-    lease = now + timedelta(seconds=settings.DJFLOW["LEASE_SECONDS"])
-    grace = timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"])
-    return min(lease, deadline + grace)
-
-
-class _Heartbeat(threading.Thread):
-    """Renews the attempt's lease while the body runs, on its own database connection."""
-
-    def __init__(self, step_run_id: int, claim: uuid.UUID, deadline: datetime) -> None:
-        super().__init__(daemon=True, name=f"heartbeat-{step_run_id}")
-        self.step_run_id = step_run_id
-        self.claim = claim
-        self.deadline = deadline
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        interval = settings.DJFLOW["LEASE_SECONDS"] / 3
-        try:
-            while not self.stopped.wait(interval):
-                renewed = StepRun.objects.filter(
-                    id=self.step_run_id, status=StepStatus.RUNNING, claim=self.claim
-                ).update(lease_expires_at=_lease_until(timezone.now(), self.deadline))
-                if not renewed:
-                    return
-        except Exception:  # a database blip: the next renewal, or the lease, decides
-            logger.warning("lease renewal of attempt %s failed", self.step_run_id, exc_info=True)
-        finally:
-            connection.close()
-
-    def finish(self) -> None:
-        self.stopped.set()
 
 
 class _Prior(Mapping[str, Any]):

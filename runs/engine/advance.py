@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from ..models import Run
@@ -23,11 +23,23 @@ def run_advance(*, run_id: Any) -> Plan | None:
     journal as the previous one left it, so a duplicate finds nothing to do.
     """
     with transaction.atomic():
-        run = Run.objects.select_for_update().filter(id=run_id).first()
+        run = lock_run(run_id)
         if run is None:
             logger.warning("advance: run %s does not exist", run_id)
             return None
         return advance_locked(run)
+
+
+def lock_run(run_id: Any) -> Run | None:
+    """The run's row, locked until the transaction ends (``SELECT ... FOR UPDATE``).
+
+    A raw query: it runs once per step, and the ORM's query building was a visible share
+    of a step's cost.
+    """
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    pk = Run._meta.pk.get_db_prep_value(run_id, connection)
+    found = list(Run.objects.raw(f"SELECT * FROM {Run._meta.db_table} WHERE id = %s{lock}", [pk]))
+    return found[0] if found else None
 
 
 def advance_locked(run: Run) -> Plan:

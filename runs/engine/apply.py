@@ -15,6 +15,7 @@ from .. import dispatch
 from ..models import Run, StepRun
 from ..status import RunStatus, StepStatus, check_run_move
 from . import plan as p
+from .store import insert_attempt
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 
@@ -99,7 +100,7 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
 
 
 def _schedule(run: Run, action: p.Schedule, now: datetime) -> StepRun:
-    return StepRun.objects.create(
+    step_run = StepRun(
         run=run,
         step_id=action.step_id,
         path=action.path,
@@ -116,6 +117,14 @@ def _schedule(run: Run, action: p.Schedule, now: datetime) -> StepRun:
         celery_task_id=str(uuid.uuid4()),
         scheduled_at=now,
     )
+    step_run.id = insert_attempt(
+        {
+            field.name: getattr(step_run, field.attname)
+            for field in StepRun._meta.concrete_fields
+            if not field.primary_key
+        }
+    )
+    return step_run
 
 
 def _finish(run: Run, action: p.Finish, now: datetime) -> None:

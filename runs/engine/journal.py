@@ -5,34 +5,19 @@ Documents are immutable per version, so each process keeps the parsed ones it ha
 
 from __future__ import annotations
 
-from datetime import timedelta
+import json
+from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
+from django.db import connection
+from django.utils.dateparse import parse_datetime
 
 from workflows.models import WorkflowVersion
 
 from ..models import Run, StepRun
 from .plan import AttemptView, RunView, Settings
-
-_JOURNAL_FIELDS = (
-    "id",
-    "step_id",
-    "path",
-    "kind",
-    "attempt",
-    "generation",
-    "status",
-    "branch",
-    "output",
-    "error",
-    "effect",
-    "finished_at",
-    "lease_expires_at",
-    "deadline_at",
-    "cost_usd",
-)
 
 
 @lru_cache(maxsize=512)
@@ -53,14 +38,62 @@ def run_view(run: Run) -> RunView:
     )
 
 
+# The planner needs a finish time only to time a retry, and a lease and deadline only for a
+# running attempt: the CASEs spare parsing three timestamps on every other row.
+_JOURNAL_SQL = """
+SELECT id, step_id, path, kind, attempt, generation, status, branch, output, error, effect,
+       CASE WHEN status IN ('failed', 'timed_out') THEN finished_at END,
+       CASE WHEN status = 'running' THEN lease_expires_at END,
+       CASE WHEN status = 'running' THEN deadline_at END,
+       cost_usd
+  FROM {table}
+ WHERE run_id = %s
+ ORDER BY id
+"""
+
+
 def journal_of(run_id: Any) -> list[AttemptView]:
-    rows = StepRun.objects.filter(run_id=run_id).order_by("id").values_list(*_JOURNAL_FIELDS)
-    views = []
-    for row in rows:
-        values = dict(zip(_JOURNAL_FIELDS, row, strict=True))
-        values["cost_usd"] = float(values["cost_usd"])
-        views.append(AttemptView(**values))
-    return views
+    """Every attempt of a run, oldest first. Raw SQL: this runs once per step, and the
+    ORM's per-row overhead was most of a step's cost on long runs."""
+    pk = Run._meta.pk.get_db_prep_value(run_id, connection)
+    with connection.cursor() as cursor:
+        cursor.execute(_JOURNAL_SQL.format(table=StepRun._meta.db_table), [pk])
+        rows = cursor.fetchall()
+    return [
+        AttemptView(
+            id=row[0],
+            step_id=row[1],
+            path=row[2],
+            kind=row[3],
+            attempt=row[4],
+            generation=row[5],
+            status=row[6],
+            branch=row[7],
+            output=from_json(row[8]),
+            error=from_json(row[9]),
+            effect=row[10],
+            finished_at=from_timestamp(row[11]),
+            lease_expires_at=from_timestamp(row[12]),
+            deadline_at=from_timestamp(row[13]),
+            cost_usd=float(row[14] or 0),
+        )
+        for row in rows
+    ]
+
+
+def from_json(value: Any) -> Any:
+    """A JSON column read by a raw cursor: text on both Postgres and SQLite."""
+    return json.loads(value) if isinstance(value, str | bytes) else value
+
+
+def from_timestamp(value: Any) -> datetime | None:
+    """A timestamp read by a raw cursor: a datetime from Postgres, text from SQLite."""
+    if value is None or isinstance(value, datetime):
+        return value
+    parsed = parse_datetime(value)
+    if parsed is not None and parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed
 
 
 def planner_settings() -> Settings:

@@ -1,0 +1,158 @@
+"""Claiming an attempt: the conditional update that decides which delivery runs the body.
+
+Claiming is idempotent: the update only matches an attempt still ``scheduled``, so a
+duplicate delivery, a second worker or a redelivered message updates no row. On Postgres the
+claim and the read of what the worker needs are one ``UPDATE ... RETURNING`` (one round trip
+per step); elsewhere (the embedded SQLite default) a read then the same conditional update.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import connection
+
+from runs.engine.journal import from_json, from_timestamp
+from runs.models import Run, StepRun
+from runs.status import StepStatus
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """What the worker needs of an attempt it claimed."""
+
+    id: int
+    run_id: Any
+    step_id: str
+    attempt: int
+    input: Any
+    timeout_ms: int
+    idempotency_key: str
+    queue: str
+    refusals: int
+    celery_task_id: str
+    workflow_id: str
+    version_id: int
+    claim: uuid.UUID
+    deadline_at: datetime
+
+
+def lease_until(now: datetime, deadline: datetime) -> datetime:
+    """A lease from ``now``, never past the attempt's deadline plus grace."""
+    lease = now + timedelta(seconds=settings.DJFLOW["LEASE_SECONDS"])
+    grace = timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"])
+    return min(lease, deadline + grace)
+
+
+_CLAIM_POSTGRES = """
+UPDATE {step_run} AS s
+   SET status = 'running', claim = %(claim)s, worker = %(worker)s, started_at = %(now)s,
+       deadline_at = %(now)s + s.timeout_ms * interval '1 millisecond',
+       lease_expires_at = LEAST(
+           %(now)s + %(lease)s * interval '1 second',
+           %(now)s + s.timeout_ms * interval '1 millisecond' + %(grace)s * interval '1 second')
+  FROM {run} AS r
+ WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
+RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
+          s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at
+"""
+
+
+def claim_attempt(step_run_id: int, *, worker: str, now: datetime) -> Claimed | None:
+    """Claim a scheduled attempt for ``worker``; None when it is not (or no longer) ours."""
+    claim = uuid.uuid4()
+    if connection.vendor == "postgresql":
+        return _claim_postgres(step_run_id, worker, now, claim)
+    return _claim_portable(step_run_id, worker, now, claim)
+
+
+def _claim_postgres(
+    step_run_id: int, worker: str, now: datetime, claim: uuid.UUID
+) -> Claimed | None:
+    sql = _CLAIM_POSTGRES.format(step_run=StepRun._meta.db_table, run=Run._meta.db_table)
+    params = {
+        "claim": claim,
+        "worker": worker,
+        "now": now,
+        "lease": settings.DJFLOW["LEASE_SECONDS"],
+        "grace": settings.DJFLOW["DEADLINE_GRACE_SECONDS"],
+        "id": step_run_id,
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    return Claimed(
+        id=row[0],
+        run_id=row[1],
+        step_id=row[2],
+        attempt=row[3],
+        input=from_json(row[4]),
+        timeout_ms=row[5],
+        idempotency_key=row[6],
+        queue=row[7],
+        refusals=row[8],
+        celery_task_id=row[9],
+        workflow_id=row[10],
+        version_id=row[11],
+        claim=claim,
+        deadline_at=from_timestamp(row[12]),
+    )
+
+
+def _claim_portable(
+    step_run_id: int, worker: str, now: datetime, claim: uuid.UUID
+) -> Claimed | None:
+    row = (
+        StepRun.objects.select_related("run")
+        .filter(id=step_run_id, status=StepStatus.SCHEDULED)
+        .only(
+            "id",
+            "run_id",
+            "step_id",
+            "attempt",
+            "input",
+            "timeout_ms",
+            "idempotency_key",
+            "queue",
+            "refusals",
+            "celery_task_id",
+            "run__workflow_id",
+            "run__version_id",
+        )
+        .first()
+    )
+    if row is None:
+        return None
+    deadline = now + timedelta(milliseconds=row.timeout_ms)
+    claimed = StepRun.objects.filter(id=row.id, status=StepStatus.SCHEDULED).update(
+        status=StepStatus.RUNNING,
+        claim=claim,
+        worker=worker,
+        started_at=now,
+        deadline_at=deadline,
+        lease_expires_at=lease_until(now, deadline),
+    )
+    if not claimed:
+        return None
+    return Claimed(
+        id=row.id,
+        run_id=row.run_id,
+        step_id=row.step_id,
+        attempt=row.attempt,
+        input=row.input,
+        timeout_ms=row.timeout_ms,
+        idempotency_key=row.idempotency_key,
+        queue=row.queue,
+        refusals=row.refusals,
+        celery_task_id=row.celery_task_id,
+        workflow_id=row.run.workflow_id,
+        version_id=row.run.version_id,
+        claim=claim,
+        deadline_at=deadline,
+    )
