@@ -212,6 +212,8 @@ DJFLOW = {
     # A worker without a step's handler hands the attempt back (class unservable) at most
     # this many times in a row at once; after that it waits for the sweep between offers.
     "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
+    # How long a worker that handed an attempt back keeps its slot, so another takes it.
+    "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),
     # Model prices in USD per million tokens: {"model": {"input": x, "output": y}}.
     # DJFLOW_PRICES (JSON) replaces the defaults below.
     "PRICES": env.json(

@@ -19,6 +19,7 @@ from workflows.models import WorkflowVersion
 from workflows.validation import field_path
 
 from . import dispatch
+from .engine.advance import advance_locked
 from .models import Run, StepRun
 from .status import RUN_TERMINAL, RunStatus, StepStatus, check_run_move
 
@@ -77,8 +78,9 @@ def run_start(
     """Start a run of ``workflow`` (its latest version unless pinned).
 
     The same ``idempotency_key`` for the same workflow returns the run it started first
-    (``created`` false), whatever the rest of the call says. The run is advanced by a message
-    sent after commit.
+    (``created`` false), whatever the rest of the call says. The run is created and its first
+    step planned in one transaction; the attempt is offered to a worker after commit (and
+    offered again by the sweep should that message be lost).
     """
     if idempotency_key is not None:
         existing = Run.objects.filter(workflow_id=workflow, idempotency_key=idempotency_key).first()
@@ -97,9 +99,10 @@ def run_start(
                 idempotency_key=idempotency_key,
                 correlation=correlation,
                 created_by=user if user is not None and user.is_authenticated else None,
-                wake_at=_recovery_time(),
             )
-            dispatch.advance_on_commit(run.id)
+            # Plan the first step in the same transaction: a run costs no advance message
+            # to start, and its first attempt is offered on commit.
+            advance_locked(run)
     except IntegrityError:
         if idempotency_key is None:
             raise

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import traceback
 import uuid
 from collections.abc import Iterator, Mapping
@@ -144,6 +145,9 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
         if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
             # After that many refusals in a row the sweep offers it again, slower.
             dispatch.offer_on_commit(row, workflow_id=workflow_id)
+    # Hold this pool slot a moment after the offer: a free worker that may have the handler
+    # takes the message, instead of this one taking it straight back.
+    time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:

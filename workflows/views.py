@@ -126,7 +126,8 @@ class DefinitionSchemaView(APIView):
 
 
 def _version_number(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) <= 2_147_483_647:
+    # ASCII digits only: str.isdigit() accepts '¹', which int() refuses.
+    if not text.isascii() or not text.isdigit() or not 0 < int(text) <= 2_147_483_647:
         raise NotFound(
             errors=[FieldError("version", f"'{text}' is not a version number (1, 2, ...)")]
         )

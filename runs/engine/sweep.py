@@ -2,7 +2,8 @@
 
 - a run whose ``wake_at`` has passed (a retry back-off, its run deadline);
 - a running attempt whose lease lapsed (its worker is lost) or that ran past its deadline;
-- an attempt a worker handed back too often in a row (class unservable), offered again.
+- an attempt left ``scheduled`` too long (its message lost, or handed back too often in a
+  row by workers without its handler), offered again.
 
 Bounded work per tick; each run is advanced under its own lock, so two sweeps at once, or a
 sweep racing a worker, plan from the same journal and cannot both act.
@@ -15,6 +16,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from .. import dispatch
@@ -48,19 +50,29 @@ def sweep_due() -> int:
         except DatabaseError:
             # Log and go on: the next tick tries again (a scheduler must not die on a blip).
             logger.exception("sweep: advancing run %s failed", run_id)
-    _reoffer_refused(now)
+    _reoffer_stale(now)
     return advanced
 
 
-def _reoffer_refused(now: datetime) -> None:
+def _reoffer_stale(now: datetime) -> None:
+    """Offer again the attempts that stayed ``scheduled`` too long: their message was lost
+    (a broker outage at commit, a purge), or every worker that took it lacked the handler.
+
+    A duplicate offer is harmless (the claim decides), so this errs on the side of offering.
+    """
     quick = settings.DJFLOW["MAX_QUICK_REFUSALS"]
-    stale = now - timedelta(seconds=1)
-    rows = StepRun.objects.filter(
-        status=StepStatus.SCHEDULED, refusals__gte=quick, scheduled_at__lte=stale
-    ).select_related("run")[:100]
+    lost = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
+    refused = now - timedelta(seconds=1)
+    rows = (
+        StepRun.objects.filter(status=StepStatus.SCHEDULED)
+        .filter(Q(scheduled_at__lte=lost) | Q(refusals__gte=quick, scheduled_at__lte=refused))
+        .select_related("run")
+        .order_by("scheduled_at")[:100]
+    )
     for row in rows:
         with transaction.atomic():
-            if StepRun.objects.filter(
+            unchanged = StepRun.objects.filter(
                 id=row.id, status=StepStatus.SCHEDULED, scheduled_at=row.scheduled_at
-            ).update(scheduled_at=now):
+            )
+            if unchanged.update(scheduled_at=now):
                 dispatch.offer_on_commit(row, workflow_id=row.run.workflow_id)

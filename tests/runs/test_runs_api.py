@@ -93,32 +93,42 @@ def _fields(response) -> list[str | None]:
 # --- start ------------------------------------------------------------------------------------
 
 
-def test_start_answers_201_with_the_run_and_enqueues_one_advance(
-    api: APIClient, user, version, advance_delay, django_capture_on_commit_callbacks
+def test_start_answers_201_with_the_run_and_offers_its_first_step(
+    api: APIClient, user, version, django_capture_on_commit_callbacks
 ) -> None:
     body = {
         "workflow": "support_ticket",
         "input": {"ticket": "Q: where is my parcel?"},
         "correlation": "crm-42",
     }
-    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True) as callbacks,
+    ):
         response = api.post("/api/v1/runs", body, format="json")
     assert response.status_code == 201, response.json()
     run = response.json()
     assert set(run) >= RUN_FIELDS
     assert run["workflow"] == "support_ticket"
     assert run["version"] == version.number == 1
-    assert run["status"] == RunStatus.PENDING
+    # The run is started and its first step planned in the same transaction.
+    assert run["status"] == RunStatus.RUNNING
+    assert run["started_at"] is not None
     assert run["input"] == {"ticket": "Q: where is my parcel?"}
     assert run["correlation"] == "crm-42"
     assert (run["output"], run["error"], run["parent"]) == (None, None, None)
-    assert (run["children"], run["steps"]) == ([], [])
+    assert run["children"] == []
+    [first] = run["steps"]
+    assert (first["step_id"], first["attempt"], first["status"]) == ("classify", 1, "scheduled")
+    assert first["input"] == {"ticket": "Q: where is my parcel?"}
     assert run["cost_usd"] == 0.0 and isinstance(run["cost_usd"], float)
     assert run["generation"] == 1
     stored = Run.objects.get(id=run["id"])
     assert stored.created_by == user
     assert len(callbacks) == 1
-    advance_delay.assert_called_once_with(run["id"])
+    offer.assert_called_once()
+    assert offer.call_args.args[0] == (first["id"],)
+    assert offer.call_args.kwargs["shadow"] == "support_ticket.classify"
 
 
 def test_the_same_idempotency_key_answers_200_with_the_same_run(

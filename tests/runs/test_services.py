@@ -9,7 +9,8 @@ from django.db import IntegrityError
 from rest_framework.test import APIClient
 
 from runs import services
-from runs.models import Run
+from runs.engine.sweep import sweep_due
+from runs.models import Run, StepRun
 from workflows.errors import NotFound
 
 from .factories import WorkflowVersionFactory
@@ -38,7 +39,9 @@ def test_a_broker_outage_does_not_fail_a_committed_start(
 ) -> None:
     WorkflowVersionFactory()
     with (
-        mock.patch("runs.tasks.advance.delay", side_effect=ConnectionError("broker down")),
+        mock.patch(
+            "workers.tasks.execute_step.apply_async", side_effect=ConnectionError("broker down")
+        ),
         django_capture_on_commit_callbacks(execute=True),
     ):
         response = api.post(
@@ -46,5 +49,31 @@ def test_a_broker_outage_does_not_fail_a_committed_start(
         )
     assert response.status_code == 201
     run = Run.objects.get()
-    # The sweep advances it once wake_at passes.
-    assert run.status == "pending" and run.wake_at is not None
+    # The attempt stays scheduled; the sweep offers it again once its message counts as lost.
+    assert run.status == "running"
+    assert run.steps.get().status == "scheduled"
+
+
+def test_the_sweep_offers_again_an_attempt_whose_message_was_lost(
+    django_capture_on_commit_callbacks, settings
+) -> None:
+    WorkflowVersionFactory()
+    with mock.patch("workers.tasks.execute_step.apply_async"):
+        run = services.run_start(workflow="support_ticket", input={"ticket": "Q"}).run
+    attempt = run.steps.get()
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        sweep_due()
+    offer.assert_called_once()
+    assert offer.call_args.args[0] == (attempt.id,)
+    # A claimed attempt is not offered again.
+    StepRun.objects.filter(id=attempt.id).update(status="running")
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        sweep_due()
+    offer.assert_not_called()

@@ -184,6 +184,7 @@ def test_read_a_workflow_and_its_versions(api: APIClient) -> None:
         ("/api/v1/definitions/nope/versions/1", "workflow"),
         ("/api/v1/definitions/support_ticket/versions/one", "version"),
         ("/api/v1/definitions/support_ticket/versions/0", "version"),
+        ("/api/v1/definitions/support_ticket/versions/%C2%B9", "version"),
         ("/api/v1/definitions/support_ticket/versions/99999999999999999999", "version"),
     ],
 )
