@@ -17,26 +17,11 @@ WORKFLOW_MODULES: list[str] = ["bench.flows"]
 
 
 def _start_runs(workflow: str, count: int) -> list[Any]:
-    """Insert ``count`` pending runs in one transaction, then send their advance messages
-    with one producer: what is timed is the engine on the worker, not this loop."""
-    from django.db import transaction
+    """Start ``count`` runs as the API does (``run_start``: the run and its first attempt in
+    one transaction, the attempt offered on commit), as fast as this process can."""
+    from runs.services import run_start
 
-    from config.celery import app
-    from runs.models import Run
-    from runs.tasks import advance
-    from workflows.models import WorkflowVersion
-
-    version = WorkflowVersion.objects.filter(workflow_id=workflow).order_by("-number").first()
-    if version is None:
-        raise RuntimeError(f"workflow {workflow} is not saved: is bench.flows loaded?")
-    with transaction.atomic():
-        runs = Run.objects.bulk_create(
-            [Run(workflow_id=workflow, version=version, input={}) for _ in range(count)]
-        )
-    with app.producer_or_acquire() as producer:
-        for run in runs:
-            advance.apply_async((str(run.id),), producer=producer)
-    return [run.id for run in runs]
+    return [run_start(workflow=workflow, input={}).run.id for _ in range(count)]
 
 
 def _wait(run_ids: list[Any], timeout: float) -> None:

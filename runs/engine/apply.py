@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Any
 
 from .. import dispatch
 from ..models import Run, StepRun
 from ..status import RunStatus, StepStatus, check_run_move
 from . import plan as p
-from .store import insert_attempt
+from .store import insert_attempt, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 
@@ -24,7 +25,7 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
     """Write ``planned`` for ``run`` (locked by the caller) and queue its messages."""
     fields: set[str] = set()
     wake: datetime | None = None
-    offers: list[StepRun] = []
+    schedules: list[p.Schedule] = []
     for action in planned.actions:
         if isinstance(action, p.StartRun):
             if run.status == RunStatus.PENDING:
@@ -34,7 +35,7 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
             run.started_at, run.deadline_at = action.started_at, action.deadline_at
             fields |= {"started_at", "deadline_at"}
         elif isinstance(action, p.Schedule):
-            offers.append(_schedule(run, action, now))
+            schedules.append(action)
             run.attempts += 1
             fields.add("attempts")
         elif isinstance(action, p.Skip):
@@ -93,13 +94,22 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
     if wake != run.wake_at:
         run.wake_at = wake
         fields.add("wake_at")
-    if fields:
-        run.save(update_fields=[*sorted(fields), "updated_at"])
-    for step_run in offers:
+    run_changes = {name: getattr(run, name) for name in sorted(fields)}
+    if run_changes:
+        run.updated_at = now
+        run_changes["updated_at"] = now
+    for index, action in enumerate(schedules):
+        # The run's own changes ride on the last insert (one statement on Postgres).
+        last = index == len(schedules) - 1
+        step_run = _schedule(run, action, now, run_changes if last else None)
         dispatch.offer_on_commit(step_run, workflow_id=run.workflow_id)
+    if run_changes and not schedules:
+        update_run(run.id, run_changes)
 
 
-def _schedule(run: Run, action: p.Schedule, now: datetime) -> StepRun:
+def _schedule(
+    run: Run, action: p.Schedule, now: datetime, run_changes: dict[str, Any] | None
+) -> StepRun:
     step_run = StepRun(
         run=run,
         step_id=action.step_id,
@@ -122,7 +132,9 @@ def _schedule(run: Run, action: p.Schedule, now: datetime) -> StepRun:
             field.name: getattr(step_run, field.attname)
             for field in StepRun._meta.concrete_fields
             if not field.primary_key
-        }
+        },
+        run_id=run.id,
+        run_changes=run_changes,
     )
     return step_run
 
