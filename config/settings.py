@@ -85,10 +85,11 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
 else:
-    # Persistent connections, checked before first use in each request or task (one round
-    # trip), so a connection a database restart broke is replaced instead of failing a step.
+    # Persistent connections. No health check before each task (a round trip per step):
+    # the engine's claim and record reconnect and try again when a connection is broken
+    # (workers.execution), and Django drops a connection that errored before the next task.
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
-    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("CONN_HEALTH_CHECKS", default=False)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -214,6 +215,9 @@ DJFLOW = {
     "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
     # How long a worker that handed an attempt back keeps its slot, so another takes it.
     "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),
+    # How long a worker keeps trying to record a finished attempt while the database is
+    # unreachable (a restart, a fail-over) before it gives up and leaves it to the lease.
+    "RECORD_RETRY_SECONDS": env.float("DJFLOW_RECORD_RETRY_SECONDS", default=60.0),
     # Model prices in USD per million tokens: {"model": {"input": x, "output": y}}.
     # DJFLOW_PRICES (JSON) replaces the defaults below.
     "PRICES": env.json(

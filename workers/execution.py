@@ -15,12 +15,12 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -38,11 +38,12 @@ from .context import StepContext, bound_logger
 from .leases import keeper
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def execute(step_run_id: int, *, worker: str) -> str:
     """Run one attempt; returns what happened (``claimed-elsewhere``, ``succeeded``, ...)."""
-    row = claim_attempt(step_run_id, worker=worker, now=timezone.now())
+    row = _reconnecting(lambda: claim_attempt(step_run_id, worker=worker, now=timezone.now()))
     if row is None:
         return "not-scheduled"
     claim, deadline = row.claim, row.deadline_at
@@ -97,7 +98,30 @@ def _record(
     error: dict[str, Any] | None,
     ctx: StepContext,
 ) -> str:
-    """Record the attempt's result and advance the run, in one transaction."""
+    """Record the attempt's result and advance the run, in one transaction; through a
+    database restart, keep trying (the body must not be lost, nor run again)."""
+    give_up = time.monotonic() + settings.DJFLOW["RECORD_RETRY_SECONDS"]
+    pause = 0.1
+    while True:
+        try:
+            return _record_once(row, claim, status, output, error, ctx)
+        except (OperationalError, InterfaceError):
+            if time.monotonic() + pause > give_up:
+                raise
+            logger.warning("recording attempt %s failed; reconnecting", row.id, exc_info=True)
+            connection.close()
+            time.sleep(pause)
+            pause = min(pause * 2, 5.0)
+
+
+def _record_once(
+    row: Claimed,
+    claim: uuid.UUID,
+    status: str,
+    output: Any,
+    error: dict[str, Any] | None,
+    ctx: StepContext,
+) -> str:
     cost = ctx.cost_usd()
     with transaction.atomic():
         run = lock_run(row.run_id)
@@ -126,6 +150,18 @@ def _record(
         if run.status not in RUN_TERMINAL:
             advance_locked(run)
     return status
+
+
+def _reconnecting(operation: Callable[[], T]) -> T:
+    """Run ``operation``; if the connection turns out broken (a database restart since the
+    last task), reconnect and run it once more."""
+    try:
+        return operation()
+    except (OperationalError, InterfaceError):
+        if connection.in_atomic_block:
+            raise
+        connection.close()
+        return operation()
 
 
 def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:

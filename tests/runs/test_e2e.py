@@ -264,3 +264,26 @@ def test_unservable_is_requeued_for_another_worker_without_using_the_budget(
     assert run.output == {"served_by": "flows_extra"}
     [attempt] = run.steps.all()
     assert attempt.attempt == 1 and attempt.refusals >= 1
+
+
+def test_workers_reconnect_when_their_database_connections_are_killed(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    from django.db import connection
+
+    celery_worker(workflow_modules=FLOWS)
+    celery_beat()
+    run = start("steady", {})
+    for step in ("tick_2", "tick_4"):
+        wait_for(lambda s=step: effects(run.id, s), timeout=20, message=celery_processes.logs)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            assert cursor.fetchone()[0] >= 1
+    run = finished(run.id, timeout=60, logs=celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output == 6
+    # Every body ran once: the killed connections cost no step and repeated none.
+    assert [row[0] for row in effects(run.id)] == [f"tick_{n}" for n in range(1, 7)]
