@@ -6,10 +6,12 @@ really ran, whatever the journal says.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
 from django.db import connection
 
 from workflows.sdk import RetryPolicy, StepFailure, when, workflow
@@ -191,3 +193,42 @@ def three(ctx: Any, input: Any, prior: Any) -> Any:
 
 orphan = workflow("orphan", limits={"run_timeout_ms": 60_000})
 orphan.task("nobody_home", handler="not.registered.anywhere")
+
+
+# --- time limits ---------------------------------------------------------------------------
+
+sluggish = workflow("sluggish", limits={"run_timeout_ms": 60_000})
+
+
+@sluggish.step("slow", timeout_ms=1000, retry=RetryPolicy(max_attempts=2, backoff="none"))
+def slow(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    if ctx.attempt == 1:
+        time.sleep(3)  # Celery's soft time limit interrupts this at 1 s
+    return {"attempt": ctx.attempt}
+
+
+stubborn = workflow("stubborn", limits={"run_timeout_ms": 60_000})
+
+
+@stubborn.step("deaf", timeout_ms=1000, retry=RetryPolicy(max_attempts=2, backoff="none"))
+def deaf(ctx: Any, input: Any, prior: Any) -> Any:
+    row = note(ctx)
+    if ctx.attempt == 1:
+        # A body that swallows the soft time limit: only the engine can time it out.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(SoftTimeLimitExceeded):
+                time.sleep(deadline - time.monotonic())
+    done(row)
+    return {"attempt": ctx.attempt}
+
+
+overdue = workflow("overdue", limits={"run_timeout_ms": 2000})
+
+
+@overdue.step("long", timeout_ms=10_000)
+def long(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    time.sleep(5)
+    return "too late"

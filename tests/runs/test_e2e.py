@@ -287,3 +287,53 @@ def test_workers_reconnect_when_their_database_connections_are_killed(
     assert run.output == 6
     # Every body ran once: the killed connections cost no step and repeated none.
     assert [row[0] for row in effects(run.id)] == [f"tick_{n}" for n in range(1, 7)]
+
+
+def test_a_step_past_its_timeout_is_timed_out_by_the_worker_and_retried(
+    celery_worker, celery_processes
+) -> None:
+    celery_worker(workflow_modules=FLOWS)
+    run = finished(start("sluggish", {}).id, logs=celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert journal(run) == [("slow", 1, "timed_out"), ("slow", 2, "succeeded")]
+    first = run.steps.get(attempt=1)
+    assert first.error["class"] == "timeout"
+    assert (first.finished_at - first.started_at).total_seconds() < 2.5
+
+
+def test_the_engine_times_out_a_body_that_ignores_the_workers_limit(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    celery_worker(workflow_modules=FLOWS, env=FAST)
+    celery_beat(env=FAST)
+    run = finished(start("stubborn", {}).id, logs=celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert journal(run) == [("deaf", 1, "timed_out"), ("deaf", 2, "succeeded")]
+    assert run.steps.get(attempt=1).error == {
+        "class": "timeout",
+        "message": "the attempt ran past its timeout_ms",
+    }
+    # The first body finishes later; its result is refused (the fence), not recorded.
+    wait_for(lambda: all(row[4] for row in effects(run.id, "deaf")), timeout=10)
+    time.sleep(0.5)
+    assert journal(Run.objects.get(id=run.id)) == [
+        ("deaf", 1, "timed_out"),
+        ("deaf", 2, "succeeded"),
+    ]
+
+
+def test_run_timeout_ends_the_run_as_timed_out(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    celery_worker(workflow_modules=FLOWS)
+    celery_beat()
+    run = finished(start("overdue", {}).id, timeout=20, logs=celery_processes.logs)
+    assert run.status == "timed_out"
+    assert run.error == {
+        "class": "timeout",
+        "message": "limits.run_timeout_ms (2000 ms) reached",
+        "step": None,
+    }
+    elapsed = (run.finished_at - run.started_at).total_seconds()
+    assert 2.0 <= elapsed < 4.5, elapsed
+    assert journal(run) == [("long", 1, "cancelled")]
