@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,13 +17,18 @@ import pytest
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SERVICE_VARS = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "SENTRY_DSN")
+RUN_TERMINAL = {"completed", "failed", "cancelled", "timed_out"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")]
 
 
 def _embedded_env(var_dir: Path) -> dict[str, str]:
     """This process's environment without the services pytest-env points at."""
-    env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARS}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in SERVICE_VARS and k != "WORKFLOW_MODULES" and not k.startswith("CELERY_")
+    }
     env.update(DJFLOW_VAR_DIR=str(var_dir), PYTHONUNBUFFERED="1")
     return env
 
@@ -164,3 +170,121 @@ def test_standalone_stops_the_others_and_fails_when_a_child_dies(tmp_path: Path)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _api(method: str, url: str, token: str, body: object = None) -> tuple[int, dict[str, object]]:
+    """One JSON request to the API over real HTTP; (status, body)."""
+    request = urllib.request.Request(
+        url,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": f"Token {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -> None:
+    """The README's first command, as a user meets it: nothing configured (SQLite and the
+    file-system broker), the example loaded by default, a question ticket run over HTTP."""
+    env = _embedded_env(tmp_path / "var")
+    env.update(DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_PASSWORD="a-long-password-1")
+    env.setdefault("DJANGO_SUPERUSER_EMAIL", "admin@example.com")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "standalone.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "manage.py",
+                "standalone",
+                f"--addr=127.0.0.1:{port}",
+                "--create-superuser",
+            ],
+            cwd=BASE_DIR,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_for_http(f"{base}/admin/login/", proc, log, timeout=45)
+        assert "Workflow modules: workflows.examples.support_ticket" in log.read_text()
+        token = subprocess.run(
+            [sys.executable, "manage.py", "drf_create_token", "admin"],
+            cwd=BASE_DIR,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert token.returncode == 0, token.stderr
+        key = token.stdout.split()[2]  # "Generated token <key> for user admin"
+
+        status, run = _api(
+            "POST",
+            f"{base}/api/v1/runs",
+            key,
+            {"workflow": "support_ticket", "input": {"ticket": "Q: where is my invoice?"}},
+        )
+        assert status == 201, run
+        deadline = time.monotonic() + 30
+        while run["status"] not in RUN_TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status, run = _api("GET", f"{base}/api/v1/runs/{run['id']}", key)
+            assert status == 200, run
+        assert run["status"] == "completed", (run, log.read_text())
+        assert run["output"] == {"sent": True}
+        assert run["error"] is None
+        journal = [(step["step_id"], step["status"]) for step in run["steps"]]
+        assert journal == [
+            ("classify", "succeeded"),
+            ("draft", "succeeded"),
+            ("approval", "skipped"),
+            ("send", "succeeded"),
+        ], run["steps"]
+        draft = run["steps"][1]
+        assert draft["output"] == "an answer to a question"
+        assert float(draft["cost_usd"]) > 0  # its span's usage was priced
+        assert float(run["cost_usd"]) == float(draft["cost_usd"])
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+        assert "database is locked" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatch) -> None:
+    from io import StringIO
+
+    from workers.management.commands.standalone import Command
+    from workflows.models import WorkflowVersion
+
+    monkeypatch.delenv("WORKFLOW_MODULES", raising=False)
+    out = StringIO()
+    assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == [
+        "workflows.examples.support_ticket"
+    ]
+    assert "Workflow modules: workflows.examples.support_ticket (the example" in out.getvalue()
+    assert WorkflowVersion.objects.filter(workflow_id="support_ticket").exists()
+
+
+def test_named_workflow_modules_replace_the_example(db, monkeypatch, settings) -> None:
+    from io import StringIO
+
+    from workers.management.commands.standalone import Command
+    from workflows.models import WorkflowVersion
+
+    monkeypatch.setenv("WORKFLOW_MODULES", "")
+    settings.WORKFLOW_MODULES = []
+    out = StringIO()
+    assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == []
+    assert "Workflow modules: none" in out.getvalue()
+    assert not WorkflowVersion.objects.exists()

@@ -87,10 +87,12 @@ def from_json(value: Any) -> Any:
 
 
 def from_timestamp(value: Any) -> datetime | None:
-    """A timestamp read by a raw cursor: a datetime from Postgres, text from SQLite."""
-    if value is None or isinstance(value, datetime):
-        return value
-    parsed = parse_datetime(value)
+    """A timestamp read by a raw cursor: an aware datetime from Postgres; from SQLite text
+    (an expression's value) or a naive datetime (a column's, through Django's converter),
+    both in UTC as Django stores them."""
+    if value is None:
+        return None
+    parsed = value if isinstance(value, datetime) else parse_datetime(value)
     if parsed is not None and parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=UTC)
     return parsed

@@ -48,15 +48,22 @@ def insert_attempt(
     columns = [StepRun._meta.get_field(name).column for name in values]
     params = [_prep(name, value) for name, value in values.items()]
     placeholders = ", ".join(["%s"] * len(columns))
-    insert = f"INSERT INTO {_TABLE} ({', '.join(columns)}) VALUES ({placeholders}) RETURNING id"
+    insert = f"INSERT INTO {_TABLE} ({', '.join(columns)}) VALUES ({placeholders})"
+    # RETURNING needs SQLite 3.35; Django 5.2 runs on 3.31, which has only lastrowid.
+    returning = connection.features.can_return_columns_from_insert
     with connection.cursor() as cursor:
         if run_changes and connection.vendor == "postgresql":
             update, update_params = _run_update(run_id, run_changes)
-            cursor.execute(f"WITH run_update AS ({update}) {insert}", update_params + params)
+            cursor.execute(
+                f"WITH run_update AS ({update}) {insert} RETURNING id", update_params + params
+            )
             return cursor.fetchone()[0]
         if run_changes:
             update_run(run_id, run_changes)
-        cursor.execute(insert, params)
+        if not returning:
+            cursor.execute(insert, params)
+            return connection.ops.last_insert_id(cursor, _TABLE, "id")
+        cursor.execute(f"{insert} RETURNING id", params)
         return cursor.fetchone()[0]
 
 

@@ -1,9 +1,11 @@
 """``manage.py standalone``: the whole engine on one machine, in one command.
 
-It migrates, then starts and supervises three child processes: the web server, a Celery
-worker and celery beat. With nothing configured they share the embedded default (SQLite and
-kombu's file-system broker under ``DJFLOW_VAR_DIR``); with ``DATABASE_URL`` and the
-``CELERY_*`` variables set they run against Postgres and Redis just the same.
+It migrates, saves the documents of the workflow modules (``WORKFLOW_MODULES``; when that
+is not set at all, the contract's ``support_ticket`` example), then starts and supervises
+three child processes: the web server, a Celery worker and celery beat. With nothing
+configured they share the embedded default (SQLite and kombu's file-system broker under
+``DJFLOW_VAR_DIR``); with ``DATABASE_URL`` and the ``CELERY_*`` variables set they run
+against Postgres and Redis just the same.
 
 Supervision rules:
 
@@ -38,6 +40,9 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 POLL_SECONDS = 0.2
+# Loaded when the user names no modules of their own (WORKFLOW_MODULES unset): the contract's
+# example, so a first run has a workflow to start.
+EXAMPLE_MODULES = ["workflows.examples.support_ticket"]
 _PR_SET_PDEATHSIG = 1
 
 
@@ -121,10 +126,13 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=options["verbosity"])
         if options["create_superuser"]:
             self._create_superuser()
+        modules = self._sync_workflow_modules(options["verbosity"])
 
         if self._stop_signal is not None:
             return
-        self._children = children = self._start_children(options["addr"], options["concurrency"])
+        self._children = children = self._start_children(
+            options["addr"], options["concurrency"], modules
+        )
         try:
             died = self._supervise(children, host, port)
         finally:
@@ -172,7 +180,26 @@ class Command(BaseCommand):
         # createsuperuser --noinput reads the DJANGO_SUPERUSER_* variables itself.
         call_command("createsuperuser", interactive=False)
 
-    def _start_children(self, addr: str, concurrency: int) -> dict[str, subprocess.Popen[bytes]]:
+    def _sync_workflow_modules(self, verbosity: int) -> list[str]:
+        """The workflow modules the children load, their documents saved before any child
+        starts (so the first request finds them): ``WORKFLOW_MODULES`` when set in the
+        environment (even empty), else the support_ticket example."""
+        if "WORKFLOW_MODULES" in os.environ:
+            modules = list(settings.WORKFLOW_MODULES)
+            origin = "from WORKFLOW_MODULES"
+        else:
+            modules = list(EXAMPLE_MODULES)
+            origin = "the example; set WORKFLOW_MODULES to load your own"
+        if not modules:
+            self.stdout.write("Workflow modules: none (WORKFLOW_MODULES is empty).")
+            return modules
+        self.stdout.write(f"Workflow modules: {', '.join(modules)} ({origin}).")
+        call_command("sync_workflows", modules=modules, verbosity=verbosity)
+        return modules
+
+    def _start_children(
+        self, addr: str, concurrency: int, modules: list[str]
+    ) -> dict[str, subprocess.Popen[bytes]]:
         manage = str(Path(settings.BASE_DIR) / "manage.py")
         celery = [sys.executable, "-m", "celery", "-A", "config"]
         commands = {
@@ -182,7 +209,7 @@ class Command(BaseCommand):
             "worker": [*celery, "worker", "-l", "info", f"--concurrency={concurrency}"],
             "beat": [*celery, "beat", "-l", "info"],
         }
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "WORKFLOW_MODULES": ",".join(modules)}
         preexec = _die_with_parent()
         children: dict[str, subprocess.Popen[bytes]] = {}
         for name, command in commands.items():
