@@ -571,6 +571,8 @@ class Workflow:
         self._steps: list[StepSpec] = []
         self._ids: set[str] = set()
         self._output: Any = None
+        # The version start() runs, saved on its first call in this process.
+        self._saved_version: int | None = None
         registry.add_builder(self)
 
     def __repr__(self) -> str:
@@ -833,14 +835,21 @@ class Workflow:
         return definition_save(document=self.document(), user=user)
 
     def start(self, input: Any, idempotency_key: str | None = None) -> Any:
-        """Start a run of this workflow's latest saved version; returns the run."""
-        try:
-            from runs.services import run_start  # type: ignore[import-not-found,unused-ignore]
-        except ImportError as exc:
-            if exc.name not in ("runs", "runs.services"):
-                raise
-            raise NotImplementedError("runs are not built yet") from exc
-        return run_start(workflow=self.id, input=input, idempotency_key=idempotency_key)
+        """Start a run of the version this builder defines; returns the run.
+
+        The document is saved on the first call in this process (the same body keeps its
+        version), so the run executes the code that started it, not whatever was saved last.
+        """
+        from runs.services import run_start
+
+        if self._saved_version is None:
+            self._saved_version = self.save().version.number
+        return run_start(
+            workflow=self.id,
+            input=input,
+            version=self._saved_version,
+            idempotency_key=idempotency_key,
+        ).run
 
 
 def workflow(

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from workflows import registry, sdk
-from workflows.errors import InvalidDocument
+from workflows.errors import InvalidDocument, InvalidInput
 from workflows.sdk import RetryPolicy, StepFailure, when, workflow
+from workflows.services import definition_save
 
 EXAMPLE = "workflows.examples.support_ticket"
 
@@ -1012,30 +1013,45 @@ def _runs_services(module: types.ModuleType | None) -> Iterator[None]:
                 sys.modules[name] = value
 
 
-def test_start_and_send_event_say_runs_are_not_built_without_runs() -> None:
-    wf = workflow("w")
-
-    with _runs_services(None), pytest.raises(NotImplementedError, match="runs are not built"):
-        wf.start({"ticket": "Q"})
+def test_send_event_says_events_are_not_built_without_the_service() -> None:
     with _runs_services(None), pytest.raises(NotImplementedError, match="runs are not built"):
         sdk.send_event("approved", "Q", {"ok": True})
 
 
-def test_start_and_send_event_delegate_to_the_runs_services() -> None:
+def test_send_event_delegates_to_the_runs_services() -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
     fake = types.ModuleType("runs.services")
-    fake.run_start = lambda **kw: calls.append(("run_start", kw)) or "run"  # type: ignore[attr-defined]
     fake.event_send = lambda **kw: calls.append(("event_send", kw)) or 1  # type: ignore[attr-defined]
-    wf = workflow("w")
-
     with _runs_services(fake):
-        assert wf.start({"ticket": "Q"}, idempotency_key="k1") == "run"
         assert sdk.send_event("approved", "Q", {"ok": True}) == 1
+    assert calls == [("event_send", {"name": "approved", "key": "Q", "payload": {"ok": True}})]
 
-    assert calls == [
-        ("run_start", {"workflow": "w", "input": {"ticket": "Q"}, "idempotency_key": "k1"}),
-        ("event_send", {"name": "approved", "key": "Q", "payload": {"ok": True}}),
-    ]
+
+@pytest.mark.django_db
+def test_start_saves_the_builder_once_and_runs_its_version() -> None:
+    from runs.models import Run
+
+    wf = workflow("starter", input_schema={"type": "object", "required": ["ticket"]})
+    wf.task("only", handler="anything")
+    run = wf.start({"ticket": "Q"})
+    assert isinstance(run, Run)
+    assert (run.workflow_id, run.version.number, run.input) == ("starter", 1, {"ticket": "Q"})
+    assert run.status == "running"  # its first step is planned in the same transaction
+    # A newer version saved elsewhere does not change what this builder starts.
+    definition_save(document={"id": "starter", "steps": [{"id": "other", "kind": "task"}]})
+    again = wf.start({"ticket": "Q2"}, idempotency_key="k1")
+    assert again.version.number == 1
+    assert wf.start({"ticket": "ignored"}, idempotency_key="k1").id == again.id
+    assert Run.objects.count() == 2
+
+
+@pytest.mark.django_db
+def test_start_with_bad_input_names_the_field() -> None:
+    wf = workflow("strict", input_schema={"type": "object", "required": ["ticket"]})
+    wf.task("only", handler="anything")
+    with pytest.raises(InvalidInput) as caught:
+        wf.start({})
+    assert caught.value.errors[0].field == "input.ticket"
 
 
 # --- validation and saving (needs workflows.validation) --------------------------------------
