@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
+from django.db import OperationalError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -35,6 +36,15 @@ def _flatten(detail: Any, prefix: str = "") -> list[dict[str, str]]:
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, EngineError):
         return Response(exc.as_payload(), status=exc.status)
+    if isinstance(exc, OperationalError):
+        # The database is unreachable or locked (a restart, SQLite's write lock held past its
+        # timeout). Nothing was written: the transaction rolled back. Say so, and when to retry.
+        response = Response(
+            {"errors": [{"message": "the database is unavailable right now; try again"}]},
+            status=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
+        response["Retry-After"] = "5"
+        return response
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, PermissionDenied):

@@ -77,3 +77,17 @@ def test_the_sweep_offers_again_an_attempt_whose_message_was_lost(
     ):
         sweep_due()
     offer.assert_not_called()
+
+
+def test_an_unavailable_database_is_a_503_not_a_500(api: APIClient) -> None:
+    from django.db import OperationalError
+
+    WorkflowVersionFactory()
+    with mock.patch("runs.services.run_start", side_effect=OperationalError("database is locked")):
+        response = api.post(
+            "/api/v1/runs", {"workflow": "support_ticket", "input": {"ticket": "Q"}}, format="json"
+        )
+    assert response.status_code == 503
+    assert response["Retry-After"] == "5"
+    assert response.json()["errors"][0]["message"].startswith("the database is unavailable")
+    assert not Run.objects.exists()
