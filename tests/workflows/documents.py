@@ -146,3 +146,8 @@ EVERY_KIND: dict[str, Any] = {
 
 def every_kind() -> dict[str, Any]:
     return copy.deepcopy(EVERY_KIND)
+
+
+def support_ticket_body() -> dict[str, Any]:
+    """Contract section 1 without its ``version``: what the builder and a first save write."""
+    return {k: v for k, v in support_ticket().items() if k != "version"}

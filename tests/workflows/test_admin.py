@@ -17,46 +17,14 @@ from workflows.errors import InvalidDocument
 from workflows.models import Workflow, WorkflowVersion
 from workflows.services import definition_save
 
+from .documents import support_ticket_body
+
 pytestmark = pytest.mark.django_db
 
 ADD_URL = "admin:workflows_workflow_add"
 
 # Contract section 1, without its "version".
-SUPPORT_TICKET = {
-    "id": "support_ticket",
-    "description": "Classify a ticket, draft an answer, wait for approval on bugs, send.",
-    "input_schema": {
-        "type": "object",
-        "required": ["ticket"],
-        "properties": {"ticket": {"type": "string"}},
-    },
-    "limits": {
-        "max_steps": 50,
-        "run_timeout_ms": 691200000,
-        "step_timeout_ms": 60000,
-        "max_cost_usd": 2.0,
-    },
-    "steps": [
-        {"id": "classify", "kind": "task"},
-        {"id": "draft", "kind": "agent", "input": {"kind": "${steps.classify.output.kind}"}},
-        {
-            "id": "approval",
-            "kind": "wait_event",
-            "event": "approved",
-            "key": "${input.ticket}",
-            "timeout_ms": 604800000,
-            "when": {"path": "steps.classify.output.kind", "op": "eq", "value": "bug"},
-        },
-        {
-            "id": "send",
-            "kind": "task",
-            "input": {"text": "${steps.draft.output}"},
-            "effect": "at_most_once",
-            "retry": {"max_attempts": 3, "backoff": "exponential", "initial_ms": 500},
-        },
-    ],
-    "output": {"sent": "${steps.send.output.sent}"},
-}
+SUPPORT_TICKET = support_ticket_body()
 
 SIMPLE = {
     "id": "simple",

@@ -18,44 +18,12 @@ from workflows.errors import InvalidDocument, InvalidInput
 from workflows.sdk import RetryPolicy, StepFailure, when, workflow
 from workflows.services import definition_save
 
+from .documents import support_ticket_body
+
 EXAMPLE = "workflows.examples.support_ticket"
 
 # Contract section 1, copied literally, without "version".
-CONTRACT_DOCUMENT = {
-    "id": "support_ticket",
-    "description": "Classify a ticket, draft an answer, wait for approval on bugs, send.",
-    "input_schema": {
-        "type": "object",
-        "required": ["ticket"],
-        "properties": {"ticket": {"type": "string"}},
-    },
-    "limits": {
-        "max_steps": 50,
-        "run_timeout_ms": 691200000,
-        "step_timeout_ms": 60000,
-        "max_cost_usd": 2.0,
-    },
-    "steps": [
-        {"id": "classify", "kind": "task"},
-        {"id": "draft", "kind": "agent", "input": {"kind": "${steps.classify.output.kind}"}},
-        {
-            "id": "approval",
-            "kind": "wait_event",
-            "event": "approved",
-            "key": "${input.ticket}",
-            "timeout_ms": 604800000,
-            "when": {"path": "steps.classify.output.kind", "op": "eq", "value": "bug"},
-        },
-        {
-            "id": "send",
-            "kind": "task",
-            "input": {"text": "${steps.draft.output}"},
-            "effect": "at_most_once",
-            "retry": {"max_attempts": 3, "backoff": "exponential", "initial_ms": 500},
-        },
-    ],
-    "output": {"sent": "${steps.send.output.sent}"},
-}
+CONTRACT_DOCUMENT = support_ticket_body()
 
 
 @pytest.fixture(autouse=True)
