@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
                 repeat, lambda r=runs, h=hops: bare.throughput(r * h, 1, worker)
             )
             relays = common.median_of(repeat, lambda r=runs, h=hops: bare.throughput(r, h, worker))
-            concurrent = _engine(lambda r=runs, h=hops: engine.engine_throughput(r, h))
+            concurrent = _engine(lambda r=runs, h=hops: engine.engine_throughput(r, h, worker))
             rows += [
                 common.Row(
                     f"{runs}x{hops} vs independent tasks", "steps/s", concurrent, tasks, False
