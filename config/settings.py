@@ -215,6 +215,10 @@ DJFLOW = {
     "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
     # How long a worker that handed an attempt back keeps its slot, so another takes it.
     "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),
+    # A worker that finished a step runs the run's next step itself (no broker hop) for at
+    # most this many steps and seconds in one task, then offers it through the broker.
+    "INLINE_MAX_STEPS": env.int("DJFLOW_INLINE_MAX_STEPS", default=50),
+    "INLINE_SECONDS": env.float("DJFLOW_INLINE_SECONDS", default=2.0),
     # How long a worker keeps trying to record a finished attempt while the database is
     # unreachable (a restart, a fail-over) before it gives up and leaves it to the lease.
     "RECORD_RETRY_SECONDS": env.float("DJFLOW_RECORD_RETRY_SECONDS", default=60.0),

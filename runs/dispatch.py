@@ -45,16 +45,25 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
     The task id was chosen and stored with the attempt, so an operator can revoke it and
     Flower shows ``<workflow>.<step>`` as the task's name.
     """
+    # robust: if the broker is down the attempt stays scheduled and the sweep offers it again.
+    transaction.on_commit(lambda: offer(step_run, workflow_id=workflow_id), robust=True)
+
+
+def offer(step_run: Any, *, workflow_id: str) -> None:
+    """Send the attempt's message now (the caller has committed the attempt)."""
+    from django.conf import settings
+
     from workers.tasks import execute_step
 
-    options = {
-        "task_id": step_run.celery_task_id,
-        "queue": step_run.queue,
-        "shadow": f"{workflow_id}.{step_run.step_id}",
-        # The worker-side limit; the engine enforces the same deadline on its own.
-        "soft_time_limit": step_run.timeout_ms / 1000,
-        "time_limit": step_run.timeout_ms / 1000 + 10,
-    }
-    step_run_id = step_run.id
-    # robust: if the broker is down the attempt stays scheduled for the reconciler.
-    transaction.on_commit(lambda: execute_step.apply_async((step_run_id,), **options), robust=True)
+    # The step's own limit is a SIGALRM in the worker (workers.execution). Celery's limits
+    # are the backstop, set past it by the time a worker may spend running the run's next
+    # steps in the same task.
+    soft = step_run.timeout_ms / 1000 + settings.DJFLOW["INLINE_SECONDS"]
+    execute_step.apply_async(
+        (step_run.id,),
+        task_id=step_run.celery_task_id,
+        queue=step_run.queue,
+        shadow=f"{workflow_id}.{step_run.step_id}",
+        soft_time_limit=soft,
+        time_limit=soft + 10,
+    )

@@ -13,4 +13,6 @@ from . import execution
 def execute_step(self, step_run_id: int) -> str:
     """Idempotent: a duplicate delivery finds the attempt claimed and does nothing."""
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
-    return execution.execute(step_run_id, worker=worker)
+    _, soft_limit = self.request.timelimit or (None, None)
+    queue = (self.request.delivery_info or {}).get("routing_key")
+    return execution.execute(step_run_id, worker=worker, soft_limit=soft_limit, queue=queue)

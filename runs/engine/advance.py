@@ -8,7 +8,7 @@ from typing import Any
 from django.db import connection, transaction
 from django.utils import timezone
 
-from ..models import Run
+from ..models import Run, StepRun
 from . import journal
 from .apply import apply_plan
 from .plan import Plan, plan
@@ -27,7 +27,7 @@ def run_advance(*, run_id: Any) -> Plan | None:
         if run is None:
             logger.warning("advance: run %s does not exist", run_id)
             return None
-        return advance_locked(run)
+        return advance_locked(run)[0]
 
 
 def lock_run(run_id: Any) -> Run | None:
@@ -42,8 +42,9 @@ def lock_run(run_id: Any) -> Run | None:
     return found[0] if found else None
 
 
-def advance_locked(run: Run) -> Plan:
-    """The body of :func:`run_advance` for a caller that already holds the run's lock."""
+def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | None]:
+    """The body of :func:`run_advance` for a caller that already holds the run's lock;
+    with ``hold``, also the lone new attempt left for the caller to run (see apply_plan)."""
     now = timezone.now()
     planned = plan(
         journal.document_of(run.version_id),
@@ -52,5 +53,5 @@ def advance_locked(run: Run) -> Plan:
         now,
         journal.planner_settings(),
     )
-    apply_plan(run, planned, now)
-    return planned
+    held = apply_plan(run, planned, now, hold=hold)
+    return planned, held

@@ -21,8 +21,14 @@ from .store import insert_attempt, update_run
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 
 
-def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
-    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages."""
+def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> StepRun | None:
+    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages.
+
+    With ``hold``, a lone new attempt is not offered but returned: the caller (a worker that
+    just finished the previous step) runs it itself. Should that worker die first, the
+    attempt stays ``scheduled`` and the sweep offers it after ``LOST_MESSAGE_SECONDS``.
+    """
+    held: StepRun | None = None
     fields: set[str] = set()
     wake: datetime | None = None
     schedules: list[p.Schedule] = []
@@ -102,9 +108,13 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime) -> None:
         # The run's own changes ride on the last insert (one statement on Postgres).
         last = index == len(schedules) - 1
         step_run = _schedule(run, action, now, run_changes if last else None)
-        dispatch.offer_on_commit(step_run, workflow_id=run.workflow_id)
+        if hold and len(schedules) == 1:
+            held = step_run
+        else:
+            dispatch.offer_on_commit(step_run, workflow_id=run.workflow_id)
     if run_changes and not schedules:
         update_run(run.id, run_changes)
+    return held
 
 
 def _schedule(

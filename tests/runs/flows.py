@@ -232,3 +232,19 @@ def long(ctx: Any, input: Any, prior: Any) -> Any:
     note(ctx)
     time.sleep(5)
     return "too late"
+
+
+inline = workflow("inline", limits={"run_timeout_ms": 60_000})
+
+
+@inline.step("quick")
+def quick(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return os.getpid()
+
+
+@inline.step("capped", timeout_ms=1000)
+def capped(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    time.sleep(3)  # run inline, after "quick": only the worker's own alarm stops it at 1 s
+    return "never"

@@ -337,3 +337,34 @@ def test_run_timeout_ends_the_run_as_timed_out(
     elapsed = (run.finished_at - run.started_at).total_seconds()
     assert 2.0 <= elapsed < 4.5, elapsed
     assert journal(run) == [("long", 1, "cancelled")]
+
+
+@pytest.mark.parametrize(("max_inline", "messages"), [("50", 1), ("2", 2), ("0", 6)])
+def test_a_worker_runs_the_next_steps_itself_within_its_budget(
+    max_inline, messages, celery_worker, celery_processes, settings
+) -> None:
+    # The first message is sent from here: its Celery time limits leave room for the budget.
+    settings.DJFLOW = {**settings.DJFLOW, "INLINE_SECONDS": 30.0}
+    budget = {"DJFLOW_INLINE_MAX_STEPS": max_inline, "DJFLOW_INLINE_SECONDS": "30"}
+    worker = celery_worker(workflow_modules=FLOWS, env=budget)
+    run = finished(start("steady", {}).id, logs=celery_processes.logs)
+    assert run.status == "completed" and run.output == 6
+    received = [
+        line
+        for line in worker.logs().splitlines()
+        if "Task steady.tick_" in line and "received" in line
+    ]
+    # One message per broker hop: the first step's, then one per budget spent.
+    assert len(received) == messages, received
+
+
+def test_a_step_run_inline_has_its_own_time_limit(celery_worker, celery_processes) -> None:
+    celery_worker(workflow_modules=FLOWS)
+    run = finished(start("inline", {}).id, logs=celery_processes.logs)
+    assert run.status == "failed"
+    capped = run.steps.get(step_id="capped")
+    assert capped.status == "timed_out"
+    # The worker's own alarm (not the engine's later sweep) stopped it.
+    assert capped.error == {"class": "timeout", "message": "the attempt ran past 1000 ms"}
+    assert (capped.finished_at - capped.started_at).total_seconds() < 2
+    assert capped.worker == run.steps.get(step_id="quick").worker
