@@ -18,6 +18,7 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
+from config.admin_mixins import ReadOnlyMixin
 from workflows.errors import EngineError
 
 from .models import Run, StepRun
@@ -34,19 +35,6 @@ def _pretty_json(value: Any) -> str:
 def _run_link(run_id: Any, text: str | None = None) -> str:
     url = reverse("admin:runs_run_change", args=[run_id])
     return format_html('<a href="{}">{}</a>', url, text or str(run_id))
-
-
-class ReadOnlyMixin:
-    """Rows the engine writes: viewing is allowed, adding, changing and deleting are not."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 class StepRunInline(ReadOnlyMixin, admin.TabularInline):

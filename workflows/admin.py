@@ -21,6 +21,8 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
+from config.admin_mixins import ReadOnlyMixin
+
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm
@@ -52,7 +54,7 @@ def _workflow_url(
     return f"{url}?{urlencode(query)}" if query else url
 
 
-class WorkflowVersionInline(admin.TabularInline):
+class WorkflowVersionInline(ReadOnlyMixin, admin.TabularInline):
     """The versions of a workflow, newest first; a table to read, never a formset to edit."""
 
     model = WorkflowVersion
@@ -65,15 +67,6 @@ class WorkflowVersionInline(admin.TabularInline):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkflowVersion]:
         return super().get_queryset(request).select_related("created_by")
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     @admin.display(description="hash")
     def hash_prefix(self, version: WorkflowVersion) -> str:
@@ -334,7 +327,7 @@ class WorkflowAdmin(admin.ModelAdmin):
 
 
 @admin.register(WorkflowVersion)
-class WorkflowVersionAdmin(admin.ModelAdmin):
+class WorkflowVersionAdmin(ReadOnlyMixin, admin.ModelAdmin):
     """Versions are immutable: they can be looked at, never added, changed or deleted here."""
 
     list_display = ("__str__", "number", "hash_prefix", "description", "created_by", "created_at")
@@ -351,15 +344,6 @@ class WorkflowVersionAdmin(admin.ModelAdmin):
         "pretty_document",
     )
     readonly_fields = fields
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
     @admin.display(description="hash")
     def hash_prefix(self, version: WorkflowVersion) -> str:
