@@ -2,7 +2,7 @@
 
 Starts one ``celery -A config worker`` (prefork, ``-c 2``, the project's settings) on the
 bench services, measures bare Celery and the engine on it in one sitting, and prints
-``name | engine | bare | ratio``. Engine figures the engine does not provide yet print n/a.
+``name | engine | bare | ratio``.
 """
 
 from __future__ import annotations
