@@ -13,13 +13,10 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from workflows.validation import field_path
-
 from .models import Run, StepRun
 from .status import RunStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
-MAX_INPUT_DEPTH = 100
 
 
 # --- input ----------------------------------------------------------------------------------
@@ -31,50 +28,6 @@ class StrictIntegerField(serializers.IntegerField):
     def to_internal_value(self, data: Any) -> int:
         if isinstance(data, bool) or not isinstance(data, int):
             self.fail("invalid")
-        return super().to_internal_value(data)
-
-
-def _too_deep(value: Any) -> bool:
-    """More than :data:`MAX_INPUT_DEPTH` objects or arrays inside each other? Walked without
-    recursion, so any parsed value can be checked."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        item, enclosing = stack.pop()
-        if isinstance(item, Mapping | list):
-            if enclosing >= MAX_INPUT_DEPTH:
-                return True
-            children = item.values() if isinstance(item, Mapping) else item
-            stack.extend((child, enclosing + 1) for child in children)
-    return False
-
-
-def _nul_problems(value: Any) -> list[tuple[list[str | int], str]]:
-    """``\\u0000`` in a string or a key: JSON allows it, Postgres' ``jsonb`` does not."""
-    problems: list[tuple[list[str | int], str]] = []
-    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            if "\x00" in item:
-                problems.append((path, "a string may not contain the character \\u0000"))
-        elif isinstance(item, Mapping):
-            for key, child in item.items():
-                if "\x00" in str(key):
-                    problems.append((path, "a key may not contain the character \\u0000"))
-                stack.append((child, [*path, str(key)]))
-        elif isinstance(item, list):
-            stack.extend((child, [*path, index]) for index, child in enumerate(item))
-    return problems
-
-
-class RunInputField(serializers.JSONField):
-    """Any JSON, nested no deeper than :data:`MAX_INPUT_DEPTH`: deeper values would exhaust
-    Python's recursion in DRF's own check, the input schema's and the templates'. Numbers
-    that overflow to infinity (``1e999``) are refused by DRF's ``JSONField``."""
-
-    def to_internal_value(self, data: Any) -> Any:
-        if _too_deep(data):
-            raise serializers.ValidationError(f"is nested deeper than {MAX_INPUT_DEPTH} levels")
         return super().to_internal_value(data)
 
 
@@ -98,7 +51,7 @@ class RunStartSerializer(serializers.Serializer):
         allow_null=True,
         help_text="the version to pin; the latest when omitted",
     )
-    input = RunInputField(
+    input = serializers.JSONField(
         default=None,
         allow_null=True,
         help_text="any JSON; checked against the version's input_schema",
@@ -125,15 +78,6 @@ class RunStartSerializer(serializers.Serializer):
                 {name: ["is not a field of a run start"] for name in unknown}
             )
         return super().run_validation(data)
-
-    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        # Checked here, not in the field, so each problem names its place (input.items[2]).
-        problems: dict[str, list[str]] = {}
-        for path, message in _nul_problems(attrs.get("input")):
-            problems.setdefault(field_path(["input", *path]), []).append(message)
-        if problems:
-            raise serializers.ValidationError(dict(sorted(problems.items())))
-        return attrs
 
 
 class RunListQuerySerializer(serializers.Serializer):

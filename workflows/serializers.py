@@ -23,7 +23,9 @@ class SavedDefinitionSerializer(serializers.Serializer):
 
 class VersionSummarySerializer(serializers.ModelSerializer):
     version = serializers.IntegerField(source="number")
-    created_by = serializers.CharField(source="created_by.get_username", default=None)
+    created_by = serializers.CharField(
+        source="created_by.get_username", default=None, allow_null=True
+    )
 
     class Meta:
         model = WorkflowVersion

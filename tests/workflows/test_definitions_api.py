@@ -336,3 +336,17 @@ def test_json_nested_too_deep_is_a_400(api: APIClient, depth: int) -> None:
         {"field": "body", "message": "JSON nested more than 100 levels deep"}
     ]
     assert not Workflow.objects.exists()
+
+
+def test_a_nul_character_is_a_400_naming_its_place(api: APIClient) -> None:
+    raw = (
+        '{"id": "nul", "description": "a\\u0000b",'
+        ' "steps": [{"id": "a", "kind": "task", "input": {"k\\u0000": 1}}]}'
+    )
+    response = api.generic("POST", "/api/v1/definitions", raw, content_type="application/json")
+    assert response.status_code == 400
+    assert response.json()["errors"] == [
+        {"field": "description", "message": "a string may not contain the character \\u0000"},
+        {"field": "steps[0].input", "message": "a key may not contain the character \\u0000"},
+    ]
+    assert not Workflow.objects.exists()
