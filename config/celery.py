@@ -32,13 +32,14 @@ def save_workflow_modules(**_: object) -> None:
 @beat_init.connect
 def install_beat_entries(**_: object) -> None:
     """Make sure the engine's beat entries exist before beat reads its schedule."""
+    from django.conf import settings
     from django.db import transaction
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
     from runs.beat import install_beat_entries as install
 
     with transaction.atomic():
-        install(IntervalSchedule, PeriodicTask)
+        install(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
 
 
 @task_prerun.connect

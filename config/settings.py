@@ -205,13 +205,24 @@ DJFLOW = {
     # How long past an attempt's timeout_ms the engine waits for the worker's own time-out
     # report (Celery's soft time limit) before it times the attempt out itself.
     "DEADLINE_GRACE_SECONDS": env.float("DJFLOW_DEADLINE_GRACE_SECONDS", default=5.0),
-    # A run whose advance message (sent on start, resume or retry) was lost is advanced by
-    # the sweep after this long.
+    # An attempt left scheduled this long counts as lost (its message gone) and is offered
+    # again by the reconciler; a run with nothing in flight that has not moved for this long
+    # is advanced by it.
     "LOST_MESSAGE_SECONDS": env.float("DJFLOW_LOST_MESSAGE_SECONDS", default=10.0),
-    # Most runs the 1-second sweep advances per tick.
-    "SWEEP_BATCH": env.int("DJFLOW_SWEEP_BATCH", default=500),
+    # The reconciler's period (a beat entry, set at each beat start) and its most rows of
+    # each kind per tick.
+    "RECONCILE_SECONDS": env.int("DJFLOW_RECONCILE_SECONDS", default=30),
+    "RECONCILE_BATCH": env.int("DJFLOW_RECONCILE_BATCH", default=500),
+    # The timer tick (every second) claims due timers this many at a time, for at most
+    # TIMER_TICK_SECONDS; it advances up to TIMER_INLINE_RUNS runs itself and hands more to
+    # workers as advance messages.
+    "TIMER_BATCH": env.int("DJFLOW_TIMER_BATCH", default=1000),
+    "TIMER_TICK_SECONDS": env.float("DJFLOW_TIMER_TICK_SECONDS", default=5.0),
+    "TIMER_INLINE_RUNS": env.int("DJFLOW_TIMER_INLINE_RUNS", default=20),
+    # Fired timers are kept this long (for inspection), then deleted by the reconciler.
+    "TIMER_RETENTION_SECONDS": env.int("DJFLOW_TIMER_RETENTION_SECONDS", default=86400),
     # A worker without a step's handler hands the attempt back (class unservable) at most
-    # this many times in a row at once; after that it waits for the sweep between offers.
+    # this many times in a row at once; after that the reconciler offers it again.
     "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
     # How long a worker that handed an attempt back keeps its slot, so another takes it.
     "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),

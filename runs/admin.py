@@ -21,7 +21,7 @@ from django.utils.html import format_html, format_html_join
 from config.admin_mixins import ReadOnlyMixin
 from workflows.errors import EngineError
 
-from .models import Run, StepRun
+from .models import Event, Run, StepRun, Timer
 from .services import run_cancel, run_retry
 
 
@@ -99,7 +99,6 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "started_at",
         "finished_at",
         "deadline_at",
-        "wake_at",
         "pretty_input",
         "pretty_output",
         "pretty_error",
@@ -242,3 +241,42 @@ class StepRunAdmin(ReadOnlyMixin, admin.ModelAdmin):
     @admin.display(description="usage")
     def pretty_usage(self, step: StepRun) -> str:
         return _pretty_json(step.usage)
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    """Events delivered through the API or ``workflows.sdk.send_event``, and the waits that
+    took each."""
+
+    list_display = ("id", "name", "key", "created_at", "created_by")
+    list_filter = ("name",)
+    search_fields = ("name", "key")
+    date_hierarchy = "created_at"
+    fields = ("name", "key", "pretty_payload", "created_by", "created_at", "taken_by")
+    readonly_fields = fields
+
+    @admin.display(description="payload")
+    def pretty_payload(self, event: Event) -> str:
+        return _pretty_json(event.payload)
+
+    @admin.display(description="taken by")
+    def taken_by(self, event: Event) -> str:
+        waits = StepRun.objects.filter(event=event).values_list("run_id", "step_id")
+        if not waits:
+            return "—"
+        return format_html_join(
+            ", ", "{} ({})", ((_run_link(run_id), step_id) for run_id, step_id in waits)
+        )
+
+
+@admin.register(Timer)
+class TimerAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    list_display = ("id", "purpose", "run_link", "fire_at", "fired_at")
+    list_filter = ("purpose", ("fired_at", admin.EmptyFieldListFilter))
+    list_select_related = ("run",)
+    fields = ("run_link", "step_run", "purpose", "key", "fire_at", "fired_at", "created_at")
+    readonly_fields = fields
+
+    @admin.display(description="run")
+    def run_link(self, timer: Timer) -> str:
+        return _run_link(timer.run_id)

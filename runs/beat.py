@@ -1,29 +1,49 @@
 """The engine's beat entries, as code (STYLE.md: periodic work is code).
 
 Installed by a data migration and again whenever a beat process starts, in one transaction
-and idempotently: an entry deleted by hand, or by a test's flush, comes back with beat.
+and idempotently: an entry deleted by hand, or by a test's flush, comes back with beat, and
+the reconciler's period follows ``DJFLOW["RECONCILE_SECONDS"]`` at each start.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-SWEEP = "djflow: sweep (every second)"
+TIMERS = "djflow: fire timers (every second)"
+RECONCILE = "djflow: reconcile"
+# The 1-second sweep of earlier versions, replaced by the two entries above.
+OLD_SWEEP = "djflow: sweep (every second)"
 
 
-def install_beat_entries(interval_model: Any, task_model: Any) -> None:
+def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds: int = 30) -> None:
     """Create or repair the engine's entries, given the two django-celery-beat models
     (historical ones in a migration, the real ones at run time)."""
     every_second, _ = interval_model.objects.get_or_create(every=1, period="seconds")
+    every_reconcile, _ = interval_model.objects.get_or_create(
+        every=max(1, int(reconcile_seconds)), period="seconds"
+    )
+    task_model.objects.filter(name=OLD_SWEEP).delete()
     task_model.objects.update_or_create(
-        name=SWEEP,
+        name=TIMERS,
         defaults={
-            "task": "runs.sweep",
+            "task": "runs.fire_timers",
             "interval": every_second,
             "queue": "engine",
             "enabled": True,
             # A tick that waited past the next one is worthless: drop it, the next comes.
             "expire_seconds": 5,
-            "description": "Advances runs with a due retry, deadline or lost worker.",
+            "description": "Fires due timers (sleeps, wait time-outs, retries, deadlines).",
+        },
+    )
+    task_model.objects.update_or_create(
+        name=RECONCILE,
+        defaults={
+            "task": "runs.reconcile",
+            "interval": every_reconcile,
+            "queue": "engine",
+            "enabled": True,
+            "expire_seconds": max(5, int(reconcile_seconds)),
+            "description": "Re-offers lost work, fails lost at_most_once attempts, advances "
+            "stuck runs.",
         },
     )

@@ -1,7 +1,7 @@
 """Messages the engine sends: always after commit, always ids only.
 
 Every message may arrive twice, late or never; the receiving task is idempotent and the
-sweep finds what a lost message left behind.
+reconciler finds what a lost message left behind.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 def advance_on_commit(run_id: Any) -> None:
     from .tasks import advance
 
-    # robust: a broker outage must not turn a committed start into an error; the sweep
-    # advances the run when its wake_at (set by the caller) passes.
+    # robust: a broker outage must not turn a committed change into an error; the
+    # reconciler advances a run that stays quiet with nothing in flight.
     transaction.on_commit(lambda: advance.delay(str(run_id)), robust=True)
 
 
@@ -45,7 +45,7 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
     The task id was chosen and stored with the attempt, so an operator can revoke it and
     Flower shows ``<workflow>.<step>`` as the task's name.
     """
-    # robust: if the broker is down the attempt stays scheduled and the sweep offers it again.
+    # robust: if the broker is down the attempt stays scheduled and the reconciler offers it again.
     transaction.on_commit(lambda: offer(step_run, workflow_id=workflow_id), robust=True)
 
 
@@ -67,3 +67,14 @@ def offer(step_run: Any, *, workflow_id: str) -> None:
         soft_time_limit=soft,
         time_limit=soft + 10,
     )
+
+
+def advance_now(run_id: Any) -> None:
+    """Send an ``advance`` message now (nothing to wait for: the caller has committed).
+    A broker outage is logged, not raised: the reconciler advances the run later."""
+    from .tasks import advance
+
+    try:
+        advance.delay(str(run_id))
+    except Exception:
+        logger.warning("could not send advance for run %s", run_id, exc_info=True)

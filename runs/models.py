@@ -56,11 +56,9 @@ class Run(models.Model):
     created_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
-    # When the run times out (limits.run_timeout_ms from the start of this generation).
+    # When the run times out (limits.run_timeout_ms from the start of this generation); a
+    # run-deadline timer fires then.
     deadline_at = models.DateTimeField(null=True, blank=True)
-    # The next moment the engine must look at this run without any message: a retry back-off
-    # or a deadline. The sweep advances runs whose wake_at has passed.
-    wake_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -72,7 +70,12 @@ class Run(models.Model):
             models.Index(
                 fields=["workflow", "status", "-created_at", "-id"], name="run_wf_status_newest"
             ),
-            models.Index(fields=["wake_at"], name="run_wake", condition=Q(wake_at__isnull=False)),
+            # The reconciler's look for runs that need the engine without a message.
+            models.Index(
+                fields=["updated_at"],
+                name="run_active_updated",
+                condition=Q(status__in=["pending", "running", "waiting"]),
+            ),
             models.Index(
                 fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
             ),
@@ -117,7 +120,14 @@ class StepRun(models.Model):
     claim = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
+    # For a sleep, when it is over; for a wait_event, when it times out.
     not_before = models.DateTimeField(null=True, blank=True)
+    # For a wait_event: digest of its (event name, resolved key), what deliveries look up.
+    wait_key = models.CharField(max_length=64, blank=True, default="")
+    # For a wait_event that took an event: that event (taken at most once per run).
+    event = models.ForeignKey(
+        "Event", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
     # Times a worker without the handler handed the attempt back (class unservable).
     refusals = models.PositiveIntegerField(default=0)
     usage = models.JSONField(default=dict, blank=True)
@@ -134,6 +144,12 @@ class StepRun(models.Model):
             models.UniqueConstraint(
                 fields=["run", "path", "step_id", "attempt"], name="step_run_attempt_unique"
             ),
+            # An event is consumed at most once per run (contract section 5).
+            models.UniqueConstraint(
+                fields=["run", "event"],
+                condition=Q(event__isnull=False),
+                name="step_run_event_once",
+            ),
         ]
         indexes = [
             models.Index(
@@ -146,8 +162,81 @@ class StepRun(models.Model):
                 name="step_run_scheduled",
                 condition=Q(status="scheduled"),
             ),
+            models.Index(
+                fields=["wait_key"],
+                name="step_run_waiting_event",
+                condition=Q(status="waiting", kind="wait_event"),
+            ),
         ]
 
     def __str__(self) -> str:
         where = f"{self.path}/" if self.path else ""
         return f"{where}{self.step_id} #{self.attempt} ({self.status})"
+
+
+class TimerPurpose(models.TextChoices):
+    SLEEP = "sleep"
+    WAIT_TIMEOUT = "wait_timeout"
+    STEP_DEADLINE = "step_deadline"
+    RUN_DEADLINE = "run_deadline"
+    RETRY_BACKOFF = "retry_backoff"
+
+
+class Timer(models.Model):
+    """A moment the engine must look at a run without any message arriving.
+
+    The 1-second tick (``runs.engine.timers``) claims due timers with ``SKIP LOCKED`` and a
+    conditional update of ``fired_at``, then advances their runs: durable time is a row here,
+    never a Celery ETA or a beat entry per timer.
+    """
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="timers")
+    step_run = models.ForeignKey(
+        StepRun, null=True, blank=True, on_delete=models.CASCADE, related_name="timers"
+    )
+    purpose = models.CharField(max_length=20, choices=TimerPurpose.choices)
+    # What makes a timer the same timer: planning twice over one journal asks for the same
+    # key, and the unique constraint keeps one row.
+    key = models.CharField(max_length=200)
+    fire_at = models.DateTimeField()
+    fired_at = models.DateTimeField(null=True, blank=True)
+    # Times the tick claimed it: the claim is conditional, so this is 0 or 1 (tests check it).
+    fires = models.PositiveSmallIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["fire_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "key"], name="timer_run_key_unique"),
+        ]
+        indexes = [
+            models.Index(fields=["fire_at"], name="timer_due", condition=Q(fired_at__isnull=True)),
+            models.Index(
+                fields=["fired_at"], name="timer_fired", condition=Q(fired_at__isnull=False)
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.purpose} of run {self.run_id} at {self.fire_at:%Y-%m-%d %H:%M:%S}"
+
+
+class Event(models.Model):
+    """An event delivered through ``POST /api/v1/events``: kept, so a wait reached after it
+    arrived (but after its run started) still takes it."""
+
+    name = models.CharField(max_length=200)
+    key = models.CharField(max_length=500)
+    # Digest of (name, key), what waits look events up by.
+    wait_key = models.CharField(max_length=64)
+    payload = models.JSONField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["wait_key", "created_at", "id"], name="event_oldest")]
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.key}]"

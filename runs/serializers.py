@@ -80,6 +80,37 @@ class RunStartSerializer(serializers.Serializer):
         return super().run_validation(data)
 
 
+class EventSerializer(serializers.Serializer):
+    """The body of ``POST /events``. Unknown fields are refused, each named."""
+
+    name = StrictCharField(max_length=200, trim_whitespace=False, help_text="the event's name")
+    key = StrictCharField(
+        max_length=500,
+        allow_blank=True,
+        trim_whitespace=False,
+        help_text='matched against each wait_event\'s resolved `key` (text; 42 is sent as "42")',
+    )
+    payload = serializers.JSONField(
+        default=None, allow_null=True, help_text="any JSON: the output of the waits it resumes"
+    )
+
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        if not isinstance(data, Mapping):
+            shown = "null" if data is None or data is serializers.empty else type(data).__name__
+            raise serializers.ValidationError({"body": [f"must be a JSON object, not {shown}"]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError(
+                {name: ["is not a field of an event"] for name in unknown}
+            )
+        return super().run_validation(data)
+
+
+class EventDeliverySerializer(serializers.Serializer):
+    id = serializers.IntegerField(help_text="the stored event's id")
+    matched = serializers.IntegerField(help_text="how many waits the event resumed")
+
+
 class RunListQuerySerializer(serializers.Serializer):
     """The filters of ``GET /runs``."""
 

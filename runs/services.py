@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -19,8 +17,9 @@ from workflows.models import WorkflowVersion
 from workflows.validation import field_path
 
 from . import dispatch
+from .engine import events
 from .engine.advance import advance_locked
-from .models import Run, StepRun
+from .models import Event, Run, StepRun, Timer
 from .status import RUN_TERMINAL, RunStatus, StepStatus, check_run_move
 
 
@@ -80,7 +79,7 @@ def run_start(
     The same ``idempotency_key`` for the same workflow returns the run it started first
     (``created`` false), whatever the rest of the call says. The run is created and its first
     step planned in one transaction; the attempt is offered to a worker after commit (and
-    offered again by the sweep should that message be lost).
+    offered again by the reconciler should that message be lost).
     """
     if idempotency_key is not None:
         existing = Run.objects.filter(workflow_id=workflow, idempotency_key=idempotency_key).first()
@@ -112,11 +111,6 @@ def run_start(
     return StartResult(run, created=True)
 
 
-def _recovery_time() -> datetime:
-    """When the sweep advances the run if the advance message sent on commit is lost."""
-    return timezone.now() + timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
-
-
 def _locked(run_id: Any) -> Run:
     try:
         run_id = uuid.UUID(str(run_id))
@@ -146,8 +140,8 @@ def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
     run.status = RunStatus.CANCELLED
     run.error = {"class": "cancelled", "message": reason, "step": None}
     run.finished_at = now
-    run.wake_at = None
-    run.save(update_fields=["status", "error", "finished_at", "wake_at", "updated_at"])
+    run.save(update_fields=["status", "error", "finished_at", "updated_at"])
+    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
     dispatch.revoke_on_commit([task_id for task_id in in_flight if task_id])
     for child in run.children.exclude(status__in=RUN_TERMINAL).values_list("id", flat=True):
         run_cancel(run_id=child, reason=f"parent run {run.id} was cancelled")
@@ -171,8 +165,8 @@ def run_resume(*, run_id: Any) -> Run:
     if run.status != RunStatus.PAUSED:
         raise InvalidInput(errors=[FieldError("status", f"a {run.status} run is not paused")])
     run.status = RunStatus.RUNNING
-    run.wake_at = _recovery_time()
-    run.save(update_fields=["status", "wake_at", "updated_at"])
+    # Should the advance message be lost, the reconciler advances a run this quiet.
+    run.save(update_fields=["status", "updated_at"])
     dispatch.advance_on_commit(run.id)
     return run
 
@@ -199,7 +193,29 @@ def run_retry(*, run_id: Any) -> Run:
     run.finished_at = None
     run.started_at = timezone.now()
     run.deadline_at = None  # set by the next advance from the document's limits
-    run.wake_at = _recovery_time()
     run.save()
     dispatch.advance_on_commit(run.id)
     return run
+
+
+EVENT_NAME_MAX = Event._meta.get_field("name").max_length
+EVENT_KEY_MAX = Event._meta.get_field("key").max_length
+
+
+def event_send(
+    *, name: Any, key: Any, payload: Any = None, user: AbstractBaseUser | None = None
+) -> tuple[Event, int]:
+    """Deliver an event (contract sections 5 and 7): stored, then given to every wait on
+    its name and key; returns the event and how many waits it resumed."""
+    errors = []
+    if not isinstance(name, str) or not name:
+        errors.append(FieldError("name", "must be a non-empty string"))
+    elif len(name) > EVENT_NAME_MAX:
+        errors.append(FieldError("name", f"is longer than {EVENT_NAME_MAX} characters"))
+    if not isinstance(key, str):
+        errors.append(FieldError("key", "must be a string (the wait's resolved key)"))
+    elif len(key) > EVENT_KEY_MAX:
+        errors.append(FieldError("key", f"is longer than {EVENT_KEY_MAX} characters"))
+    if errors:
+        raise InvalidInput(errors=errors)
+    return events.deliver(name=name, key=key, payload=payload, user=user)

@@ -13,9 +13,17 @@ def advance(run_id: str) -> None:
     run_advance(run_id=run_id)
 
 
-@shared_task(name="runs.sweep", ignore_result=True)
-def sweep() -> int:
-    """The engine's clock tick (beat, every second): advance runs with something due."""
-    from .engine.sweep import sweep_due
+@shared_task(name="runs.fire_timers", ignore_result=True)
+def fire_timers() -> int:
+    """The engine's clock tick (beat, every second): fire due timers, advance their runs."""
+    from .engine.timers import fire_due
 
-    return sweep_due()
+    return fire_due()
+
+
+@shared_task(name="runs.reconcile", ignore_result=True)
+def reconcile() -> dict[str, int]:
+    """The reconciler (beat, every RECONCILE_SECONDS): recover lost messages and workers."""
+    from .engine.reconcile import reconcile as reconcile_once
+
+    return reconcile_once()

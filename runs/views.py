@@ -20,6 +20,8 @@ from workflows.views import ERRORS
 from . import selectors, services
 from .models import Run
 from .serializers import (
+    EventDeliverySerializer,
+    EventSerializer,
     RunListQuerySerializer,
     RunListSerializer,
     RunSerializer,
@@ -198,3 +200,29 @@ class RunRetryView(RunActionView):
     )
     def post(self, request: Request, run_id: str) -> Response:
         return super().post(request, run_id)
+
+
+class EventView(APIView):
+    @extend_schema(
+        operation_id="events_deliver",
+        request=EventSerializer,
+        examples=[
+            OpenApiExample(
+                "approved",
+                value={"name": "approved", "key": "Q: where is my parcel?", "payload": {"ok": 1}},
+                request_only=True,
+            )
+        ],
+        description=(
+            "Deliver an event. It is stored, and every run waiting (`wait_event`) on this name"
+            " and key takes it; a run that reaches such a wait later takes the oldest event it"
+            " has not taken that arrived after the run started. `matched` is how many waits it"
+            " resumed now."
+        ),
+        responses={200: EventDeliverySerializer, 400: ERRORS, 401: ERRORS, 403: ERRORS},
+    )
+    def post(self, request: Request) -> Response:
+        body = EventSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        event, matched = services.event_send(**body.validated_data, user=request.user)
+        return Response({"id": event.id, "matched": matched})

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from runs.engine.journal import from_json, from_timestamp
-from runs.models import Run, StepRun
+from runs.models import Run, StepRun, Timer, TimerPurpose
 from runs.status import StepStatus
 
 
@@ -48,7 +48,10 @@ def lease_until(now: datetime, deadline: datetime) -> datetime:
     return min(lease, deadline + grace)
 
 
+# The claim also sets the attempt's deadline timer (fired at its deadline plus grace), in the
+# same statement: an attempt whose worker hangs past its time limit is timed out by the engine.
 _CLAIM_POSTGRES = """
+WITH claimed AS (
 UPDATE {step_run} AS s
    SET status = 'running', claim = %(claim)s, worker = %(worker)s, started_at = %(now)s,
        deadline_at = %(now)s + s.timeout_ms * interval '1 millisecond',
@@ -59,6 +62,14 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at
+), deadline AS (
+INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
+SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
+       deadline_at + %(grace)s * interval '1 second', 0, %(now)s
+  FROM claimed
+    ON CONFLICT DO NOTHING
+)
+SELECT * FROM claimed
 """
 
 
@@ -73,7 +84,9 @@ def claim_attempt(step_run_id: int, *, worker: str, now: datetime) -> Claimed | 
 def _claim_postgres(
     step_run_id: int, worker: str, now: datetime, claim: uuid.UUID
 ) -> Claimed | None:
-    sql = _CLAIM_POSTGRES.format(step_run=StepRun._meta.db_table, run=Run._meta.db_table)
+    sql = _CLAIM_POSTGRES.format(
+        step_run=StepRun._meta.db_table, run=Run._meta.db_table, timer=Timer._meta.db_table
+    )
     params = {
         "claim": claim,
         "worker": worker,
@@ -140,6 +153,19 @@ def _claim_portable(
     )
     if not claimed:
         return None
+    grace = timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"])
+    Timer.objects.bulk_create(
+        [
+            Timer(
+                run_id=row.run_id,
+                step_run_id=row.id,
+                purpose=TimerPurpose.STEP_DEADLINE,
+                key=f"step_deadline:{row.id}",
+                fire_at=deadline + grace,
+            )
+        ],
+        ignore_conflicts=True,
+    )
     return Claimed(
         id=row.id,
         run_id=row.run_id,

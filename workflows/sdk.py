@@ -871,15 +871,13 @@ def workflow(
     )
 
 
-def send_event(name: str, key: str, payload: Any) -> Any:
-    """Deliver an event to the runs waiting for (``name``, ``key``)."""
-    try:
-        from runs.services import event_send  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as exc:
-        if exc.name not in ("runs", "runs.services"):
-            raise
-        raise NotImplementedError("runs are not built yet") from exc
-    return event_send(name=name, key=key, payload=payload)
+def send_event(name: str, key: str, payload: Any = None) -> int:
+    """Deliver an event to the runs waiting for (``name``, ``key``), as ``POST
+    /api/v1/events`` does: it is stored (a wait reached later still takes it) and the number
+    of waits it resumed is returned."""
+    from runs.services import event_send
+
+    return event_send(name=name, key=key, payload=payload)[1]
 
 
 # --- Saving every builder --------------------------------------------------------------------

@@ -9,11 +9,15 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from ..models import Run, StepRun
-from . import journal
+from . import events, journal
 from .apply import apply_plan
 from .plan import Plan, plan
 
 logger = logging.getLogger(__name__)
+
+# A plan that opens a wait which an event already there satisfies is planned again at once;
+# each round consumes an event, so this only bounds a document of many waits in a row.
+MAX_ROUNDS = 100
 
 
 def run_advance(*, run_id: Any) -> Plan | None:
@@ -44,14 +48,23 @@ def lock_run(run_id: Any) -> Run | None:
 
 def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
-    with ``hold``, also the lone new attempt left for the caller to run (see apply_plan)."""
-    now = timezone.now()
-    planned = plan(
-        journal.document_of(run.version_id),
-        journal.run_view(run),
-        journal.journal_of(run.id),
-        now,
-        journal.planner_settings(),
-    )
-    held = apply_plan(run, planned, now, hold=hold)
-    return planned, held
+    with ``hold``, also the lone new attempt left for the caller to run (see apply_plan).
+
+    A wait_event the plan opened takes an event that arrived before it (after the run
+    started), and the run is planned again from there, in the same transaction.
+    """
+    for _ in range(MAX_ROUNDS):
+        now = timezone.now()
+        planned = plan(
+            journal.document_of(run.version_id),
+            journal.run_view(run),
+            journal.journal_of(run.id),
+            now,
+            journal.planner_settings(),
+        )
+        applied = apply_plan(run, planned, now, hold=hold)
+        taken = [wait for wait in applied.waits if events.take_event(run, wait)]
+        if not taken:
+            return planned, applied.held
+    logger.warning("advance: run %s took events in %d rounds; stopping", run.id, MAX_ROUNDS)
+    return planned, applied.held

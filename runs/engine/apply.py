@@ -1,36 +1,47 @@
 """Apply a plan: the only writer of runs and step runs for the engine's decisions.
 
 Called with the run row locked (``SELECT ... FOR UPDATE``) inside one transaction; every
-message it causes is sent on commit. Step-run changes are conditional updates on the
-source status, so an attempt a worker completed or a canceller closed meanwhile is left as
-that writer left it.
+message it causes is sent on commit, and every timer it sets is a row written in the same
+transaction. Step-run changes are conditional updates on the source status, so an attempt a
+worker completed, a canceller closed or an event delivery resumed meanwhile is left as that
+writer left it.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from .. import dispatch
-from ..models import Run, StepRun
+from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
 from . import plan as p
 from .store import insert_attempt, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
+OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
 
 
-def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> StepRun | None:
+@dataclass
+class Applied:
+    # A lone new attempt left for the caller to run (see ``hold``).
+    held: StepRun | None = None
+    # wait_event rows opened by this plan: the caller looks for an event already there.
+    waits: list[StepRun] = field(default_factory=list)
+
+
+def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> Applied:
     """Write ``planned`` for ``run`` (locked by the caller) and queue its messages.
 
     With ``hold``, a lone new attempt is not offered but returned: the caller (a worker that
     just finished the previous step) runs it itself. Should that worker die first, the
-    attempt stays ``scheduled`` and the sweep offers it after ``LOST_MESSAGE_SECONDS``.
+    attempt stays ``scheduled`` and the reconciler offers it after ``LOST_MESSAGE_SECONDS``.
     """
-    held: StepRun | None = None
+    applied = Applied()
     fields: set[str] = set()
-    wake: datetime | None = None
+    timers: list[Timer] = []
     schedules: list[p.Schedule] = []
     for action in planned.actions:
         if isinstance(action, p.StartRun):
@@ -40,6 +51,14 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
                 fields.add("status")
             run.started_at, run.deadline_at = action.started_at, action.deadline_at
             fields |= {"started_at", "deadline_at"}
+            timers.append(
+                Timer(
+                    run=run,
+                    purpose=TimerPurpose.RUN_DEADLINE,
+                    key=f"deadline:{run.generation}:{action.deadline_at.isoformat()}",
+                    fire_at=action.deadline_at,
+                )
+            )
         elif isinstance(action, p.Schedule):
             schedules.append(action)
             run.attempts += 1
@@ -57,23 +76,21 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
                 finished_at=now,
             )
         elif isinstance(action, p.Open):
-            done = action.status == StepStatus.SUCCEEDED
-            StepRun.objects.create(
-                run=run,
-                step_id=action.step_id,
-                path=action.path,
-                kind=action.kind,
-                attempt=action.attempt,
-                generation=action.generation,
-                status=action.status,
-                branch=action.branch,
-                output=action.output,
-                scheduled_at=now,
-                started_at=now,
-                finished_at=now if done else None,
-            )
+            opened = _open(run, action, now)
+            if action.timer is not None and action.not_before is not None:
+                timers.append(
+                    Timer(
+                        run=run,
+                        step_run=opened,
+                        purpose=action.timer,
+                        key=f"{action.timer}:{opened.id}",
+                        fire_at=action.not_before,
+                    )
+                )
+            if action.kind == "wait_event" and action.status == StepStatus.WAITING:
+                applied.waits.append(opened)
         elif isinstance(action, p.Close):
-            StepRun.objects.filter(id=action.attempt_id, status=StepStatus.RUNNING).update(
+            StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
             )
         elif isinstance(action, p.Expire):
@@ -88,18 +105,15 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
             if changed:
                 dispatch.revoke_on_commit(task_ids)
         elif isinstance(action, p.Wake):
-            wake = action.at if wake is None else min(wake, action.at)
+            timers.append(Timer(run=run, purpose=action.purpose, key=action.key, fire_at=action.at))
         elif isinstance(action, p.Finish):
             _finish(run, action, now)
             fields |= {"status", "output", "error", "finished_at"}
-    if run.status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.TIMED_OUT):
-        wake = None
-    elif run.deadline_at is not None:
-        # Look at the run again at its deadline even if no message ever comes.
-        wake = run.deadline_at if wake is None else min(wake, run.deadline_at)
-    if wake != run.wake_at:
-        run.wake_at = wake
-        fields.add("wake_at")
+    if planned.finish is None:
+        _show_waiting(run, planned, fields)
+    if timers and planned.finish is None:
+        # The same journal planned twice asks for the same keys: one row each.
+        Timer.objects.bulk_create(timers, ignore_conflicts=True)
     run_changes = {name: getattr(run, name) for name in sorted(fields)}
     if run_changes:
         run.updated_at = now
@@ -109,12 +123,48 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
         last = index == len(schedules) - 1
         step_run = _schedule(run, action, now, run_changes if last else None)
         if hold and len(schedules) == 1:
-            held = step_run
+            applied.held = step_run
         else:
             dispatch.offer_on_commit(step_run, workflow_id=run.workflow_id)
     if run_changes and not schedules:
         update_run(run.id, run_changes)
-    return held
+    return applied
+
+
+def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:
+    """``waiting`` while only sleeps and waits hold the run (no process is alive for it),
+    ``running`` again once anything is scheduled or due."""
+    if run.status == RunStatus.RUNNING and planned.waiting:
+        target = RunStatus.WAITING
+    elif run.status == RunStatus.WAITING and not planned.waiting:
+        target = RunStatus.RUNNING
+    else:
+        return
+    check_run_move(run.status, target)
+    run.status = target
+    fields.add("status")
+
+
+def _open(run: Run, action: p.Open, now: datetime) -> StepRun:
+    done = action.status in (StepStatus.SUCCEEDED, StepStatus.FAILED)
+    return StepRun.objects.create(
+        run=run,
+        step_id=action.step_id,
+        path=action.path,
+        kind=action.kind,
+        attempt=action.attempt,
+        generation=action.generation,
+        status=action.status,
+        branch=action.branch,
+        input=action.input,
+        output=action.output,
+        error=dict(action.error) if action.error else None,
+        not_before=action.not_before,
+        wait_key=action.wait_key,
+        scheduled_at=now,
+        started_at=now,
+        finished_at=now if done else None,
+    )
 
 
 def _schedule(
@@ -163,3 +213,5 @@ def _finish(run: Run, action: p.Finish, now: datetime) -> None:
     in_flight.filter(kind="condition").update(status=ended, finished_at=now)
     in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
     dispatch.revoke_on_commit(task_ids)
+    # An ended run needs no timer: the tick would find nothing to do for it.
+    Timer.objects.filter(run=run, fired_at__isnull=True).delete()

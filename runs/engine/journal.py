@@ -45,6 +45,7 @@ SELECT id, step_id, path, kind, attempt, generation, status, branch, output, err
        CASE WHEN status IN ('failed', 'timed_out') THEN finished_at END,
        CASE WHEN status = 'running' THEN lease_expires_at END,
        CASE WHEN status = 'running' THEN deadline_at END,
+       CASE WHEN status = 'waiting' THEN not_before END,
        cost_usd
   FROM {table}
  WHERE run_id = %s
@@ -75,7 +76,8 @@ def journal_of(run_id: Any) -> list[AttemptView]:
             finished_at=from_timestamp(row[11]),
             lease_expires_at=from_timestamp(row[12]),
             deadline_at=from_timestamp(row[13]),
-            cost_usd=float(row[14] or 0),
+            not_before=from_timestamp(row[14]),
+            cost_usd=float(row[15] or 0),
         )
         for row in rows
     ]

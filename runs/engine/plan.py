@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import Enum
 from typing import Any
 
@@ -31,6 +32,8 @@ from workflows.templates import resolve
 
 # Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
 WORKER_KINDS = frozenset({"task", "agent"})
+# Kinds that wait in the engine: a row ``waiting`` and a timer, no process alive.
+WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event"})
 DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
@@ -44,6 +47,7 @@ RETRYABLE = "retryable"
 TIMEOUT = "timeout"
 LOST = "lost"  # the worker vanished (its lease expired) before recording a result
 LIMIT = "limit"
+INVALID_INPUT = "invalid_input"
 UNSUPPORTED = "unsupported"
 
 IN_FLIGHT = frozenset({"scheduled", "running", "waiting"})
@@ -81,6 +85,8 @@ class AttemptView:
     finished_at: datetime | None = None
     lease_expires_at: datetime | None = None
     deadline_at: datetime | None = None
+    # A waiting row's due time: a sleep's end, a wait_event's time-out.
+    not_before: datetime | None = None
     cost_usd: float = 0.0
 
 
@@ -122,17 +128,25 @@ class Skip:
 
 @dataclass(frozen=True)
 class Open:
-    """An engine step's row (a condition): ``running`` while its branch runs, or already
-    ``succeeded`` when the branch finished within the same plan."""
+    """An engine step's row: a condition (``running`` while its branch runs), or a sleep or
+    wait (``waiting``, with a timer at ``not_before`` when that is set); ``succeeded`` or
+    ``failed`` already when the step is over within the same plan."""
 
     step_id: str
     path: str
     kind: str
     attempt: int
     generation: int
-    branch: str
+    branch: str = ""
     status: str = "running"
+    input: Any = None
     output: Any = None
+    error: Mapping[str, Any] | None = None
+    not_before: datetime | None = None
+    # The timer's purpose when a timer must fire at ``not_before``.
+    timer: str | None = None
+    # A wait_event's digest of (event name, resolved key): what deliveries look up.
+    wait_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,9 +171,12 @@ class Expire:
 
 @dataclass(frozen=True)
 class Wake:
-    """Nothing is in flight but something falls due at ``at`` (a retry back-off)."""
+    """Nothing is in flight but something falls due at ``at`` (a retry back-off): a timer.
+    ``key`` names it, so planning twice over one journal asks for the same timer."""
 
     at: datetime
+    purpose: str = "retry_backoff"
+    key: str = ""
 
 
 @dataclass(frozen=True)
@@ -177,6 +194,9 @@ Action = StartRun | Schedule | Skip | Open | Close | Expire | Wake | Finish
 @dataclass
 class Plan:
     actions: list[Action] = field(default_factory=list)
+    # The run is held only by sleeps and waits (no attempt in flight, no back-off): it shows
+    # ``waiting``, and no process is alive for it.
+    waiting: bool = False
 
     def of(self, kind: type) -> list[Any]:
         return [a for a in self.actions if isinstance(a, kind)]
@@ -241,6 +261,9 @@ class _Planner:
         self.previous_output: Any = run.input
         self.ran_before = False  # has any step (not skipped) come before this one?
         self.counted = 0
+        # What blocked the walk: a sleep or wait (waiting), or work in flight or due (busy).
+        self.waiting = False
+        self.busy = False
 
     # entry
 
@@ -262,8 +285,7 @@ class _Planner:
             )
             return self.out
         if self.run_view.status == "paused":
-            # A paused run only watches its deadline; resuming plans the rest.
-            self.out.actions.append(Wake(deadline))
+            # A paused run only watches its deadline (its timer is set); resuming plans on.
             return self.out
         self._expire_attempts()
         self._index()
@@ -272,6 +294,8 @@ class _Planner:
         go = self._walk(self.document["steps"], "")
         if go is _Go.CONTINUE:
             self._complete()
+        elif go is _Go.BLOCKED:
+            self.out.waiting = self.waiting and not self.busy
         return self.out
 
     def _start(self) -> datetime:
@@ -368,7 +392,10 @@ class _Planner:
         latest = attempts[-1] if attempts else None
         if latest is None:
             return self._first(step, path)
+        if latest.status == "waiting" and latest.kind in WAIT_KINDS:
+            return self._waiting(step, path, attempts, latest)
         if latest.status in IN_FLIGHT:
+            self.busy = True
             return _Go.BLOCKED
         if latest.status == "succeeded":
             self._settle(step, "succeeded", latest.output, None)
@@ -407,7 +434,8 @@ class _Planner:
         if due is not None:
             if due <= self.now:
                 return self._schedule(step, path, attempt=latest.attempt + 1)
-            self.out.actions.append(Wake(due))
+            self.out.actions.append(Wake(due, "retry_backoff", f"retry:{latest.id}"))
+            self.busy = True
             return _Go.BLOCKED
         if continues:
             self._settle(step, "failed", None, error)
@@ -461,7 +489,7 @@ class _Planner:
 
     def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
         kind = step["kind"]
-        if kind not in WORKER_KINDS:
+        if kind not in WORKER_KINDS and kind not in WAIT_KINDS:
             self.out.actions.append(
                 Finish(
                     "failed",
@@ -487,6 +515,8 @@ class _Planner:
             )
             return _Go.STOP
         self.counted += 1
+        if kind in WAIT_KINDS:
+            return self._open_wait(step, path, attempt)
         self.out.actions.append(
             Schedule(
                 step_id=step["id"],
@@ -503,6 +533,97 @@ class _Planner:
             )
         )
         return _Go.BLOCKED
+
+    # sleeps and waits
+
+    def _open_wait(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
+        """Reach a sleep, sleep_until or wait_event: a ``waiting`` row and its timer, or the
+        step done (or failed) at once when its time has already come."""
+        kind = step["kind"]
+        opened = {
+            "step_id": step["id"],
+            "path": path,
+            "kind": kind,
+            "attempt": attempt,
+            "generation": self.run_view.generation,
+        }
+        if kind == "wait_event":
+            key = key_text(resolve(step.get("key", ""), self.context))
+            timeout = step.get("timeout_ms")
+            due = self.now + timedelta(milliseconds=timeout) if timeout is not None else None
+            self.out.actions.append(
+                Open(
+                    **opened,
+                    status="waiting",
+                    input={"event": step["event"], "key": key},
+                    not_before=due,
+                    timer="wait_timeout" if due is not None else None,
+                    wait_key=wait_key(step["event"], key),
+                )
+            )
+            self.waiting = True
+            return _Go.BLOCKED
+        if kind == "sleep":
+            wait_input: dict[str, Any] = {"ms": step["ms"]}
+            due = self.now + timedelta(milliseconds=step["ms"])
+        else:
+            until = resolve(step["until"], self.context)
+            wait_input = {"until": until}
+            try:
+                due = parse_until(until)
+            except ValueError as error:
+                failure = {"class": INVALID_INPUT, "message": f"until: {error}"}
+                self.out.actions.append(
+                    Open(**opened, status="failed", input=wait_input, error=failure)
+                )
+                view = AttemptView(
+                    id=0,
+                    step_id=step["id"],
+                    attempt=attempt,
+                    status="failed",
+                    kind=kind,
+                    path=path,
+                    generation=self.run_view.generation,
+                    error=failure,
+                    finished_at=self.now,
+                )
+                attempts = [*self.by_step.get((path, step["id"]), []), view]
+                return self._after_failure(step, path, attempts, view)
+        if due <= self.now:
+            # A time already past fires at once, within this plan.
+            self.out.actions.append(Open(**opened, status="succeeded", input=wait_input))
+            self._settle(step, "succeeded", None, None)
+            return _Go.CONTINUE
+        self.out.actions.append(
+            Open(**opened, status="waiting", input=wait_input, not_before=due, timer="sleep")
+        )
+        self.waiting = True
+        return _Go.BLOCKED
+
+    def _waiting(
+        self,
+        step: Mapping[str, Any],
+        path: str,
+        attempts: list[AttemptView],
+        latest: AttemptView,
+    ) -> _Go:
+        """A sleep or wait already waiting: over once its time has come. (A wait_event that
+        took an event is ``succeeded`` by the delivery, not here.)"""
+        if latest.not_before is None or self.now < latest.not_before:
+            self.waiting = True
+            return _Go.BLOCKED
+        if latest.kind != "wait_event":
+            self.out.actions.append(Close(latest.id, "succeeded"))
+            self._settle(step, "succeeded", None, None)
+            return _Go.CONTINUE
+        error = {
+            "class": TIMEOUT,
+            "message": f"no event '{step['event']}' arrived within timeout_ms "
+            f"({step.get('timeout_ms')} ms)",
+        }
+        self.out.actions.append(Close(latest.id, "timed_out", error=error))
+        timed_out = replace(latest, status="timed_out", error=error, finished_at=self.now)
+        return self._after_failure(step, path, [*attempts[:-1], timed_out], timed_out)
 
     def _input(self, step: Mapping[str, Any]) -> Any:
         if "input" in step:
@@ -609,3 +730,39 @@ def backoff_ms(policy: Mapping[str, Any], failures: int, *, seed: str) -> int:
         fraction = int.from_bytes(digest[:8], "big") / 2**64
         jitter = int(base * JITTER_SHARE * fraction)
     return int(min(ceiling, base + jitter))
+
+
+def key_text(value: Any) -> str:
+    """A wait_event's resolved key as the text events are matched on: a string as it is,
+    anything else (a number from a template, say) as compact JSON, so 42 matches "42"."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def wait_key(name: str, key: str) -> str:
+    """The digest waits and events are matched on: no separator can be confused."""
+    return hashlib.sha256(json.dumps([name, key]).encode()).hexdigest()
+
+
+def parse_until(value: Any) -> datetime:
+    """A ``sleep_until`` time: epoch milliseconds (a number, or digits in a string) or
+    ISO-8601 (a time without an offset is UTC). Raises ValueError naming what was given."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    if isinstance(value, int | float):
+        try:
+            return datetime.fromtimestamp(value / 1000, UTC)
+        except (OverflowError, OSError, ValueError):
+            raise ValueError(f"epoch milliseconds {value!r} are out of range") from None
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.strip())
+        except ValueError:
+            raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds") from None
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+    raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")

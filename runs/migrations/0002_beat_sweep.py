@@ -2,7 +2,7 @@
 
 from django.db import migrations
 
-from runs.beat import SWEEP, install_beat_entries
+from runs.beat import OLD_SWEEP as SWEEP, install_beat_entries
 
 
 def install(apps, schema_editor):

@@ -408,9 +408,9 @@ def test_max_cost_usd_stops_the_run() -> None:
     ).of(Schedule)
 
 
-def test_a_paused_run_schedules_nothing_but_watches_its_deadline() -> None:
+def test_a_paused_run_schedules_nothing_its_deadline_timer_is_already_set() -> None:
     out = plan(doc(task("a"), task("b")), run(status="paused"), [ok("a", 1)], NOW)
-    assert out.of(Schedule) == [] and only(out.actions, Wake).at == T0 + timedelta(minutes=5)
+    assert out.actions == []
 
 
 def test_terminal_runs_plan_nothing() -> None:
@@ -419,7 +419,7 @@ def test_terminal_runs_plan_nothing() -> None:
 
 
 def test_unsupported_kinds_fail_the_run_clearly() -> None:
-    out = plan(doc({"id": "nap", "kind": "sleep", "ms": 5}), run(), [], NOW)
+    out = plan(doc({"id": "gate", "kind": "approval", "approvers": {}}), run(), [], NOW)
     assert only(out.actions, Finish).error["class"] == "unsupported"
 
 

@@ -9,7 +9,7 @@ from django.db import IntegrityError
 from rest_framework.test import APIClient
 
 from runs import services
-from runs.engine.sweep import sweep_due
+from runs.engine.reconcile import reconcile
 from runs.models import Run, StepRun
 from workflows.errors import NotFound
 
@@ -49,12 +49,12 @@ def test_a_broker_outage_does_not_fail_a_committed_start(
         )
     assert response.status_code == 201
     run = Run.objects.get()
-    # The attempt stays scheduled; the sweep offers it again once its message counts as lost.
+    # The attempt stays scheduled; the reconciler offers it again once its message counts as lost.
     assert run.status == "running"
     assert run.steps.get().status == "scheduled"
 
 
-def test_the_sweep_offers_again_an_attempt_whose_message_was_lost(
+def test_the_reconciler_offers_again_an_attempt_whose_message_was_lost(
     django_capture_on_commit_callbacks, settings
 ) -> None:
     WorkflowVersionFactory()
@@ -66,7 +66,7 @@ def test_the_sweep_offers_again_an_attempt_whose_message_was_lost(
         mock.patch("workers.tasks.execute_step.apply_async") as offer,
         django_capture_on_commit_callbacks(execute=True),
     ):
-        sweep_due()
+        reconcile()
     offer.assert_called_once()
     assert offer.call_args.args[0] == (attempt.id,)
     # A claimed attempt is not offered again.
@@ -75,7 +75,7 @@ def test_the_sweep_offers_again_an_attempt_whose_message_was_lost(
         mock.patch("workers.tasks.execute_step.apply_async") as offer,
         django_capture_on_commit_callbacks(execute=True),
     ):
-        sweep_due()
+        reconcile()
     offer.assert_not_called()
 
 

@@ -6,9 +6,7 @@ import copy
 import importlib
 import pickle
 import sys
-import types
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -965,34 +963,6 @@ def test_reloading_a_module_replaces_its_builder_and_handlers() -> None:
 
 
 # --- start and events, before runs exist -----------------------------------------------------
-
-
-@contextmanager
-def _runs_services(module: types.ModuleType | None) -> Iterator[None]:
-    saved = {name: sys.modules.get(name) for name in ("runs", "runs.services")}
-    sys.modules["runs.services"] = module  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = value
-
-
-def test_send_event_says_events_are_not_built_without_the_service() -> None:
-    with _runs_services(None), pytest.raises(NotImplementedError, match="runs are not built"):
-        sdk.send_event("approved", "Q", {"ok": True})
-
-
-def test_send_event_delegates_to_the_runs_services() -> None:
-    calls: list[tuple[str, dict[str, Any]]] = []
-    fake = types.ModuleType("runs.services")
-    fake.event_send = lambda **kw: calls.append(("event_send", kw)) or 1  # type: ignore[attr-defined]
-    with _runs_services(fake):
-        assert sdk.send_event("approved", "Q", {"ok": True}) == 1
-    assert calls == [("event_send", {"name": "approved", "key": "Q", "payload": {"ok": True}})]
 
 
 @pytest.mark.django_db

@@ -1,0 +1,167 @@
+"""The reconciler (beat, every ``RECONCILE_SECONDS``): find what a lost message, a lost
+worker or a crash left behind, and put it right. Bounded work per tick.
+
+- an attempt left ``scheduled`` too long (its message lost: a broker restart, a purge; or
+  handed back too often by workers without its handler) is offered again;
+- a ``running`` attempt whose lease lapsed (its worker is gone) has its run advanced: the
+  planner fails it as ``lost``, then offers an ``at_least_once`` step again and fails an
+  ``at_most_once`` one (it may have had its effect);
+- a run with nothing in flight that should be moving (a lost ``advance``, a fired timer whose
+  message was lost, a sleep past due, a deadline passed) is advanced;
+- a wait left waiting although an event it may take is stored is given it;
+- fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted.
+
+Two reconcilers at once (two beats) are safe: on Postgres a session advisory lock lets one
+run at a time, and each action is itself conditional (a re-offer updates ``scheduled_at``
+from the value it read, a stuck run is claimed by updating ``updated_at`` from the value it
+read, and advancing plans under the run's lock), so no row is acted on twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
+
+from .. import dispatch
+from ..models import Run, StepRun, Timer, TimerPurpose
+from ..status import RunStatus, StepStatus
+from . import events
+from .advance import run_advance
+
+logger = logging.getLogger(__name__)
+
+# Any constant shared by every reconciler of one database.
+_LOCK_ID = 0x646A666C6F77  # "djflow"
+
+
+def reconcile() -> dict[str, int]:
+    """One reconciler tick; returns how many rows each part acted on (empty when another
+    reconciler holds the lock)."""
+    with _only_one() as alone:
+        if not alone:
+            return {}
+        now = timezone.now()
+        batch = settings.DJFLOW["RECONCILE_BATCH"]
+        return {
+            "reoffered": reoffer_lost(now, batch),
+            "lost_workers": advance_lost_workers(now, batch),
+            "stuck_runs": advance_stuck(now, batch),
+            "missed_events": events.match_missed(batch),
+            "timers_pruned": prune_timers(now, batch),
+        }
+
+
+@contextlib.contextmanager
+def _only_one() -> Iterator[bool]:
+    if connection.vendor != "postgresql":
+        yield True
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [_LOCK_ID])
+        alone = cursor.fetchone()[0]
+    try:
+        yield alone
+    finally:
+        if alone:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s)", [_LOCK_ID])
+
+
+def reoffer_lost(now: datetime, batch: int) -> int:
+    """Offer again the attempts left ``scheduled`` too long. A duplicate offer is harmless
+    (the claim decides), so this errs on the side of offering."""
+    tunables = settings.DJFLOW
+    lost = now - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"])
+    refused = now - timedelta(seconds=1)
+    rows = (
+        StepRun.objects.filter(status=StepStatus.SCHEDULED)
+        .filter(
+            Q(scheduled_at__lte=lost)
+            | Q(refusals__gte=tunables["MAX_QUICK_REFUSALS"], scheduled_at__lte=refused)
+        )
+        .select_related("run")
+        .order_by("scheduled_at")[:batch]
+    )
+    offered = 0
+    for row in rows:
+        with transaction.atomic():
+            unchanged = StepRun.objects.filter(
+                id=row.id, status=StepStatus.SCHEDULED, scheduled_at=row.scheduled_at
+            )
+            if unchanged.update(scheduled_at=now):
+                dispatch.offer_on_commit(row, workflow_id=row.run.workflow_id)
+                offered += 1
+    return offered
+
+
+def advance_lost_workers(now: datetime, batch: int) -> int:
+    """Advance the runs of running attempts whose lease lapsed (the lease never outlives the
+    attempt's deadline plus grace, so this also catches a body past its deadline)."""
+    run_ids = list(
+        StepRun.objects.filter(status=StepStatus.RUNNING, lease_expires_at__lte=now)
+        .order_by("lease_expires_at")
+        .values_list("run_id", flat=True)[:batch]
+    )
+    return _advance_each(dict.fromkeys(run_ids))
+
+
+def advance_stuck(now: datetime, batch: int) -> int:
+    """Advance runs that should be moving but have not for ``LOST_MESSAGE_SECONDS``."""
+    tunables = settings.DJFLOW
+    quiet = now - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"])
+    grace = timedelta(seconds=tunables["DEADLINE_GRACE_SECONDS"])
+    busy = StepRun.objects.filter(
+        run_id=OuterRef("id"), status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
+    )
+    due_wait = StepRun.objects.filter(
+        run_id=OuterRef("id"), status=StepStatus.WAITING, not_before__lte=now
+    )
+    backing_off = Timer.objects.filter(
+        run_id=OuterRef("id"), purpose=TimerPurpose.RETRY_BACKOFF, fired_at__isnull=True
+    )
+    candidates = (
+        Run.objects.filter(
+            status__in=[RunStatus.PENDING, RunStatus.RUNNING, RunStatus.WAITING],
+            updated_at__lte=quiet,
+        )
+        .alias(busy=Exists(busy), backing_off=Exists(backing_off), due_wait=Exists(due_wait))
+        .filter(
+            Q(status__in=[RunStatus.PENDING, RunStatus.RUNNING], busy=False, backing_off=False)
+            | Q(due_wait=True)
+            | Q(deadline_at__lte=now - grace)
+        )
+        .order_by("updated_at")
+        .values_list("id", "updated_at")[:batch]
+    )
+    claimed = {}
+    for run_id, updated_at in list(candidates):
+        # The claim: only one reconciler moves updated_at from the value it read.
+        if Run.objects.filter(id=run_id, updated_at=updated_at).update(updated_at=now):
+            claimed[run_id] = None
+    return _advance_each(claimed)
+
+
+def _advance_each(run_ids: dict) -> int:
+    advanced = 0
+    for run_id in run_ids:
+        try:
+            run_advance(run_id=run_id)
+            advanced += 1
+        except DatabaseError:
+            # Log and go on: the next tick tries again (a scheduler must not die on a blip).
+            logger.exception("reconcile: advancing run %s failed", run_id)
+    return advanced
+
+
+def prune_timers(now: datetime, batch: int) -> int:
+    """Delete fired timers past their retention, a batch at a time."""
+    kept_since = now - timedelta(seconds=settings.DJFLOW["TIMER_RETENTION_SECONDS"])
+    old = Timer.objects.filter(fired_at__lte=kept_since).order_by("fired_at").values("id")[:batch]
+    return Timer.objects.filter(id__in=list(old.values_list("id", flat=True))).delete()[0]

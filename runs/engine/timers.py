@@ -1,0 +1,112 @@
+"""The timer tick: fire due timers (beat, every second).
+
+Each tick claims due timers in batches: ``SELECT ... FOR UPDATE SKIP LOCKED`` picks rows no
+other tick holds, and the claim itself is a conditional update of ``fired_at``, so two beats
+(or two ticks overlapping) never fire one timer twice. A fired timer's run is then advanced,
+which plans from the journal: a sleep over, a wait timed out, a retry due, an attempt or the
+run past its deadline. A step-deadline timer whose attempt already ended is fired without
+advancing anything.
+
+A handful of runs is advanced by the tick itself; more are handed to workers as ``advance``
+messages. Should such a message be lost, the reconciler finds the run (see reconcile.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from .. import dispatch
+from ..models import StepRun, Timer, TimerPurpose
+from ..status import StepStatus
+from .advance import run_advance
+
+logger = logging.getLogger(__name__)
+
+_CLAIM_POSTGRES = """
+WITH due AS (
+    SELECT id FROM {timer}
+     WHERE fired_at IS NULL AND fire_at <= %(now)s
+     ORDER BY fire_at
+     LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE {timer} AS t
+   SET fired_at = %(now)s, fires = t.fires + 1
+  FROM due
+ WHERE t.id = due.id AND t.fired_at IS NULL
+RETURNING t.run_id, t.purpose, t.step_run_id
+"""
+
+
+def fire_due(*, budget_seconds: float | None = None) -> int:
+    """Fire every due timer, batch after batch, for at most ``budget_seconds``; returns how
+    many were fired by this call."""
+    tunables = settings.DJFLOW
+    budget = tunables["TIMER_TICK_SECONDS"] if budget_seconds is None else budget_seconds
+    batch = tunables["TIMER_BATCH"]
+    started = time.monotonic()
+    fired = 0
+    while True:
+        claimed = claim_due(timezone.now(), batch)
+        fired += len(claimed)
+        _advance(_runs_to_advance(claimed))
+        if len(claimed) < batch or time.monotonic() - started >= budget:
+            return fired
+
+
+def claim_due(now: datetime, batch: int) -> list[tuple[Any, str, int | None]]:
+    """Mark up to ``batch`` due timers fired; returns (run id, purpose, step run id) of each
+    timer this call claimed, committed."""
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            sql = _CLAIM_POSTGRES.format(timer=Timer._meta.db_table)
+            with connection.cursor() as cursor:
+                cursor.execute(sql, {"now": now, "batch": batch})
+                return [(run_id, purpose, step_run) for run_id, purpose, step_run in cursor]
+        # The embedded SQLite default: one writer at a time, the conditional update decides.
+        due = list(
+            Timer.objects.filter(fired_at__isnull=True, fire_at__lte=now)
+            .order_by("fire_at")
+            .values_list("id", "run_id", "purpose", "step_run_id")[:batch]
+        )
+        claimed = []
+        for timer_id, run_id, purpose, step_run in due:
+            if Timer.objects.filter(id=timer_id, fired_at__isnull=True).update(
+                fired_at=now, fires=1
+            ):
+                claimed.append((run_id, purpose, step_run))
+        return claimed
+
+
+def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
+    deadlines = {step for _, purpose, step in claimed if purpose == TimerPurpose.STEP_DEADLINE}
+    still_running = set(
+        StepRun.objects.filter(id__in=deadlines, status=StepStatus.RUNNING).values_list(
+            "id", flat=True
+        )
+    )
+    runs: dict[Any, None] = {}
+    for run_id, purpose, step in claimed:
+        if purpose != TimerPurpose.STEP_DEADLINE or step in still_running:
+            runs[run_id] = None
+    return list(runs)
+
+
+def _advance(run_ids: list[Any]) -> None:
+    if len(run_ids) > settings.DJFLOW["TIMER_INLINE_RUNS"]:
+        for run_id in run_ids:
+            dispatch.advance_now(run_id)
+        return
+    for run_id in run_ids:
+        try:
+            run_advance(run_id=run_id)
+        except DatabaseError:
+            # The timer is fired; the reconciler advances a run left behind.
+            logger.exception("timers: advancing run %s failed", run_id)
