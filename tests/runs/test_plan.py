@@ -19,7 +19,10 @@ from runs.engine.plan import (
     StartRun,
     Wake,
     backoff_ms,
+    key_text,
+    parse_until,
     plan,
+    wait_key,
 )
 
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -526,3 +529,208 @@ def test_a_skipped_condition_writes_skipped() -> None:
     out = plan(doc(task("a"), step), run(), [ok("a", {"kind": "bug"})], NOW)
     assert only(out.actions, Skip).kind == "condition"
     assert only(out.actions, Finish).status == "completed"
+
+
+# --- sleeps and waits ---------------------------------------------------------------------
+
+
+def waiting(step_id: str, kind: str, due: datetime | None, **fields: Any) -> AttemptView:
+    return in_flight(step_id, status="waiting", kind=kind, not_before=due, **fields)
+
+
+def test_a_sleep_opens_a_waiting_row_with_a_timer_and_the_run_shows_waiting() -> None:
+    out = plan(doc({"id": "nap", "kind": "sleep", "ms": 2000}, task("b")), run(), [], NOW)
+    opened = only(out.actions, Open)
+    assert (opened.status, opened.timer, opened.not_before) == (
+        "waiting",
+        "sleep",
+        NOW + timedelta(seconds=2),
+    )
+    assert out.waiting and out.of(Schedule) == []
+
+
+def test_a_sleep_not_yet_due_plans_nothing_and_stays_waiting() -> None:
+    journal = [waiting("nap", "sleep", NOW + timedelta(seconds=1))]
+    out = plan(doc({"id": "nap", "kind": "sleep", "ms": 2000}, task("b")), run(), journal, NOW)
+    assert out.actions == [] and out.waiting
+
+
+def test_a_due_sleep_closes_and_the_next_step_gets_the_input_before_the_sleep() -> None:
+    journal = [ok("a", {"x": 1}), waiting("nap", "sleep", NOW)]
+    out = plan(
+        doc(task("a"), {"id": "nap", "kind": "sleep", "ms": 5}, task("b")), run(), journal, NOW
+    )
+    close = only(out.actions, Close)
+    assert (close.attempt_id, close.status) == (journal[1].id, "succeeded")
+    # A sleep's output is null, and it is the previous step's output for the next one.
+    assert only(out.actions, Schedule).input is None
+    assert not out.waiting
+
+
+@pytest.mark.parametrize(
+    "until",
+    ["2026-01-01T11:00:00Z", "2026-01-01T11:00:00", "1767265200000", 1767265200000, 0],
+)
+def test_a_sleep_until_in_the_past_is_over_within_the_same_plan(until: Any) -> None:
+    out = plan(
+        doc({"id": "nap", "kind": "sleep_until", "until": "${input.at}"}, task("b")),
+        run(input={"at": until}),
+        [],
+        NOW,
+    )
+    assert only(out.actions, Open).status == "succeeded"
+    assert only(out.actions, Schedule).step_id == "b"
+
+
+@pytest.mark.parametrize(
+    ("until", "due"),
+    [
+        ("2026-01-01T13:00:00+01:00", datetime(2026, 1, 1, 12, 0, tzinfo=UTC)),
+        ("2026-01-01T12:30:00Z", datetime(2026, 1, 1, 12, 30, tzinfo=UTC)),
+        ("2026-01-01T12:30:00", datetime(2026, 1, 1, 12, 30, tzinfo=UTC)),
+        (1767270600000, datetime(2026, 1, 1, 12, 30, tzinfo=UTC)),
+        ("1767270600000", datetime(2026, 1, 1, 12, 30, tzinfo=UTC)),
+    ],
+)
+def test_sleep_until_reads_iso_8601_and_epoch_ms(until: Any, due: datetime) -> None:
+    out = plan(
+        doc({"id": "nap", "kind": "sleep_until", "until": "${input.at}"}),
+        run(input={"at": until}),
+        [],
+        T0 - timedelta(hours=1),
+    )
+    opened = only(out.actions, Open)
+    if due <= T0 - timedelta(hours=1):
+        assert opened.status == "succeeded"
+    else:
+        assert (opened.status, opened.not_before) == ("waiting", due)
+
+
+@pytest.mark.parametrize("until", ["next tuesday", None, True, {"at": 1}, 10**30, "2026-13-01"])
+def test_a_sleep_until_that_is_not_a_time_fails_the_step_as_invalid_input(until: Any) -> None:
+    out = plan(
+        doc({"id": "nap", "kind": "sleep_until", "until": "${input.at}"}, task("b")),
+        run(input={"at": until}),
+        [],
+        NOW,
+    )
+    opened = only(out.actions, Open)
+    assert opened.status == "failed" and opened.error["class"] == "invalid_input"
+    assert opened.error["message"].startswith("until: ")
+    finish = only(out.actions, Finish)
+    assert (finish.status, finish.error["class"], finish.error["step"]) == (
+        "failed",
+        "invalid_input",
+        "nap",
+    )
+
+
+def test_a_bad_sleep_until_with_continue_goes_on() -> None:
+    out = plan(
+        doc(
+            {"id": "nap", "kind": "sleep_until", "until": "soon", "on_error": "continue"},
+            task("b", input="${steps.nap.status}"),
+        ),
+        run(),
+        [],
+        NOW,
+    )
+    assert only(out.actions, Schedule).input == "failed"
+
+
+def test_a_wait_event_resolves_its_key_per_run_and_sets_a_timeout_timer() -> None:
+    step = {
+        "id": "w",
+        "kind": "wait_event",
+        "event": "approved",
+        "key": "${input.ticket}",
+        "timeout_ms": 60_000,
+    }
+    out = plan(doc(step), run(input={"ticket": 42}), [], NOW)
+    opened = only(out.actions, Open)
+    assert opened.input == {"event": "approved", "key": "42"}
+    assert (opened.timer, opened.not_before) == ("wait_timeout", NOW + timedelta(minutes=1))
+    assert opened.wait_key == wait_key("approved", "42") != wait_key("approved", "43")
+    assert out.waiting
+
+
+def test_a_wait_event_without_timeout_has_no_timer() -> None:
+    out = plan(doc({"id": "w", "kind": "wait_event", "event": "e"}), run(), [], NOW)
+    opened = only(out.actions, Open)
+    assert opened.timer is None and opened.not_before is None
+    assert opened.input == {"event": "e", "key": ""}
+
+
+def test_a_wait_event_that_took_its_event_passes_the_payload_on() -> None:
+    journal = [ok("w", {"ok": True}, kind="wait_event")]
+    out = plan(
+        doc({"id": "w", "kind": "wait_event", "event": "e"}, task("b", input="${steps.w.output}")),
+        run(),
+        journal,
+        NOW,
+    )
+    assert only(out.actions, Schedule).input == {"ok": True}
+
+
+def test_a_timed_out_wait_fails_the_run_with_class_timeout() -> None:
+    journal = [waiting("w", "wait_event", NOW)]
+    out = plan(
+        doc({"id": "w", "kind": "wait_event", "event": "e", "timeout_ms": 5}, task("b")),
+        run(),
+        journal,
+        NOW,
+    )
+    close = only(out.actions, Close)
+    assert (close.status, close.error["class"]) == ("timed_out", "timeout")
+    finish = only(out.actions, Finish)
+    assert (finish.status, finish.error["class"], finish.error["step"]) == (
+        "failed",
+        "timeout",
+        "w",
+    )
+
+
+def test_a_timed_out_wait_with_continue_goes_on_and_a_guard_sees_its_status() -> None:
+    journal = [waiting("w", "wait_event", NOW - timedelta(milliseconds=1))]
+    out = plan(
+        doc(
+            {
+                "id": "w",
+                "kind": "wait_event",
+                "event": "e",
+                "timeout_ms": 5,
+                "on_error": "continue",
+            },
+            task("b", when={"path": "steps.w.error.class", "op": "eq", "value": "timeout"}),
+        ),
+        run(),
+        journal,
+        NOW,
+    )
+    assert only(out.actions, Schedule).step_id == "b"
+
+
+def test_a_run_in_retry_back_off_is_not_waiting_and_names_its_timer() -> None:
+    journal = [failed("a", "retryable", at=NOW)]
+    out = plan(doc(task("a", retry={"max_attempts": 2, "initial_ms": 1000})), run(), journal, NOW)
+    wake = only(out.actions, Wake)
+    assert (wake.purpose, wake.key) == ("retry_backoff", f"retry:{journal[0].id}")
+    assert not out.waiting
+
+
+def test_a_sleep_counts_towards_max_steps() -> None:
+    out = plan(
+        doc(task("a"), {"id": "nap", "kind": "sleep", "ms": 5}, limits={"max_steps": 1}),
+        run(),
+        [ok("a")],
+        NOW,
+    )
+    assert only(out.actions, Finish).error["class"] == "limit"
+
+
+def test_key_text_and_parse_until_edges() -> None:
+    assert key_text("abc") == "abc" and key_text(None) == "" and key_text(7) == "7"
+    assert key_text({"b": 1, "a": [1, 2]}) == '{"a":[1,2],"b":1}'
+    assert parse_until("2026-01-01T12:00:00.250+00:00") == T0 + timedelta(milliseconds=250)
+    with pytest.raises(ValueError, match="out of range"):
+        parse_until(-(10**20))

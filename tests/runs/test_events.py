@@ -1,0 +1,352 @@
+"""Events, waits, timers and the reconciler, in the database (no worker: these documents
+hold only engine steps, so the engine itself runs them to the end)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from runs import services
+from runs.engine import timers
+from runs.engine.advance import run_advance
+from runs.engine.reconcile import reconcile
+from runs.models import Event, Run, StepRun, Timer
+from workflows import sdk
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db
+
+
+def wait(step_id: str, event: str = "approved", key: str = "${input.ticket}", **more: Any) -> dict:
+    return {"id": step_id, "kind": "wait_event", "event": event, "key": key, **more}
+
+
+def save(*steps: dict[str, Any], workflow: str = "waits", **top: Any) -> None:
+    definition_save(document={"id": workflow, "steps": list(steps), **top})
+
+
+def start(ticket: Any = "T-1", workflow: str = "waits", **more: Any) -> Run:
+    return services.run_start(workflow=workflow, input={"ticket": ticket, **more}).run
+
+
+def fresh(run: Run) -> Run:
+    return Run.objects.get(id=run.id)
+
+
+def send(name: str = "approved", key: str = "T-1", payload: Any = None) -> int:
+    return services.event_send(name=name, key=key, payload=payload)[1]
+
+
+def fire_now(run: Run) -> int:
+    """Bring the timers of the run's waiting rows (and their due times) to now, then tick."""
+    past = timezone.now() - timedelta(milliseconds=1)
+    Timer.objects.filter(run=run, fired_at__isnull=True, step_run__isnull=False).update(
+        fire_at=past
+    )
+    StepRun.objects.filter(run=run, status="waiting", not_before__isnull=False).update(
+        not_before=past
+    )
+    return timers.fire_due()
+
+
+# --- waits take events ----------------------------------------------------------------------
+
+
+def test_a_waiting_run_shows_waiting_and_an_event_resumes_it_with_its_payload() -> None:
+    save(wait("approval"), output="${steps.approval.output}")
+    run = start()
+    assert fresh(run).status == "waiting"
+    assert send(payload={"by": "ann"}) == 1
+    run = fresh(run)
+    assert (run.status, run.output) == ("completed", {"by": "ann"})
+    row = run.steps.get()
+    assert row.status == "succeeded" and row.event.payload == {"by": "ann"}
+
+
+def test_an_event_sent_after_the_run_started_but_before_its_wait_is_taken() -> None:
+    save(wait("first", event="a"), wait("second", event="b"), output="${steps.second.output}")
+    run = start()
+    assert send("b", payload="early") == 0  # nobody waits on b yet: kept
+    assert send("a") == 1
+    run = fresh(run)
+    assert (run.status, run.output) == ("completed", "early")
+
+
+def test_an_event_sent_before_the_run_started_is_not_taken() -> None:
+    save(wait("approval"))
+    send()
+    run = start()
+    assert fresh(run).status == "waiting"
+
+
+def test_two_runs_with_different_keys_each_take_only_their_own() -> None:
+    save(wait("approval"), output="${steps.approval.output}")
+    one, two = start("T-1"), start("T-2")
+    assert send(key="T-2", payload=2) == 1
+    assert (fresh(one).status, fresh(two).status, fresh(two).output) == ("waiting", "completed", 2)
+    assert send(key="T-1", payload=1) == 1
+    assert (fresh(one).status, fresh(one).output) == ("completed", 1)
+
+
+def test_one_event_resumes_every_run_waiting_on_it() -> None:
+    save(wait("approval"))
+    runs = [start(), start()]
+    assert send() == 2
+    assert {fresh(run).status for run in runs} == {"completed"}
+
+
+def test_a_run_waiting_twice_on_one_key_takes_two_events_oldest_first() -> None:
+    save(wait("one"), wait("two"), output=["${steps.one.output}", "${steps.two.output}"])
+    run = start()
+    assert send(payload=1) == 1
+    assert fresh(run).status == "waiting"  # the first event is consumed by the first wait
+    assert send(payload=2) == 1
+    assert fresh(run).output == [1, 2]
+
+
+def test_a_stored_event_is_taken_oldest_first() -> None:
+    save(wait("gate", event="go"), wait("one"), output="${steps.one.output}")
+    run = start()
+    send(payload="older")
+    send(payload="newer")
+    send("go")
+    assert fresh(run).output == "older"
+
+
+def test_a_key_resolved_to_a_number_matches_its_text() -> None:
+    save(wait("approval"))
+    run = start(42)
+    assert send(key="42") == 1 and fresh(run).status == "completed"
+
+
+def test_the_builder_sends_events() -> None:
+    save(wait("approval"))
+    run = start()
+    assert sdk.send_event("approved", "T-1", {"ok": True}) == 1
+    assert fresh(run).steps.get().output == {"ok": True}
+
+
+# --- time-outs, sleeps and timers ------------------------------------------------------------
+
+
+def test_a_wait_time_out_fails_the_run_with_class_timeout() -> None:
+    save(wait("approval", timeout_ms=60_000))
+    run = start()
+    timer = Timer.objects.get(run=run, purpose="wait_timeout")
+    assert timer.step_run == run.steps.get()
+    assert fire_now(run) == 1
+    run = fresh(run)
+    assert (run.status, run.error["class"], run.error["step"]) == ("failed", "timeout", "approval")
+    assert run.steps.get().status == "timed_out"
+    # The run is over: its deadline timer went with it; a late event resumes nothing.
+    assert not Timer.objects.filter(run=run, fired_at__isnull=True).exists()
+    assert send() == 0
+
+
+def test_a_wait_time_out_with_continue_goes_on() -> None:
+    save(
+        wait("approval", timeout_ms=60_000, on_error="continue"),
+        {"id": "nap", "kind": "sleep", "ms": 0},
+        output="${steps.approval.error.class}",
+    )
+    run = start()
+    fire_now(run)
+    run = fresh(run)
+    assert (run.status, run.output) == ("completed", "timeout")
+
+
+def test_an_event_racing_the_time_out_resumes_the_wait_only_once() -> None:
+    save(wait("approval", timeout_ms=60_000), output="${steps.approval.output}")
+    run = start()
+    assert send(payload="in time") == 1
+    # The time-out timer was deleted with the run's end; firing finds nothing to do.
+    assert fire_now(run) == 0
+    run = fresh(run)
+    assert (run.status, run.output) == ("completed", "in time")
+    assert run.steps.count() == 1
+
+
+def test_a_sleep_waits_for_its_timer_then_the_run_goes_on() -> None:
+    save({"id": "nap", "kind": "sleep", "ms": 60_000}, output="done")
+    run = start()
+    assert fresh(run).status == "waiting"
+    assert timers.fire_due() == 0  # not due yet
+    assert fire_now(run) == 1
+    assert (fresh(run).status, fresh(run).output) == ("completed", "done")
+    timer = Timer.objects.get(run=run, purpose="sleep")
+    assert timer.fires == 1 and timer.fired_at is not None
+    # A second tick claims nothing: the claim is conditional on fired_at.
+    assert timers.fire_due() == 0
+    assert Timer.objects.get(id=timer.id).fires == 1
+
+
+def test_a_sleep_until_in_the_past_completes_within_the_start() -> None:
+    save({"id": "nap", "kind": "sleep_until", "until": "${input.at}"}, output="over")
+    run = start(at="2020-01-01T00:00:00Z")
+    assert (fresh(run).status, fresh(run).output) == ("completed", "over")
+    assert not Timer.objects.filter(run=run, purpose="sleep").exists()
+
+
+def test_a_sleep_until_that_is_not_a_time_fails_naming_until() -> None:
+    save({"id": "nap", "kind": "sleep_until", "until": "${input.at}"})
+    run = fresh(start(at="tomorrow-ish"))
+    assert (run.status, run.error["class"]) == ("failed", "invalid_input")
+    assert "until" in run.error["message"] and "tomorrow-ish" in run.error["message"]
+
+
+def test_the_run_deadline_is_a_timer_and_times_the_run_out() -> None:
+    save({"id": "nap", "kind": "sleep", "ms": 60_000}, limits={"run_timeout_ms": 120_000})
+    run = start()
+    deadline = Timer.objects.get(run=run, purpose="run_deadline")
+    assert deadline.fire_at == fresh(run).deadline_at
+    Timer.objects.filter(run=run, purpose="sleep").update(
+        fire_at=timezone.now() + timedelta(days=1)
+    )
+    Run.objects.filter(id=run.id).update(deadline_at=timezone.now() - timedelta(seconds=1))
+    Timer.objects.filter(id=deadline.id).update(fire_at=timezone.now() - timedelta(seconds=1))
+    assert timers.fire_due() == 1
+    run = fresh(run)
+    assert (run.status, run.error["class"]) == ("timed_out", "timeout")
+    assert run.steps.get().status == "cancelled"
+
+
+def test_cancelling_a_waiting_run_removes_its_timers_and_its_wait() -> None:
+    save(wait("approval", timeout_ms=60_000))
+    run = start()
+    services.run_cancel(run_id=run.id)
+    assert not Timer.objects.filter(run=run, fired_at__isnull=True).exists()
+    assert run.steps.get().status == "cancelled"
+    assert send() == 0
+
+
+def test_a_paused_run_keeps_an_event_and_goes_on_when_resumed() -> None:
+    save(wait("approval"), output="${steps.approval.output}")
+    run = start()
+    services.run_pause(run_id=run.id)
+    assert send(payload="while paused") == 1
+    assert fresh(run).status == "paused"
+    services.run_resume(run_id=run.id)
+    run_advance(run_id=run.id)  # what the advance message sent on commit does
+    run = fresh(run)
+    assert (run.status, run.output) == ("completed", "while paused")
+
+
+# --- the reconciler ----------------------------------------------------------------------------
+
+
+def test_the_reconciler_gives_a_wait_an_event_it_missed() -> None:
+    save(wait("approval"), output="${steps.approval.output}")
+    run = start()
+    row = run.steps.get()
+    # An event stored without its delivery resuming anyone (a web process that died).
+    Event.objects.create(name="approved", key="T-1", wait_key=row.wait_key, payload="late")
+    assert reconcile()["missed_events"] == 1
+    assert (fresh(run).status, fresh(run).output) == ("completed", "late")
+    assert reconcile()["missed_events"] == 0
+
+
+def test_the_reconciler_advances_a_run_whose_timer_fired_but_whose_advance_was_lost(
+    settings,
+) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    save({"id": "nap", "kind": "sleep", "ms": 60_000}, output="woke")
+    run = start()
+    past = timezone.now() - timedelta(seconds=1)
+    StepRun.objects.filter(run=run).update(not_before=past)
+    Timer.objects.filter(run=run, purpose="sleep").update(fire_at=past, fired_at=past, fires=1)
+    assert reconcile()["stuck_runs"] == 1
+    assert (fresh(run).status, fresh(run).output) == ("completed", "woke")
+
+
+def test_the_reconciler_leaves_a_run_that_is_still_sleeping_alone(settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    save({"id": "nap", "kind": "sleep", "ms": 60_000})
+    run = start()
+    before = fresh(run).updated_at
+    assert reconcile()["stuck_runs"] == 0
+    assert fresh(run).updated_at == before
+
+
+def test_a_second_reconciler_does_nothing_while_one_runs() -> None:
+    params = connection.get_connection_params()
+    other = psycopg.connect(
+        **{k: v for k, v in params.items() if k in ("host", "port", "user", "dbname", "password")},
+        autocommit=True,
+    )
+    try:
+        other.execute("SELECT pg_advisory_lock(%s)", [0x646A666C6F77])
+        assert reconcile() == {}
+        other.execute("SELECT pg_advisory_unlock(%s)", [0x646A666C6F77])
+        assert reconcile() != {}
+    finally:
+        other.close()
+
+
+def test_the_reconciler_prunes_fired_timers_past_their_retention(settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RETENTION_SECONDS": 60}
+    save({"id": "nap", "kind": "sleep", "ms": 60_000})
+    run = start()
+    old = timezone.now() - timedelta(minutes=2)
+    Timer.objects.filter(run=run, purpose="sleep").update(fired_at=old, fires=1)
+    assert reconcile()["timers_pruned"] == 1
+    assert Timer.objects.filter(run=run, purpose="run_deadline").exists()  # unfired: kept
+
+
+# --- POST /api/v1/events ----------------------------------------------------------------------
+
+
+def test_the_events_api_answers_how_many_waits_it_resumed(api: APIClient) -> None:
+    save(wait("approval"))
+    run = start()
+    response = api.post(
+        "/api/v1/events", {"name": "approved", "key": "T-1", "payload": [1]}, format="json"
+    )
+    assert response.status_code == 200
+    assert response.json()["matched"] == 1
+    assert Event.objects.get(id=response.json()["id"]).payload == [1]
+    assert fresh(run).status == "completed"
+    again = api.post("/api/v1/events", {"name": "approved", "key": "T-1"}, format="json")
+    assert (again.status_code, again.json()["matched"]) == (200, 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"key": "k"}, "name"),
+        ({"name": "", "key": "k"}, "name"),
+        ({"name": 7, "key": "k"}, "name"),
+        ({"name": "x" * 201, "key": "k"}, "name"),
+        ({"name": "n"}, "key"),
+        ({"name": "n", "key": 42}, "key"),
+        ({"name": "n", "key": "k" * 501}, "key"),
+        ({"name": "n", "key": "k", "extra": 1}, "extra"),
+        (["name"], "body"),
+    ],
+)
+def test_a_bad_event_is_a_400_naming_the_field_and_nothing_is_stored(
+    api: APIClient, body: Any, field: str
+) -> None:
+    response = api.post("/api/v1/events", body, format="json")
+    assert response.status_code == 400
+    assert field in {error.get("field") for error in response.json()["errors"]}
+    assert not Event.objects.exists()
+
+
+def test_the_events_api_needs_authentication(anon_api: APIClient) -> None:
+    response = anon_api.post("/api/v1/events", {"name": "n", "key": "k"}, format="json")
+    assert response.status_code in (401, 403)
+    assert not Event.objects.exists()
+
+
+def test_the_service_refuses_what_the_api_would(db) -> None:
+    from workflows.errors import InvalidInput
+
+    with pytest.raises(InvalidInput) as caught:
+        services.event_send(name="", key=None)
+    assert {error.field for error in caught.value.errors} == {"name", "key"}
