@@ -177,8 +177,9 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
-# The engine's own tasks (advance, sweep) have a queue of their own so a backlog of step
-# bodies never delays planning. `celery -A config worker` with no -Q consumes both.
+# The engine's own tasks (advance, the timer tick, the reconciler) have a queue of their own
+# so a backlog of step bodies never delays planning. `celery -A config worker` with no -Q
+# consumes both.
 CELERY_TASK_QUEUES = [Queue("default"), Queue("engine")]
 CELERY_TASK_ROUTES = {"runs.*": {"queue": "engine"}}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

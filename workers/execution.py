@@ -253,7 +253,7 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
             scheduled_at=timezone.now(),
         )
         if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
-            # After that many refusals in a row the sweep offers it again, slower.
+            # After that many refusals in a row the reconciler offers it again, slower.
             dispatch.offer_on_commit(row, workflow_id=workflow_id)
     # Hold this pool slot a moment after the offer: a free worker that may have the handler
     # takes the message, instead of this one taking it straight back.

@@ -364,7 +364,7 @@ def test_a_step_run_inline_has_its_own_time_limit(celery_worker, celery_processe
     assert run.status == "failed"
     capped = run.steps.get(step_id="capped")
     assert capped.status == "timed_out"
-    # The worker's own alarm (not the engine's later sweep) stopped it.
+    # The worker's own alarm (not the engine's later deadline timer) stopped it.
     assert capped.error == {"class": "timeout", "message": "the attempt ran past 1000 ms"}
     assert (capped.finished_at - capped.started_at).total_seconds() < 2
     assert capped.worker == run.steps.get(step_id="quick").worker
