@@ -252,6 +252,34 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
         assert float(draft["cost_usd"]) > 0  # its span's usage was priced
         assert float(run["cost_usd"]) == float(draft["cost_usd"])
 
+        # A bug waits for its approval event with no process alive, on SQLite too.
+        status, bug = _api(
+            "POST",
+            f"{base}/api/v1/runs",
+            key,
+            {"workflow": "support_ticket", "input": {"ticket": "B: crash"}},
+        )
+        assert status == 201, bug
+        deadline = time.monotonic() + 30
+        while bug["status"] != "waiting" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status, bug = _api("GET", f"{base}/api/v1/runs/{bug['id']}", key)
+        assert bug["status"] == "waiting", (bug, log.read_text())
+        status, delivery = _api(
+            "POST",
+            f"{base}/api/v1/events",
+            key,
+            {"name": "approved", "key": "B: crash", "payload": {"ok": True}},
+        )
+        assert (status, delivery["matched"]) == (200, 1), delivery
+        deadline = time.monotonic() + 30
+        while bug["status"] not in RUN_TERMINAL and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status, bug = _api("GET", f"{base}/api/v1/runs/{bug['id']}", key)
+        assert bug["status"] == "completed", (bug, log.read_text())
+        approval = next(step for step in bug["steps"] if step["step_id"] == "approval")
+        assert approval["output"] == {"ok": True}
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
         assert "database is locked" not in log.read_text()

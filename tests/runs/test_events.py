@@ -350,3 +350,38 @@ def test_the_service_refuses_what_the_api_would(db) -> None:
     with pytest.raises(InvalidInput) as caught:
         services.event_send(name="", key=None)
     assert {error.field for error in caught.value.errors} == {"name", "key"}
+
+
+# --- the embedded default's path, and the admin ------------------------------------------------
+
+
+def test_the_tick_claims_each_timer_once_on_the_portable_path_too() -> None:
+    from unittest import mock
+
+    save({"id": "nap", "kind": "sleep", "ms": 60_000}, output="done")
+    run = start()
+    past = timezone.now() - timedelta(milliseconds=1)
+    Timer.objects.filter(run=run, purpose="sleep").update(fire_at=past)
+    StepRun.objects.filter(run=run).update(not_before=past)
+    with mock.patch("runs.engine.timers.connection", mock.Mock(vendor="sqlite")):
+        assert timers.fire_due() == 1
+        assert timers.fire_due() == 0
+    assert fresh(run).status == "completed"
+    assert Timer.objects.get(run=run, purpose="sleep").fires == 1
+
+
+def test_events_and_timers_are_listed_read_only_in_the_admin(admin_client) -> None:
+    from django.urls import reverse
+
+    save(wait("approval"))
+    run = start()
+    event, matched = services.event_send(name="approved", key="T-1", payload={"by": "ann"})
+    assert matched == 1
+    listing = admin_client.get(reverse("admin:runs_event_changelist"))
+    assert listing.status_code == 200 and b"approved" in listing.content
+    page = admin_client.get(reverse("admin:runs_event_change", args=[event.id]))
+    assert page.status_code == 200
+    assert str(run.id).encode() in page.content and b"ann" in page.content
+    assert admin_client.get(reverse("admin:runs_event_add")).status_code == 403
+    timers_page = admin_client.get(reverse("admin:runs_timer_changelist"))
+    assert timers_page.status_code == 200 and b"run_deadline" in timers_page.content
