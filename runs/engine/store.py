@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Model
 
-from ..models import Run, StepRun
+from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import StepStatus
 
 _TABLE = StepRun._meta.db_table
@@ -71,12 +71,30 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     """Record a running attempt's result, if the claim still holds; True when it did.
 
     The fencing check: an attempt given up meanwhile (expired, cancelled) has lost its
-    claim, and its late result updates no row.
+    claim, and its late result updates no row. The attempt's deadline timer goes with it
+    (on Postgres in the same statement): a finished attempt needs no deadline, and the tick
+    need not fire it.
     """
     assignments = ", ".join(f"{StepRun._meta.get_field(n).column} = %s" for n in values)
     params = [_prep(name, value) for name, value in values.items()]
     sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
     params += [step_run_id, StepStatus.RUNNING.value, _prep("claim", claim)]
+    drop = (
+        f"DELETE FROM {Timer._meta.db_table} WHERE step_run_id = %s AND purpose = %s"
+        " AND fired_at IS NULL"
+    )
+    drop_params = [step_run_id, TimerPurpose.STEP_DEADLINE.value]
     with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(
+                f"WITH recorded AS ({sql} RETURNING id),"
+                f" dropped AS ({drop} AND EXISTS (SELECT 1 FROM recorded))"
+                " SELECT count(*) FROM recorded",
+                params + drop_params,
+            )
+            return cursor.fetchone()[0] == 1
         cursor.execute(sql, params)
-        return cursor.rowcount == 1
+        if cursor.rowcount != 1:
+            return False
+        cursor.execute(drop, drop_params)
+        return True

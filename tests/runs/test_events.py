@@ -3,6 +3,7 @@ hold only engine steps, so the engine itself runs them to the end)."""
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -385,3 +386,23 @@ def test_events_and_timers_are_listed_read_only_in_the_admin(admin_client) -> No
     assert admin_client.get(reverse("admin:runs_event_add")).status_code == 403
     timers_page = admin_client.get(reverse("admin:runs_timer_changelist"))
     assert timers_page.status_code == 200 and b"run_deadline" in timers_page.content
+
+
+def test_a_claim_sets_the_attempts_deadline_timer_and_its_result_removes_it() -> None:
+    from unittest import mock
+
+    from runs.engine.store import record_result
+    from workers.claims import claim_attempt
+
+    save({"id": "work", "kind": "task"}, workflow="one_task")
+    with mock.patch("workers.tasks.execute_step.apply_async"):
+        run = start(workflow="one_task")
+    attempt = run.steps.get()
+    claimed = claim_attempt(attempt.id, worker="w1", now=timezone.now())
+    timer = Timer.objects.get(step_run=attempt, purpose="step_deadline")
+    assert timer.fire_at > claimed.deadline_at  # the deadline plus grace
+    # A stale claim records nothing and keeps the timer.
+    assert not record_result(attempt.id, uuid.uuid4(), {"status": "succeeded"})
+    assert Timer.objects.filter(id=timer.id).exists()
+    assert record_result(attempt.id, claimed.claim, {"status": "succeeded"})
+    assert not Timer.objects.filter(id=timer.id).exists()
