@@ -2,8 +2,11 @@
 
 import logging
 import os
+import threading
+from types import FrameType
+from typing import Any
 
-from celery import Celery
+from celery import Celery, platforms
 from celery.signals import beat_init, task_prerun, worker_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
@@ -40,6 +43,27 @@ def install_beat_entries(**_: object) -> None:
 
     with transaction.atomic():
         install(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
+
+
+@beat_init.connect
+def stop_beat_between_ticks(sender: Any = None, **_: object) -> None:
+    """SIGTERM and SIGINT end beat's loop after its current pass, instead of saving the
+    schedule inside the signal handler as Celery's own handler does.
+
+    DatabaseScheduler queries the database on every pass; a signal landing during that query
+    ran Celery's handler on top of it, whose save waited for the connection's lock, held by
+    the interrupted query: beat hung until SIGKILL (seen as a 10 s stop in tests, and a
+    deploy's kill timeout in production). Here the handler only sets the service's shutdown
+    flag; the loop ends after its sleep (a second with the engine's 1 s tick) and the service
+    saves the schedule on its way out, with no query interrupted.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return  # a beat embedded in a worker's thread: only the main thread has handlers
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        sender.stop(wait=False)
+
+    platforms.signals.update(SIGTERM=stop, SIGINT=stop)
 
 
 @task_prerun.connect

@@ -18,10 +18,8 @@ OLD_SWEEP = "djflow: sweep (every second)"
 def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds: int = 30) -> None:
     """Create or repair the engine's entries, given the two django-celery-beat models
     (historical ones in a migration, the real ones at run time)."""
-    every_second, _ = interval_model.objects.get_or_create(every=1, period="seconds")
-    every_reconcile, _ = interval_model.objects.get_or_create(
-        every=max(1, int(reconcile_seconds)), period="seconds"
-    )
+    every_second = _interval(interval_model, 1)
+    every_reconcile = _interval(interval_model, max(1, int(reconcile_seconds)))
     task_model.objects.filter(name=OLD_SWEEP).delete()
     task_model.objects.update_or_create(
         name=TIMERS,
@@ -47,3 +45,12 @@ def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds
             "stuck runs.",
         },
     )
+
+
+def _interval(interval_model: Any, seconds: int) -> Any:
+    """An interval of ``seconds``, the oldest if there are several. Nothing makes (every,
+    period) unique: a person may add the same interval in the admin for a task of their own,
+    and two beats starting at once may each create one. ``get_or_create`` would then raise
+    MultipleObjectsReturned at every beat start, and the entries would never be repaired."""
+    found = interval_model.objects.filter(every=seconds, period="seconds").order_by("id").first()
+    return found or interval_model.objects.create(every=seconds, period="seconds")

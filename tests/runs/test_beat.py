@@ -1,0 +1,71 @@
+"""The engine's beat entries (runs/beat.py), installed at every beat start, and the beat
+process's shutdown (config/celery.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django.db import connection, transaction
+from django_celery_beat.models import IntervalSchedule, PeriodicTask, PeriodicTasks
+
+from runs.beat import RECONCILE, TIMERS, install_beat_entries
+from tests.processes import wait_for
+
+
+def test_entries_are_installed_and_repaired(db) -> None:
+    PeriodicTask.objects.filter(name__in=[TIMERS, RECONCILE]).delete()
+    install_beat_entries(IntervalSchedule, PeriodicTask, reconcile_seconds=7)
+    install_beat_entries(IntervalSchedule, PeriodicTask, reconcile_seconds=7)
+    timers = PeriodicTask.objects.get(name=TIMERS)
+    reconcile = PeriodicTask.objects.get(name=RECONCILE)
+    assert (timers.task, timers.queue, timers.interval.every) == ("runs.fire_timers", "engine", 1)
+    assert (reconcile.task, reconcile.interval.every) == ("runs.reconcile", 7)
+    assert IntervalSchedule.objects.filter(every=7, period="seconds").count() == 1
+
+
+def test_a_duplicate_interval_does_not_stop_the_install(db) -> None:
+    # Nothing makes an interval unique: one added by hand in the admin for a user's own task
+    # (or by two beats starting at once) used to make every later install raise
+    # MultipleObjectsReturned, so beat started without repairing or updating the entries.
+    oldest = IntervalSchedule.objects.filter(every=1, period="seconds").order_by("id").first()
+    oldest = oldest or IntervalSchedule.objects.create(every=1, period="seconds")
+    IntervalSchedule.objects.create(every=1, period="seconds")
+    IntervalSchedule.objects.create(every=9, period="seconds")
+    IntervalSchedule.objects.create(every=9, period="seconds")
+    PeriodicTask.objects.filter(name=TIMERS).delete()
+    install_beat_entries(IntervalSchedule, PeriodicTask, reconcile_seconds=9)
+    assert PeriodicTask.objects.get(name=TIMERS).interval_id == oldest.id
+    assert PeriodicTask.objects.get(name=RECONCILE).interval.every == 9
+    assert IntervalSchedule.objects.filter(every=9, period="seconds").count() == 2
+
+
+@pytest.mark.slow
+def test_beat_stops_at_once_when_terminated_inside_a_database_call(
+    celery_beat, celery_processes
+) -> None:
+    # Celery's own SIGTERM handler saved the schedule from inside the signal handler: landing
+    # while beat's pass was in a query, that save waited for the connection's lock, held by
+    # the interrupted query, and beat hung until SIGKILL. Hold beat inside a query (each pass
+    # reads the schedule-change table, locked here), then terminate it.
+    beat = celery_beat()
+    # Past its start-up (the entries are installed): it ticks.
+    wait_for(lambda: "Sending due task" in beat.logs(), timeout=10, message=beat.logs)
+    table = PeriodicTasks._meta.db_table
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+
+        def beat_waits_for_the_lock() -> bool:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND query LIKE %s",
+                [f"%{table}%"],
+            )
+            return cursor.fetchone()[0] == 1
+
+        wait_for(beat_waits_for_the_lock, timeout=10, message=beat.logs)
+        beat.terminate()
+        time.sleep(0.5)  # the signal is handled while the query waits
+    wait_for(lambda: not beat.alive(), timeout=5, message=beat.logs)
+    assert beat.returncode == 0, beat.logs()
+    assert "beat: Shutting down..." in beat.logs()
