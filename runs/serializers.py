@@ -40,7 +40,26 @@ class StrictCharField(serializers.CharField):
         return super().to_internal_value(data)
 
 
-class RunStartSerializer(serializers.Serializer):
+class StrictBodySerializer(serializers.Serializer):
+    """A request body that must be a JSON object with no field but the declared ones; each
+    unknown field is named ("is not a field of <body_name>")."""
+
+    body_name = "this request"
+
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        # Before DRF's own checks, which answer a null body without naming anything.
+        if not isinstance(data, Mapping):
+            shown = "null" if data is None or data is serializers.empty else type(data).__name__
+            raise serializers.ValidationError({"body": [f"must be a JSON object, not {shown}"]})
+        unknown = sorted(set(data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError(
+                {name: [f"is not a field of {self.body_name}"] for name in unknown}
+            )
+        return super().run_validation(data)
+
+
+class RunStartSerializer(StrictBodySerializer):
     """The body of ``POST /runs``. Unknown fields are refused, each named."""
 
     workflow = StrictCharField(max_length=100, trim_whitespace=False, help_text="the workflow's id")
@@ -67,20 +86,10 @@ class RunStartSerializer(serializers.Serializer):
         max_length=255, required=False, allow_null=True, trim_whitespace=False
     )
 
-    def run_validation(self, data: Any = serializers.empty) -> Any:
-        # Before DRF's own checks, which answer a null body without naming anything.
-        if not isinstance(data, Mapping):
-            shown = "null" if data is None or data is serializers.empty else type(data).__name__
-            raise serializers.ValidationError({"body": [f"must be a JSON object, not {shown}"]})
-        unknown = sorted(set(data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError(
-                {name: ["is not a field of a run start"] for name in unknown}
-            )
-        return super().run_validation(data)
+    body_name = "a run start"
 
 
-class EventSerializer(serializers.Serializer):
+class EventSerializer(StrictBodySerializer):
     """The body of ``POST /events``. Unknown fields are refused, each named."""
 
     name = StrictCharField(max_length=200, trim_whitespace=False, help_text="the event's name")
@@ -94,16 +103,7 @@ class EventSerializer(serializers.Serializer):
         default=None, allow_null=True, help_text="any JSON: the output of the waits it resumes"
     )
 
-    def run_validation(self, data: Any = serializers.empty) -> Any:
-        if not isinstance(data, Mapping):
-            shown = "null" if data is None or data is serializers.empty else type(data).__name__
-            raise serializers.ValidationError({"body": [f"must be a JSON object, not {shown}"]})
-        unknown = sorted(set(data) - set(self.fields))
-        if unknown:
-            raise serializers.ValidationError(
-                {name: ["is not a field of an event"] for name in unknown}
-            )
-        return super().run_validation(data)
+    body_name = "an event"
 
 
 class EventDeliverySerializer(serializers.Serializer):
