@@ -183,6 +183,8 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_TASK_QUEUES = [Queue("default"), Queue("engine")]
 CELERY_TASK_ROUTES = {"runs.*": {"queue": "engine"}}
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Celery's consumer, made to survive a broker restart with tasks unacknowledged (see there).
+CELERY_WORKER_CONSUMER = "config.worker_consumer:Consumer"
 CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env.float("CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT", default=10)
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"

@@ -69,6 +69,16 @@ def offer(step_run: Any, *, workflow_id: str) -> None:
     )
 
 
+def offer_now(step_run: Any, *, workflow_id: str) -> None:
+    """Send the attempt's message now (the caller has committed the attempt). A broker
+    outage is logged, not raised: the attempt stays scheduled and the reconciler offers it
+    again after ``LOST_MESSAGE_SECONDS``."""
+    try:
+        offer(step_run, workflow_id=workflow_id)
+    except Exception:
+        logger.warning("could not offer attempt %s", step_run.id, exc_info=True)
+
+
 def advance_now(run_id: Any) -> None:
     """Send an ``advance`` message now (nothing to wait for: the caller has committed).
     A broker outage is logged, not raised: the reconciler advances the run later."""

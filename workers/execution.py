@@ -67,7 +67,8 @@ def execute(
     while held is not None:
         step_run, workflow_id = held
         if not _may_continue(step_run, started, chained, soft_limit, queue):
-            dispatch.offer(step_run, workflow_id=workflow_id)
+            # The step is recorded: a broker outage must not fail its task (see offer_now).
+            dispatch.offer_now(step_run, workflow_id=workflow_id)
             break
         chained += 1
         outcome, held = _execute_one(step_run.id, worker, own_alarm=True)
