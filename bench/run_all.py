@@ -2,13 +2,17 @@
 
 Starts one ``celery -A config worker`` (prefork, ``-c 2``, the project's settings) on the
 bench services, measures bare Celery and the engine on it in one sitting, and prints
-``name | engine | bare | ratio``.
+``name | engine | bare | ratio``. Then issue 4's timer benchmark (``bench.timers``) runs in
+a process of its own, on its own database and Redis databases (``--timers none`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from bench import common
 
@@ -26,6 +30,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the median")
     parser.add_argument("--concurrency", type=int, default=2, help="worker pool size")
     parser.add_argument("--loglevel", default="warning", help="the worker's log level")
+    parser.add_argument(
+        "--timers",
+        choices=["all", "waiting", "precision", "burst", "none"],
+        default="all",
+        help="which part of bench.timers to run afterwards (several minutes for all)",
+    )
     args = parser.parse_args(argv)
 
     common.configure()
@@ -69,7 +79,16 @@ def main(argv: list[str] | None = None) -> None:
         f"worker: celery -A config worker -P prefork -c {args.concurrency} -l {args.loglevel}, "
         f"broker {common.REDIS_URL}; median of {repeat}; ratio = engine / bare"
     )
-    print(common.format_table(rows))
+    print(common.format_table(rows), flush=True)
+
+    if args.timers != "none":
+        # Its own process: Django is configured once per process, on other services.
+        print()
+        subprocess.run(
+            [sys.executable, "-m", "bench.timers", "--part", args.timers],
+            cwd=Path(__file__).resolve().parent.parent,
+            check=True,
+        )
 
 
 if __name__ == "__main__":
