@@ -26,7 +26,7 @@ def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds
         defaults={
             "task": "runs.fire_timers",
             "interval": every_second,
-            "queue": "engine",
+            "queue": "timers",
             "enabled": True,
             # A tick that waited past the next one is worthless: drop it, the next comes.
             "expire_seconds": 5,
@@ -38,7 +38,7 @@ def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds
         defaults={
             "task": "runs.reconcile",
             "interval": every_reconcile,
-            "queue": "engine",
+            "queue": "timers",
             "enabled": True,
             "expire_seconds": max(5, int(reconcile_seconds)),
             "description": "Re-offers lost work, fails lost at_most_once attempts, advances "

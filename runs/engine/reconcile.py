@@ -120,8 +120,9 @@ def advance_stuck(now: datetime, batch: int) -> int:
     busy = StepRun.objects.filter(
         run_id=OuterRef("id"), status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
     )
+    # A sleep just due is the tick's to end; one still waiting this long after is left over.
     due_wait = StepRun.objects.filter(
-        run_id=OuterRef("id"), status=StepStatus.WAITING, not_before__lte=now
+        run_id=OuterRef("id"), status=StepStatus.WAITING, not_before__lte=quiet
     )
     backing_off = Timer.objects.filter(
         run_id=OuterRef("id"), purpose=TimerPurpose.RETRY_BACKOFF, fired_at__isnull=True

@@ -101,8 +101,7 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
 
 def _advance(run_ids: list[Any]) -> None:
     if len(run_ids) > settings.DJFLOW["TIMER_INLINE_RUNS"]:
-        for run_id in run_ids:
-            dispatch.advance_now(run_id)
+        dispatch.advance_many(run_ids)
         return
     for run_id in run_ids:
         try:

@@ -19,8 +19,12 @@ def test_entries_are_installed_and_repaired(db) -> None:
     install_beat_entries(IntervalSchedule, PeriodicTask, reconcile_seconds=7)
     timers = PeriodicTask.objects.get(name=TIMERS)
     reconcile = PeriodicTask.objects.get(name=RECONCILE)
-    assert (timers.task, timers.queue, timers.interval.every) == ("runs.fire_timers", "engine", 1)
-    assert (reconcile.task, reconcile.interval.every) == ("runs.reconcile", 7)
+    assert (timers.task, timers.queue, timers.interval.every) == ("runs.fire_timers", "timers", 1)
+    assert (reconcile.task, reconcile.queue, reconcile.interval.every) == (
+        "runs.reconcile",
+        "timers",
+        7,
+    )
     assert IntervalSchedule.objects.filter(every=7, period="seconds").count() == 1
 
 
@@ -69,3 +73,14 @@ def test_beat_stops_at_once_when_terminated_inside_a_database_call(
     wait_for(lambda: not beat.alive(), timeout=5, message=beat.logs)
     assert beat.returncode == 0, beat.logs()
     assert "beat: Shutting down..." in beat.logs()
+
+
+def test_the_clock_has_a_queue_of_its_own_and_a_plain_worker_consumes_it() -> None:
+    from config.celery import app
+
+    def queue_of(task: str) -> str:
+        return app.amqp.router.route({}, task)["queue"].name
+
+    assert queue_of("runs.fire_timers") == queue_of("runs.reconcile") == "timers"
+    assert queue_of("runs.advance") == "engine"
+    assert {"default", "engine", "timers"} <= set(app.amqp.queues)
