@@ -26,7 +26,11 @@ pytestmark = [pytest.mark.slow]
 
 FLOWS = ["tests.runs.flows"]
 # Short leases so a lost worker is noticed in seconds, not the production 30 s.
-FAST = {"DJFLOW_LEASE_SECONDS": "2", "DJFLOW_DEADLINE_GRACE_SECONDS": "2"}
+FAST = {
+    "DJFLOW_LEASE_SECONDS": "2",
+    "DJFLOW_DEADLINE_GRACE_SECONDS": "2",
+    "DJFLOW_RECONCILE_SECONDS": "2",
+}
 TERMINAL = ("completed", "failed", "cancelled", "timed_out")
 
 
