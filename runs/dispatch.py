@@ -51,6 +51,10 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
 
 def offer(step_run: Any, *, workflow_id: str) -> None:
     """Send the attempt's message now (the caller has committed the attempt)."""
+    _execute_signature(step_run, workflow_id).apply_async()
+
+
+def _execute_signature(step_run: Any, workflow_id: str, **options: Any) -> Any:
     from django.conf import settings
 
     from workers.tasks import execute_step
@@ -59,14 +63,37 @@ def offer(step_run: Any, *, workflow_id: str) -> None:
     # are the backstop, set past it by the time a worker may spend running the run's next
     # steps in the same task.
     soft = step_run.timeout_ms / 1000 + settings.DJFLOW["INLINE_SECONDS"]
-    execute_step.apply_async(
+    return execute_step.signature(
         (step_run.id,),
         task_id=step_run.celery_task_id,
         queue=step_run.queue,
         shadow=f"{workflow_id}.{step_run.step_id}",
         soft_time_limit=soft,
         time_limit=soft + 10,
+        **options,
     )
+
+
+def offer_chord_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
+    """Offer attempts fanned out together (parallel branches, foreach items) as one Celery
+    chord whose body is ``advance``, once the transaction commits.
+
+    The chord is a notification, never the fan-in: each attempt's completion advances the
+    run from the journal, so a body that never fires, fires twice, or fires while a retried
+    attempt is pending changes nothing. Header tasks keep a result (a chord counts them).
+    """
+
+    def send() -> None:
+        from celery import chord
+
+        from .tasks import advance
+
+        header = [_execute_signature(s, workflow_id, ignore_result=False) for s in step_runs]
+        chord(header)(advance.si(str(run_id)))
+
+    # robust: should the broker be down, the attempts stay scheduled and the reconciler
+    # offers them again one by one.
+    transaction.on_commit(send, robust=True)
 
 
 def offer_now(step_run: Any, *, workflow_id: str) -> None:

@@ -93,6 +93,8 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
             StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
             )
+        elif isinstance(action, p.Cancel):
+            _cancel(action.attempt_ids, now)
         elif isinstance(action, p.Expire):
             task_ids = list(
                 StepRun.objects.filter(id=action.attempt_id).values_list(
@@ -118,17 +120,29 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
     if run_changes:
         run.updated_at = now
         run_changes["updated_at"] = now
+    inserted = []
     for index, action in enumerate(schedules):
         # The run's own changes ride on the last insert (one statement on Postgres).
         last = index == len(schedules) - 1
-        step_run = _schedule(run, action, now, run_changes if last else None)
-        if hold and len(schedules) == 1:
-            applied.held = step_run
-        else:
-            dispatch.offer_on_commit(step_run, workflow_id=run.workflow_id)
+        inserted.append(_schedule(run, action, now, run_changes if last else None))
+    if hold and len(inserted) == 1:
+        applied.held = inserted[0]
+    elif len(inserted) == 1:
+        dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
+    elif inserted:
+        # Branches and items fanned out together go as one chord whose body is an advance:
+        # a notification only, since every attempt's completion advances the run itself.
+        dispatch.offer_chord_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
     if run_changes and not schedules:
         update_run(run.id, run_changes)
     return applied
+
+
+def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
+    doomed = StepRun.objects.filter(id__in=attempt_ids, status__in=IN_FLIGHT)
+    task_ids = list(doomed.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
+    doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
+    dispatch.revoke_on_commit(task_ids)
 
 
 def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:

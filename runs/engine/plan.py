@@ -34,6 +34,9 @@ from workflows.templates import resolve
 WORKER_KINDS = frozenset({"task", "agent"})
 # Kinds that wait in the engine: a row ``waiting`` and a timer, no process alive.
 WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event"})
+# Kinds that hold other steps: their row is open while the steps inside run.
+COMPOSITE_KINDS = frozenset({"parallel", "foreach", "loop"})
+DEFAULT_MAX_ITEMS = 1000
 DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
@@ -170,6 +173,13 @@ class Expire:
 
 
 @dataclass(frozen=True)
+class Cancel:
+    """Attempts in flight inside a composite step that failed: cancelled, never recorded."""
+
+    attempt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Wake:
     """Nothing is in flight but something falls due at ``at`` (a retry back-off): a timer.
     ``key`` names it, so planning twice over one journal asks for the same timer."""
@@ -188,7 +198,7 @@ class Finish:
     error: Mapping[str, Any] | None = None
 
 
-Action = StartRun | Schedule | Skip | Open | Close | Expire | Wake | Finish
+Action = StartRun | Schedule | Skip | Open | Close | Expire | Cancel | Wake | Finish
 
 
 @dataclass
@@ -222,6 +232,7 @@ class Settings:
 class _Go(Enum):
     CONTINUE = "continue"  # this step is settled; go on to the next
     BLOCKED = "blocked"  # something is in flight or not yet due; plan no further
+    FAILED = "failed"  # a step failed with fail_run: its container fails (self.failure says why)
     STOP = "stop"  # the run ends (a Finish was emitted)
 
 
@@ -264,6 +275,8 @@ class _Planner:
         # What blocked the walk: a sleep or wait (waiting), or work in flight or due (busy).
         self.waiting = False
         self.busy = False
+        # Why the last _Go.FAILED failed: {"class", "message", "step"}.
+        self.failure: dict[str, Any] = {}
 
     # entry
 
@@ -294,6 +307,8 @@ class _Planner:
         go = self._walk(self.document["steps"], "")
         if go is _Go.CONTINUE:
             self._complete()
+        elif go is _Go.FAILED:
+            self.out.actions.append(Finish("failed", error=self.failure))
         elif go is _Go.BLOCKED:
             self.out.waiting = self.waiting and not self.busy
         return self.out
@@ -388,6 +403,8 @@ class _Planner:
     def _visit(self, step: Mapping[str, Any], path: str) -> _Go:
         if step["kind"] == "condition":
             return self._condition(step, path)
+        if step["kind"] in COMPOSITE_KINDS:
+            return self._composite(step, path)
         attempts = self.by_step.get((path, step["id"]), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
@@ -440,17 +457,16 @@ class _Planner:
         if continues:
             self._settle(step, "failed", None, error)
             return _Go.CONTINUE
-        self.out.actions.append(
-            Finish(
-                "failed",
-                error={
-                    "class": error.get("class", "fatal"),
-                    "message": error.get("message", ""),
-                    "step": step["id"],
-                },
-            )
-        )
-        return _Go.STOP
+        return self._fail(step, error)
+
+    def _fail(self, step: Mapping[str, Any], error: Mapping[str, Any]) -> _Go:
+        """The step failed and does not go on: its container (the run, a branch) fails."""
+        self.failure = {
+            "class": error.get("class", "fatal"),
+            "message": error.get("message", ""),
+            "step": error.get("step") or step["id"],
+        }
+        return _Go.FAILED
 
     def _retry_due(
         self,
@@ -657,6 +673,9 @@ class _Planner:
             return _Go.BLOCKED  # a row of this generation that ended without succeeding
         go, output = self._walk_branch(step.get(branch, []), path)
         done = go is _Go.CONTINUE
+        # A branch that failed closes the condition's row as failed (inside a composite step
+        # with on_error: continue the run goes on without it).
+        status = "succeeded" if done else "failed" if go is _Go.FAILED else "running"
         if opening:
             self.out.actions.insert(
                 position,
@@ -667,12 +686,14 @@ class _Planner:
                     attempt=(latest.attempt + 1) if latest else 1,
                     generation=generation,
                     branch=branch,
-                    status="succeeded" if done else "running",
+                    status=status,
                     output=output if done else None,
+                    error=self.failure if go is _Go.FAILED else None,
                 ),
             )
-        elif done and latest is not None:
-            self.out.actions.append(Close(latest.id, "succeeded", output=output))
+        elif status != "running" and latest is not None:
+            error = self.failure if go is _Go.FAILED else None
+            self.out.actions.append(Close(latest.id, status, output=output, error=error))
         if done:
             self._settle(step, "succeeded", output, None)
             return _Go.CONTINUE
@@ -687,6 +708,192 @@ class _Planner:
                 return go, None
             last = self.context["steps"][step["id"]]["output"]
         return _Go.CONTINUE, last
+
+    # composite steps: parallel, foreach, loop
+
+    def _composite(self, step: Mapping[str, Any], path: str) -> _Go:
+        """A parallel, foreach or loop step: an engine row open while the steps inside run,
+        each at a path of its own (``<path><id>[<branch|index|iteration>]/``), so every item
+        and iteration has its own journal rows, attempts and retries."""
+        attempts = self.by_step.get((path, step["id"]), [])
+        latest = attempts[-1] if attempts else None
+        generation = self.run_view.generation
+        if latest is not None and latest.status == "succeeded":
+            self._settle(step, "succeeded", latest.output, None)
+            return _Go.CONTINUE
+        if latest is not None and latest.status == "skipped":
+            self._settle_skipped(step)
+            return _Go.CONTINUE
+        if latest is not None and latest.status != "running" and latest.generation == generation:
+            # Failed in this generation: it went on (continue), or the run has ended.
+            error = dict(latest.error or {"class": "fatal", "message": latest.status})
+            if step.get("on_error", "fail_run") == "continue":
+                self._settle(step, "failed", None, error)
+                return _Go.CONTINUE
+            return self._fail(step, error)
+        if latest is None:
+            guard = step.get("when")
+            if guard is not None and not evaluate(guard, self.context):
+                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
+                self._settle_skipped(step)
+                return _Go.CONTINUE
+        opening = latest is None or latest.status != "running"
+        position = len(self.out.actions)
+        inner = f"{path}{step['id']}"
+        saved = (self.context, self.previous_output, self.ran_before)
+        try:
+            if step["kind"] == "parallel":
+                go, output = self._parallel(step, inner)
+            elif step["kind"] == "foreach":
+                go, output = self._foreach(step, inner)
+            else:
+                go, output = self._loop(step, inner)
+        finally:
+            self.context, self.previous_output, self.ran_before = saved
+        if go is _Go.FAILED:
+            self._abandon(inner, position)
+        status = {_Go.CONTINUE: "succeeded", _Go.FAILED: "failed"}.get(go, "running")
+        error = dict(self.failure) if go is _Go.FAILED else None
+        if opening:
+            self.out.actions.insert(
+                position,
+                Open(
+                    step["id"],
+                    path,
+                    step["kind"],
+                    attempt=(latest.attempt + 1) if latest else 1,
+                    generation=generation,
+                    status=status,
+                    output=output if go is _Go.CONTINUE else None,
+                    error=error,
+                ),
+            )
+        elif status != "running" and latest is not None:
+            self.out.actions.append(Close(latest.id, status, output=output, error=error))
+        if go is _Go.CONTINUE:
+            self._settle(step, "succeeded", output, None)
+            return _Go.CONTINUE
+        if go is _Go.FAILED:
+            if step.get("on_error", "fail_run") == "continue":
+                self._settle(step, "failed", None, error)
+                return _Go.CONTINUE
+            return self._fail(step, self.failure)
+        return go
+
+    def _inside(self, body: Mapping[str, Any], path: str, **roots: Any) -> tuple[_Go, Any]:
+        """Visit the one step of a branch, item or iteration at ``path``, with the template
+        roots of that scope (``item``, ``index``, ``iter``); its default input is
+        ``roots["default"]``. Returns how it went and, when settled, its output."""
+        default = roots.pop("default")
+        self.context = {**self.context, **roots, "steps": dict(self.context["steps"])}
+        self.previous_output, self.ran_before = default, True
+        go = self._visit(body, path)
+        output = self.context["steps"][body["id"]]["output"] if go is _Go.CONTINUE else None
+        return go, output
+
+    def _started(self, body: Mapping[str, Any], path: str) -> bool:
+        return (path, body["id"]) in self.by_step
+
+    def _parallel(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
+        """Every branch is planned in the same pass, so all are journaled before any is
+        offered. A branch that fails with fail_run fails the step; the others are
+        cancelled (see _abandon)."""
+        outputs: dict[str, Any] = {}
+        blocked = False
+        # Each branch's default input is the parallel step's own (its input template, else the
+        # previous step's output).
+        scope = (self.context, self._input(step))
+        for name, body in step["branches"].items():
+            self.context = scope[0]
+            go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
+            if go is _Go.CONTINUE:
+                outputs[name] = output
+            elif go is _Go.BLOCKED:
+                blocked = True
+            else:
+                return go, None
+        return (_Go.BLOCKED, None) if blocked else (_Go.CONTINUE, outputs)
+
+    def _foreach(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
+        """Items in order; at most ``concurrency`` in flight at any moment (a sliding window:
+        a finished item lets the next one start). The output is in item order."""
+        items = resolve(step["items"], self.context)
+        if not isinstance(items, list):
+            shown = "null" if items is None else type(items).__name__
+            return self._fail_inside(step, f"items: expected an array, got {shown}"), None
+        limit = step.get("max_items", DEFAULT_MAX_ITEMS)
+        if len(items) > limit:
+            message = f"items: {len(items)} items exceed max_items ({limit})"
+            return self._fail_inside(step, message), None
+        cap = step.get("concurrency")
+        body = step["do"]
+        scope = self.context
+        outputs: list[Any] = []
+        active = 0
+        blocked = False
+        for index, item in enumerate(items):
+            item_path = f"{inner}[{index}]/"
+            if cap is not None and active >= cap and not self._started(body, item_path):
+                blocked = True
+                break
+            self.context = scope
+            go, output = self._inside(body, item_path, item=item, index=index, default=item)
+            if go is _Go.CONTINUE:
+                outputs.append(output)
+            elif go is _Go.BLOCKED:
+                blocked = True
+                active += 1
+            else:
+                return go, None
+        return (_Go.BLOCKED, None) if blocked else (_Go.CONTINUE, outputs)
+
+    def _loop(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
+        """``do`` again and again: iteration k sees ``iter.index`` k and ``iter.previous``
+        (the output of iteration k-1, null for the first). After each, ``until`` is evaluated
+        with ``iter.index`` k and ``iter.previous`` the output just made; the loop ends when
+        it holds or after ``max_iterations``. The output is the last iteration's."""
+        body = step["do"]
+        scope = self.context
+        previous: Any = self._input(step)
+        output: Any = None
+        for index in range(step["max_iterations"]):
+            self.context = scope
+            go, output = self._inside(
+                body,
+                f"{inner}[{index}]/",
+                iter={"index": index, "previous": output if index else None},
+                default=previous,
+            )
+            if go is not _Go.CONTINUE:
+                return go, None
+            previous = output
+            until = step.get("until")
+            after = {**scope, "iter": {"index": index, "previous": output}}
+            after["steps"] = {**scope["steps"], body["id"]: self.context["steps"][body["id"]]}
+            if until is not None and evaluate(until, after):
+                break
+        return _Go.CONTINUE, output
+
+    def _fail_inside(self, step: Mapping[str, Any], message: str) -> _Go:
+        return self._fail(step, {"class": INVALID_INPUT, "message": message})
+
+    def _abandon(self, inner: str, position: int) -> None:
+        """A composite step failed: nothing more inside it starts, and what is in flight
+        inside it is cancelled (a running body's result will be refused)."""
+        prefix = f"{inner}["
+        self.out.actions[position:] = [
+            action
+            for action in self.out.actions[position:]
+            if not isinstance(action, Schedule | Wake)
+            and not (isinstance(action, Open) and action.status in ("running", "waiting"))
+        ]
+        doomed = tuple(
+            a.id
+            for a in self.journal
+            if a.path.startswith(prefix) and a.status in IN_FLIGHT and a.id
+        )
+        if doomed:
+            self.out.actions.append(Cancel(doomed))
 
     # context
 
@@ -711,8 +918,13 @@ class _Planner:
 
 
 def _counts_as_attempt(attempt: AttemptView) -> bool:
-    """``max_steps`` counts every attempt of a step body; skips and condition rows are not."""
-    return attempt.status != "skipped" and attempt.kind != "condition"
+    """``max_steps`` counts every attempt of a step body; skips, condition rows and the rows
+    of composite steps (which hold other steps) are not."""
+    return (
+        attempt.status != "skipped"
+        and attempt.kind != "condition"
+        and attempt.kind not in COMPOSITE_KINDS
+    )
 
 
 def backoff_ms(policy: Mapping[str, Any], failures: int, *, seed: str) -> int:

@@ -1,0 +1,279 @@
+"""plan() for parallel, foreach and loop, without a database."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runs.engine.plan import AttemptView, Cancel, Close, Finish, Open, Schedule, plan
+
+from .test_plan import NOW, doc, failed, in_flight, ok, only, run, task
+
+
+def at(view: AttemptView, path: str) -> AttemptView:
+    return AttemptView(**{**view.__dict__, "path": path})
+
+
+def row(step_id: str, kind: str, status: str = "running", **fields: Any) -> AttemptView:
+    return in_flight(step_id, status=status, kind=kind, **fields)
+
+
+def par(**branches: dict) -> dict:
+    return {"id": "par", "kind": "parallel", "branches": branches}
+
+
+def each(items: Any, body: dict | None = None, **fields: Any) -> dict:
+    return {"id": "fan", "kind": "foreach", "items": items, "do": body or task("work"), **fields}
+
+
+def loop(body: dict | None = None, **fields: Any) -> dict:
+    return {"id": "lp", "kind": "loop", "do": body or task("work"), **fields}
+
+
+# --- parallel -------------------------------------------------------------------------------
+
+
+def test_parallel_opens_its_row_and_schedules_every_branch_in_one_plan() -> None:
+    out = plan(doc(par(a=task("one"), b=task("two"))), run(input={"x": 1}), [], NOW)
+    opened = only(out.actions, Open)
+    assert (opened.kind, opened.status) == ("parallel", "running")
+    assert out.actions.index(opened) == 0  # the row is written before the branches
+    scheduled = out.of(Schedule)
+    assert [(s.step_id, s.path, s.input) for s in scheduled] == [
+        ("one", "par[a]/", {"x": 1}),
+        ("two", "par[b]/", {"x": 1}),
+    ]
+
+
+def test_parallel_waits_for_every_branch_then_closes_with_outputs_by_name() -> None:
+    open_row = row("par", "parallel")
+    journal = [open_row, at(ok("one", 1), "par[a]/"), at(in_flight("two"), "par[b]/")]
+    document = doc(par(a=task("one"), b=task("two")), task("after", input="${steps.par.output}"))
+    assert plan(document, run(), journal, NOW).actions == []
+    journal[2] = at(ok("two", 2), "par[b]/")
+    out = plan(document, run(), journal, NOW)
+    close = only(out.actions, Close)
+    assert (close.attempt_id, close.status, close.output) == (
+        open_row.id,
+        "succeeded",
+        {"a": 1, "b": 2},
+    )
+    assert only(out.actions, Schedule).input == {"a": 1, "b": 2}
+
+
+def test_a_failing_branch_fails_the_parallel_and_cancels_the_others() -> None:
+    running = at(in_flight("two"), "par[b]/")
+    journal = [row("par", "parallel"), at(failed("one", "fatal"), "par[a]/"), running]
+    out = plan(doc(par(a=task("one"), b=task("two"))), run(), journal, NOW)
+    assert only(out.actions, Cancel).attempt_ids == (running.id,)
+    assert only(out.actions, Close).status == "failed"
+    finish = only(out.actions, Finish)
+    assert (finish.status, finish.error["class"], finish.error["step"]) == (
+        "failed",
+        "fatal",
+        "one",
+    )
+
+
+def test_a_branch_with_continue_leaves_a_null_and_the_others_go_on() -> None:
+    journal = [
+        row("par", "parallel"),
+        at(failed("one", "fatal"), "par[a]/"),
+        at(ok("two", 2), "par[b]/"),
+    ]
+    out = plan(doc(par(a=task("one", on_error="continue"), b=task("two"))), run(), journal, NOW)
+    assert only(out.actions, Close).output == {"a": None, "b": 2}
+
+
+def test_a_parallel_with_continue_survives_a_failed_branch() -> None:
+    step = {**par(a=task("one"), b=task("two")), "on_error": "continue"}
+    journal = [
+        row("par", "parallel"),
+        at(failed("one", "fatal"), "par[a]/"),
+        at(in_flight("two"), "par[b]/"),
+    ]
+    out = plan(doc(step, task("after", input="${steps.par.status}")), run(), journal, NOW)
+    assert only(out.actions, Schedule).input == "failed"
+    assert only(out.actions, Cancel)
+
+
+def test_a_failure_in_the_same_plan_schedules_nothing_else_inside() -> None:
+    # Branch a fails for good at once (a bad sleep_until): branch b's first attempt is not
+    # even written.
+    bad = {"id": "nap", "kind": "sleep_until", "until": "never"}
+    out = plan(doc(par(a=bad, b=task("two"))), run(), [], NOW)
+    assert out.of(Schedule) == []
+    assert only(out.actions, Finish).error["step"] == "nap"
+
+
+def test_a_retrying_branch_backs_off_while_the_others_finish() -> None:
+    retrying = task("one", retry={"max_attempts": 2, "initial_ms": 60_000})
+    journal = [
+        row("par", "parallel"),
+        at(failed("one", "retryable"), "par[a]/"),
+        at(ok("two"), "par[b]/"),
+    ]
+    out = plan(doc(par(a=retrying, b=task("two"))), run(), journal, NOW)
+    assert out.of(Close) == [] and out.of(Finish) == []
+    assert out.actions[0].purpose == "retry_backoff"
+
+
+# --- foreach --------------------------------------------------------------------------------
+
+
+def test_foreach_schedules_every_item_with_item_and_index() -> None:
+    body = task("work", input={"it": "${item}", "at": "${index}"})
+    out = plan(doc(each("${input.xs}", body)), run(input={"xs": ["a", "b", "c"]}), [], NOW)
+    assert [(s.path, s.input) for s in out.of(Schedule)] == [
+        ("fan[0]/", {"it": "a", "at": 0}),
+        ("fan[1]/", {"it": "b", "at": 1}),
+        ("fan[2]/", {"it": "c", "at": 2}),
+    ]
+
+
+def test_a_body_without_input_gets_the_item() -> None:
+    out = plan(doc(each("${input.xs}")), run(input={"xs": [{"n": 1}]}), [], NOW)
+    assert only(out.actions, Schedule).input == {"n": 1}
+
+
+def test_foreach_output_is_in_item_order_whatever_the_completion_order() -> None:
+    open_row = row("fan", "foreach")
+    journal = [
+        open_row,
+        at(ok("work", "B"), "fan[1]/"),
+        at(ok("work", "C"), "fan[2]/"),
+        at(ok("work", "A"), "fan[0]/"),
+    ]
+    out = plan(doc(each("${input.xs}")), run(input={"xs": [1, 2, 3]}), journal, NOW)
+    assert only(out.actions, Close).output == ["A", "B", "C"]
+
+
+def test_concurrency_keeps_at_most_n_in_flight_and_starts_the_next_when_one_ends() -> None:
+    xs = list(range(10))
+    first = plan(doc(each("${input.xs}", concurrency=3)), run(input={"xs": xs}), [], NOW)
+    assert [s.path for s in first.of(Schedule)] == ["fan[0]/", "fan[1]/", "fan[2]/"]
+    journal = [
+        row("fan", "foreach"),
+        at(ok("work", 0), "fan[0]/"),
+        at(in_flight("work"), "fan[1]/"),
+        at(in_flight("work", status="scheduled"), "fan[2]/"),
+    ]
+    out = plan(doc(each("${input.xs}", concurrency=3)), run(input={"xs": xs}), journal, NOW)
+    assert [s.path for s in out.of(Schedule)] == ["fan[3]/"]
+
+
+def test_an_item_backing_off_still_holds_its_slot() -> None:
+    body = task("work", retry={"max_attempts": 3, "initial_ms": 60_000})
+    journal = [row("fan", "foreach"), at(failed("work", "retryable"), "fan[0]/")]
+    out = plan(
+        doc(each("${input.xs}", body, concurrency=1)), run(input={"xs": [1, 2]}), journal, NOW
+    )
+    assert out.of(Schedule) == []
+
+
+def test_more_items_than_max_items_fails_the_step_naming_the_limit_and_the_length() -> None:
+    out = plan(doc(each("${input.xs}", max_items=2)), run(input={"xs": [1, 2, 3]}), [], NOW)
+    opened = only(out.actions, Open)
+    assert opened.status == "failed"
+    assert "3 items exceed max_items (2)" in opened.error["message"]
+    finish = only(out.actions, Finish)
+    assert (finish.error["class"], finish.error["step"]) == ("invalid_input", "fan")
+
+
+def test_items_that_are_not_an_array_fail_the_step() -> None:
+    out = plan(doc(each("${input.xs}")), run(input={"xs": "abc"}), [], NOW)
+    assert "expected an array, got str" in only(out.actions, Finish).error["message"]
+
+
+def test_an_empty_foreach_is_done_at_once_with_an_empty_list() -> None:
+    out = plan(
+        doc(each("${input.xs}"), task("after", input="${steps.fan.output}")),
+        run(input={"xs": []}),
+        [],
+        NOW,
+    )
+    assert only(out.actions, Open).status == "succeeded"
+    assert only(out.actions, Schedule).input == []
+
+
+def test_a_static_array_and_nested_foreach_reading_the_outer_item() -> None:
+    inner = {
+        "id": "inner",
+        "kind": "foreach",
+        "items": "${item.parts}",
+        "do": task("work", input="${item}"),
+    }
+    outer = {
+        "id": "fan",
+        "kind": "foreach",
+        "items": [{"parts": ["a", "b"]}, {"parts": ["c"]}],
+        "do": inner,
+    }
+    out = plan(doc(outer), run(), [], NOW)
+    assert [(s.path, s.input) for s in out.of(Schedule)] == [
+        ("fan[0]/inner[0]/", "a"),
+        ("fan[0]/inner[1]/", "b"),
+        ("fan[1]/inner[0]/", "c"),
+    ]
+    assert [o.path for o in out.of(Open)] == ["", "fan[0]/", "fan[1]/"]
+
+
+def test_a_condition_inside_an_item() -> None:
+    body = {
+        "id": "check",
+        "kind": "condition",
+        "if": {"path": "item", "op": "gt", "value": 1},
+        "then": [task("big")],
+        "else": [task("small")],
+    }
+    out = plan(doc(each("${input.xs}", body)), run(input={"xs": [1, 2]}), [], NOW)
+    assert [(s.step_id, s.path) for s in out.of(Schedule)] == [
+        ("small", "fan[0]/"),
+        ("big", "fan[1]/"),
+    ]
+
+
+# --- loop -----------------------------------------------------------------------------------
+
+
+def test_a_loop_runs_its_first_iteration_with_iter_index_zero() -> None:
+    body = task("work", input={"i": "${iter.index}", "prev": "${iter.previous}"})
+    out = plan(doc(loop(body, max_iterations=5)), run(), [], NOW)
+    assert only(out.actions, Schedule).input == {"i": 0, "prev": None}
+    assert only(out.actions, Schedule).path == "lp[0]/"
+
+
+def test_the_next_iteration_sees_the_previous_output() -> None:
+    body = task("work", input={"i": "${iter.index}", "prev": "${iter.previous}"})
+    journal = [row("lp", "loop"), at(ok("work", {"n": 1}), "lp[0]/")]
+    out = plan(doc(loop(body, max_iterations=5)), run(), journal, NOW)
+    assert only(out.actions, Schedule).input == {"i": 1, "prev": {"n": 1}}
+
+
+def test_a_loop_ends_when_until_holds() -> None:
+    until = {"path": "iter.previous.done", "op": "eq", "value": True}
+    journal = [
+        row("lp", "loop"),
+        at(ok("work", {"done": False}), "lp[0]/"),
+        at(ok("work", {"done": True}), "lp[1]/"),
+    ]
+    out = plan(doc(loop(until=until, max_iterations=5)), run(), journal, NOW)
+    assert only(out.actions, Close).output == {"done": True}
+    assert out.of(Schedule) == []
+
+
+def test_a_loop_ends_after_max_iterations() -> None:
+    journal = [row("lp", "loop"), at(ok("work", 1), "lp[0]/"), at(ok("work", 2), "lp[1]/")]
+    out = plan(doc(loop(max_iterations=2)), run(), journal, NOW)
+    assert only(out.actions, Close).output == 2
+
+
+def test_a_failed_iteration_fails_the_loop() -> None:
+    journal = [row("lp", "loop"), at(failed("work", "fatal"), "lp[0]/")]
+    out = plan(doc(loop(max_iterations=3)), run(), journal, NOW)
+    assert only(out.actions, Finish).error["step"] == "work"
+
+
+def test_composite_rows_do_not_count_towards_max_steps() -> None:
+    journal = [row("lp", "loop"), at(ok("work", 1), "lp[0]/")]
+    out = plan(doc(loop(max_iterations=3), limits={"max_steps": 2}), run(), journal, NOW)
+    assert only(out.actions, Schedule).path == "lp[1]/"
