@@ -742,7 +742,10 @@ class _Planner:
         inner = f"{path}{step['id']}"
         saved = (self.context, self.previous_output, self.ran_before)
         try:
-            if step["kind"] == "parallel":
+            if not _single_step_bodies(step):
+                message = f"a list of steps in a {step['kind']} body is not supported yet"
+                go, output = self._fail(step, {"class": UNSUPPORTED, "message": message}), None
+            elif step["kind"] == "parallel":
                 go, output = self._parallel(step, inner)
             elif step["kind"] == "foreach":
                 go, output = self._foreach(step, inner)
@@ -804,6 +807,7 @@ class _Planner:
         # previous step's output).
         scope = (self.context, self._input(step))
         for name, body in step["branches"].items():
+            body = _one(body)
             self.context = scope[0]
             go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
             if go is _Go.CONTINUE:
@@ -826,7 +830,7 @@ class _Planner:
             message = f"items: {len(items)} items exceed max_items ({limit})"
             return self._fail_inside(step, message), None
         cap = step.get("concurrency")
-        body = step["do"]
+        body = _one(step["do"])
         scope = self.context
         outputs: list[Any] = []
         active = 0
@@ -852,7 +856,7 @@ class _Planner:
         (the output of iteration k-1, null for the first). After each, ``until`` is evaluated
         with ``iter.index`` k and ``iter.previous`` the output just made; the loop ends when
         it holds or after ``max_iterations``. The output is the last iteration's."""
-        body = step["do"]
+        body = _one(step["do"])
         scope = self.context
         previous: Any = self._input(step)
         output: Any = None
@@ -915,6 +919,16 @@ class _Planner:
 
     def _settle_skipped(self, step: Mapping[str, Any]) -> None:
         self._record(step, "skipped", None, None)
+
+
+def _one(body: Any) -> Mapping[str, Any]:
+    """A body given as one step, or as a list holding one step, is that step."""
+    return body[0] if isinstance(body, list) else body
+
+
+def _single_step_bodies(step: Mapping[str, Any]) -> bool:
+    bodies = list(step["branches"].values()) if step["kind"] == "parallel" else [step["do"]]
+    return all(not isinstance(body, list) or len(body) == 1 for body in bodies)
 
 
 def _counts_as_attempt(attempt: AttemptView) -> bool:

@@ -277,3 +277,15 @@ def test_composite_rows_do_not_count_towards_max_steps() -> None:
     journal = [row("lp", "loop"), at(ok("work", 1), "lp[0]/")]
     out = plan(doc(loop(max_iterations=3), limits={"max_steps": 2}), run(), journal, NOW)
     assert only(out.actions, Schedule).path == "lp[1]/"
+
+
+def test_a_body_of_one_step_in_a_list_is_that_step() -> None:
+    out = plan(doc(each("${input.xs}", [task("work")])), run(input={"xs": [1]}), [], NOW)
+    assert only(out.actions, Schedule).path == "fan[0]/"
+
+
+def test_a_body_of_several_steps_is_not_supported_yet_and_says_so() -> None:
+    out = plan(doc(loop([task("a"), task("b")], max_iterations=2)), run(), [], NOW)
+    finish = only(out.actions, Finish)
+    assert (finish.error["class"], finish.error["step"]) == ("unsupported", "lp")
+    assert "list of steps" in finish.error["message"]
