@@ -240,3 +240,15 @@ class Event(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} [{self.key}]"
+
+
+class AdvanceRequest(models.Model):
+    """A pending request to advance a run, made by a completion inside a fan-out. At most one
+    per run: completions that find one pending only record their result (see
+    ``workers.execution._record_inside``), so a thousand items cost a few advances."""
+
+    run = models.OneToOneField(Run, primary_key=True, on_delete=models.CASCADE, related_name="+")
+    requested_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"advance of run {self.run_id} requested at {self.requested_at}"

@@ -39,6 +39,8 @@ class Claimed:
     version_id: int
     claim: uuid.UUID
     deadline_at: datetime
+    # Where the step sits: "" at the top level, "fan[3]/" inside a composite step.
+    path: str = ""
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -61,7 +63,8 @@ UPDATE {step_run} AS s
   FROM {run} AS r
  WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
-          s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at
+          s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
+          s.path
 ), deadline AS (
 INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
 SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
@@ -115,6 +118,7 @@ def _claim_postgres(
         version_id=row[11],
         claim=claim,
         deadline_at=from_timestamp(row[12]),
+        path=row[13],
     )
 
 
@@ -135,6 +139,7 @@ def _claim_portable(
             "queue",
             "refusals",
             "celery_task_id",
+            "path",
             "run__workflow_id",
             "run__version_id",
         )
@@ -181,4 +186,5 @@ def _claim_portable(
         version_id=row.run.version_id,
         claim=claim,
         deadline_at=deadline,
+        path=row.path,
     )

@@ -30,7 +30,7 @@ from django.utils import timezone
 from runs import dispatch
 from runs.engine import journal
 from runs.engine.advance import advance_locked, lock_run
-from runs.engine.store import record_result
+from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import registry
@@ -195,25 +195,23 @@ def _record_once(
     ctx: StepContext,
 ) -> tuple[str, Held | None]:
     cost = ctx.cost_usd()
+    result = {
+        "status": status,
+        "output": output,
+        "error": error,
+        "finished_at": timezone.now(),
+        "lease_expires_at": None,
+        "usage": ctx.usage(),
+        "spans": [span.as_dict() for span in ctx.spans],
+        "cost_usd": cost,
+    }
+    if row.path:
+        return _record_inside(row, claim, result, cost)
     with transaction.atomic():
         run = lock_run(row.run_id)
         if run is None:
             return "dropped", None
-        recorded = record_result(
-            row.id,
-            claim,
-            {
-                "status": status,
-                "output": output,
-                "error": error,
-                "finished_at": timezone.now(),
-                "lease_expires_at": None,
-                "usage": ctx.usage(),
-                "spans": [span.as_dict() for span in ctx.spans],
-                "cost_usd": cost,
-            },
-        )
-        if not recorded:
+        if not record_result(row.id, claim, result):
             # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None
@@ -225,6 +223,29 @@ def _record_once(
             if next_attempt is not None:
                 held = (next_attempt, run.workflow_id)
     return status, held
+
+
+def _record_inside(
+    row: Claimed, claim: uuid.UUID, result: dict[str, Any], cost: Any
+) -> tuple[str, Held | None]:
+    """Record an attempt inside a composite step (a branch, an item, an iteration) without
+    the run's lock, and ask for an advance.
+
+    A fan-out's completions do not each lock the run and plan its whole journal (that is
+    quadratic in the number of items): the first completion since the last advance asks for
+    one, later ones find the request pending and only record. The advance takes the request
+    away before it reads the journal, so a completion it does not see asks again.
+    """
+    with transaction.atomic():
+        if cost:
+            # The run row before the step run: the order every advance locks them in.
+            Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
+        if not record_result(row.id, claim, result):
+            logger.info("attempt %s finished after it was given up; result dropped", row.id)
+            return "dropped", None
+        if request_advance(row.run_id):
+            dispatch.advance_on_commit(row.run_id)
+    return result["status"], None
 
 
 def _reconnecting(operation: Callable[[], T]) -> T:

@@ -12,6 +12,7 @@ from ..models import Run, StepRun
 from . import events, journal
 from .apply import apply_plan
 from .plan import Plan, plan
+from .store import take_advance_request
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ def run_advance(*, run_id: Any) -> Plan | None:
     Idempotent: the run row lock serialises concurrent calls, and each call plans from the
     journal as the previous one left it, so a duplicate finds nothing to do.
     """
+    # Before the journal is read (in a transaction of its own unless the caller has one): a
+    # completion committed after this asks again (see store.request_advance).
+    take_advance_request(run_id)
     with transaction.atomic():
         run = lock_run(run_id)
         if run is None:

@@ -8,6 +8,8 @@ worker or a crash left behind, and put it right. Bounded work per tick.
   ``at_most_once`` one (it may have had its effect);
 - a run with nothing in flight that should be moving (a lost ``advance``, a fired timer whose
   message was lost, a sleep past due, a deadline passed) is advanced;
+- a run whose advance request (made by a completion inside a fan-out) has been pending
+  that long is advanced;
 - a wait left waiting although an event it may take is stored is given it;
 - fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted.
 
@@ -30,7 +32,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from .. import dispatch
-from ..models import Run, StepRun, Timer, TimerPurpose
+from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
 from . import events
 from .advance import run_advance
@@ -53,6 +55,7 @@ def reconcile() -> dict[str, int]:
             "reoffered": reoffer_lost(now, batch),
             "lost_workers": advance_lost_workers(now, batch),
             "stuck_runs": advance_stuck(now, batch),
+            "requested": advance_requested(now, batch),
             "missed_events": events.match_missed(batch),
             "timers_pruned": prune_timers(now, batch),
         }
@@ -147,6 +150,18 @@ def advance_stuck(now: datetime, batch: int) -> int:
         if Run.objects.filter(id=run_id, updated_at=updated_at).update(updated_at=now):
             claimed[run_id] = None
     return _advance_each(claimed)
+
+
+def advance_requested(now: datetime, batch: int) -> int:
+    """Advance runs whose advance request has been pending for ``LOST_MESSAGE_SECONDS``:
+    the message sent with it was lost, and later completions found it pending."""
+    quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
+    stale = (
+        AdvanceRequest.objects.filter(requested_at__lte=quiet)
+        .order_by("requested_at")
+        .values_list("run_id", flat=True)[:batch]
+    )
+    return _advance_each(dict.fromkeys(stale))
 
 
 def _advance_each(run_ids: dict) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Model
 
-from ..models import Run, StepRun, Timer, TimerPurpose
+from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import StepStatus
 
 _TABLE = StepRun._meta.db_table
@@ -98,3 +98,33 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
             return False
         cursor.execute(drop, drop_params)
         return True
+
+
+def request_advance(run_id: Any) -> bool:
+    """Ask for an advance of the run; True when no request was pending (the caller sends
+    the message), False when one is (its advance will see this transaction's writes, or
+    the advance already took the request away and this insert made a new one)."""
+    table = AdvanceRequest._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} (run_id, requested_at) VALUES (%s, %s) ON CONFLICT DO NOTHING",
+            [_prep("id", run_id, Run), _prep_now()],
+        )
+        return cursor.rowcount == 1
+
+
+def take_advance_request(run_id: Any) -> None:
+    """Take the run's advance request away (autocommit, before the journal is read)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DELETE FROM {AdvanceRequest._meta.db_table} WHERE run_id = %s",
+            [_prep("id", run_id, Run)],
+        )
+
+
+def _prep_now() -> Any:
+    from django.utils import timezone
+
+    return AdvanceRequest._meta.get_field("requested_at").get_db_prep_save(
+        timezone.now(), connection
+    )

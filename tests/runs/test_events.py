@@ -406,3 +406,16 @@ def test_a_claim_sets_the_attempts_deadline_timer_and_its_result_removes_it() ->
     assert Timer.objects.filter(id=timer.id).exists()
     assert record_result(attempt.id, claimed.claim, {"status": "succeeded"})
     assert not Timer.objects.filter(id=timer.id).exists()
+
+
+def test_the_reconciler_advances_a_run_whose_advance_request_went_unanswered(settings) -> None:
+    from runs.engine.store import request_advance
+    from runs.models import AdvanceRequest
+
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    save({"id": "nap", "kind": "sleep", "ms": 60_000})
+    run = start()
+    assert request_advance(run.id) is True
+    assert request_advance(run.id) is False  # one pending request per run
+    assert reconcile()["requested"] == 1
+    assert not AdvanceRequest.objects.filter(run=run).exists()
