@@ -19,6 +19,7 @@ from workflows.validation import field_path
 from . import dispatch
 from .engine import events
 from .engine.advance import advance_locked
+from .engine.store import request_advance
 from .models import Event, Run, StepRun, Timer
 from .status import RUN_TERMINAL, RunStatus, StepStatus, check_run_move
 
@@ -141,10 +142,15 @@ def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
     run.error = {"class": "cancelled", "message": reason, "step": None}
     run.finished_at = now
     run.save(update_fields=["status", "error", "finished_at", "updated_at"])
-    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
     dispatch.revoke_on_commit([task_id for task_id in in_flight if task_id])
+    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
     for child in run.children.exclude(status__in=RUN_TERMINAL).values_list("id", flat=True):
         run_cancel(run_id=child, reason=f"parent run {run.id} was cancelled")
+    parent = run.parent_run_id
+    parent_ended = Run.objects.filter(id=parent, status__in=RUN_TERMINAL).exists()
+    # A child cancelled on its own fails its subworkflow step (class cancelled).
+    if parent is not None and not parent_ended and request_advance(parent):
+        dispatch.advance_on_commit(parent)
     return run
 
 

@@ -18,7 +18,7 @@ from .. import dispatch
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
 from . import plan as p
-from .store import insert_attempt, update_run
+from .store import insert_attempt, request_advance, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
@@ -89,6 +89,8 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
                 )
             if action.kind == "wait_event" and action.status == StepStatus.WAITING:
                 applied.waits.append(opened)
+            if action.start is not None:
+                _start_child(run, opened, action.start)
         elif isinstance(action, p.Close):
             StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
@@ -141,8 +143,55 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
     doomed = StepRun.objects.filter(id__in=attempt_ids, status__in=IN_FLIGHT)
     task_ids = list(doomed.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
+    _cancel_children(doomed.filter(kind="subworkflow"), "its subworkflow step was cancelled")
     doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
     dispatch.revoke_on_commit(task_ids)
+
+
+def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
+    """Start a subworkflow's child run, pinned to its version, linked to the step run, and
+    plan its first step, all in this transaction (as ``run_start`` does)."""
+    from workflows.models import WorkflowVersion
+
+    from .advance import advance_locked
+
+    versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
+    if start.get("version") is not None:
+        versions = versions.filter(number=start["version"])
+    version = versions.order_by("-number").first()
+    if version is None:
+        # Validation at save refuses an unknown workflow; one deleted since fails the step.
+        StepRun.objects.filter(id=step_run.id).update(
+            status=StepStatus.FAILED,
+            error={
+                "class": "fatal",
+                "message": f"subworkflow '{start['workflow']}' version "
+                f"{start.get('version') or 'latest'} does not exist",
+            },
+        )
+        if request_advance(run.id):
+            dispatch.advance_on_commit(run.id)
+        return
+    child = Run.objects.create(
+        workflow_id=start["workflow"],
+        version=version,
+        input=start["input"],
+        parent_run=run,
+        parent_step_run=step_run,
+        created_by_id=run.created_by_id,
+        correlation=run.correlation,
+    )
+    advance_locked(child)
+
+
+def _cancel_children(rows: Any, reason: str) -> None:
+    """Cancel, transitively, the child runs of these subworkflow step runs."""
+    from ..services import run_cancel
+    from ..status import RUN_TERMINAL
+
+    children = Run.objects.filter(parent_step_run__in=rows).exclude(status__in=RUN_TERMINAL)
+    for child_id in children.values_list("id", flat=True):
+        run_cancel(run_id=child_id, reason=reason)
 
 
 def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:
@@ -223,9 +272,14 @@ def _finish(run: Run, action: p.Finish, now: datetime) -> None:
     # cancelled (a running body's result will be refused), open engine rows closed.
     in_flight = StepRun.objects.filter(run=run, status__in=IN_FLIGHT)
     task_ids = list(in_flight.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
+    _cancel_children(in_flight.filter(kind="subworkflow"), f"its parent run {action.status}")
     ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
     in_flight.filter(kind="condition").update(status=ended, finished_at=now)
     in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
     dispatch.revoke_on_commit(task_ids)
     # An ended run needs no timer: the tick would find nothing to do for it.
     Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+    if run.parent_run_id is not None and request_advance(run.parent_run_id):
+        # A child's end is its subworkflow step's: the parent plans on from the journal.
+        # Asked for, not done here: the parent's lock is never taken under a child's.
+        dispatch.advance_on_commit(run.parent_run_id)

@@ -41,15 +41,18 @@ def run_view(run: Run) -> RunView:
 # The planner needs a finish time only to time a retry, and a lease and deadline only for a
 # running attempt: the CASEs spare parsing three timestamps on every other row.
 _JOURNAL_SQL = """
-SELECT id, step_id, path, kind, attempt, generation, status, branch, output, error, effect,
-       CASE WHEN status IN ('failed', 'timed_out') THEN finished_at END,
-       CASE WHEN status = 'running' THEN lease_expires_at END,
-       CASE WHEN status = 'running' THEN deadline_at END,
-       CASE WHEN status = 'waiting' THEN not_before END,
-       cost_usd
-  FROM {table}
- WHERE run_id = %s
- ORDER BY id
+SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.branch, s.output,
+       s.error, s.effect,
+       CASE WHEN s.status IN ('failed', 'timed_out') THEN s.finished_at END,
+       CASE WHEN s.status = 'running' THEN s.lease_expires_at END,
+       CASE WHEN s.status = 'running' THEN s.deadline_at END,
+       CASE WHEN s.status = 'waiting' THEN s.not_before END,
+       s.cost_usd, c.id, c.status, c.output, c.error
+  FROM {table} AS s
+  LEFT JOIN {runs} AS c
+    ON s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+ WHERE s.run_id = %s
+ ORDER BY s.id
 """
 
 
@@ -58,7 +61,9 @@ def journal_of(run_id: Any) -> list[AttemptView]:
     ORM's per-row overhead was most of a step's cost on long runs."""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
     with connection.cursor() as cursor:
-        cursor.execute(_JOURNAL_SQL.format(table=StepRun._meta.db_table), [pk])
+        cursor.execute(
+            _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table), [pk]
+        )
         rows = cursor.fetchall()
     return [
         AttemptView(
@@ -78,9 +83,22 @@ def journal_of(run_id: Any) -> list[AttemptView]:
             deadline_at=from_timestamp(row[13]),
             not_before=from_timestamp(row[14]),
             cost_usd=float(row[15] or 0),
+            child=_child(row[16:20]),
         )
         for row in rows
     ]
+
+
+def _child(columns: tuple[Any, ...]) -> dict[str, Any] | None:
+    child_id, status, output, error = columns
+    if child_id is None:
+        return None
+    return {
+        "id": str(child_id),
+        "status": status,
+        "output": from_json(output),
+        "error": from_json(error),
+    }
 
 
 def from_json(value: Any) -> Any:

@@ -36,6 +36,9 @@ WORKER_KINDS = frozenset({"task", "agent"})
 WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event"})
 # Kinds that hold other steps: their row is open while the steps inside run.
 COMPOSITE_KINDS = frozenset({"parallel", "foreach", "loop"})
+SUBWORKFLOW = "subworkflow"
+# How a child run's end becomes its subworkflow step's end.
+CHILD_FAILED = frozenset({"failed", "cancelled", "timed_out"})
 DEFAULT_MAX_ITEMS = 1000
 DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
 DEFAULT_RUN_TIMEOUT_MS = 300_000
@@ -91,6 +94,8 @@ class AttemptView:
     # A waiting row's due time: a sleep's end, a wait_event's time-out.
     not_before: datetime | None = None
     cost_usd: float = 0.0
+    # For a waiting subworkflow row: its child run's {"id", "status", "output", "error"}.
+    child: Mapping[str, Any] | None = None
 
 
 # --- what the planner decides -------------------------------------------------------------
@@ -150,6 +155,8 @@ class Open:
     timer: str | None = None
     # A wait_event's digest of (event name, resolved key): what deliveries look up.
     wait_key: str = ""
+    # A subworkflow's child run to start: {"workflow", "version", "input"}.
+    start: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -411,6 +418,8 @@ class _Planner:
             return self._first(step, path)
         if latest.status == "waiting" and latest.kind in WAIT_KINDS:
             return self._waiting(step, path, attempts, latest)
+        if latest.status == "waiting" and latest.kind == SUBWORKFLOW:
+            return self._child_waiting(step, path, attempts, latest)
         if latest.status in IN_FLIGHT:
             self.busy = True
             return _Go.BLOCKED
@@ -505,7 +514,7 @@ class _Planner:
 
     def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
         kind = step["kind"]
-        if kind not in WORKER_KINDS and kind not in WAIT_KINDS:
+        if kind not in WORKER_KINDS and kind not in WAIT_KINDS and kind != SUBWORKFLOW:
             self.out.actions.append(
                 Finish(
                     "failed",
@@ -533,6 +542,26 @@ class _Planner:
         self.counted += 1
         if kind in WAIT_KINDS:
             return self._open_wait(step, path, attempt)
+        if kind == SUBWORKFLOW:
+            child_input = self._input(step)
+            self.out.actions.append(
+                Open(
+                    step["id"],
+                    path,
+                    SUBWORKFLOW,
+                    attempt=attempt,
+                    generation=self.run_view.generation,
+                    status="waiting",
+                    input=child_input,
+                    start={
+                        "workflow": step["workflow"],
+                        "version": step.get("version"),
+                        "input": child_input,
+                    },
+                )
+            )
+            self.waiting = True
+            return _Go.BLOCKED
         self.out.actions.append(
             Schedule(
                 step_id=step["id"],
@@ -640,6 +669,34 @@ class _Planner:
         self.out.actions.append(Close(latest.id, "timed_out", error=error))
         timed_out = replace(latest, status="timed_out", error=error, finished_at=self.now)
         return self._after_failure(step, path, [*attempts[:-1], timed_out], timed_out)
+
+    def _child_waiting(
+        self,
+        step: Mapping[str, Any],
+        path: str,
+        attempts: list[AttemptView],
+        latest: AttemptView,
+    ) -> _Go:
+        """A subworkflow's row waits while its child run runs; the child's end is the step's:
+        its output, or its failure (with the child's error class)."""
+        child = latest.child or {}
+        status = child.get("status")
+        if status == "completed":
+            self.out.actions.append(Close(latest.id, "succeeded", output=child.get("output")))
+            self._settle(step, "succeeded", child.get("output"), None)
+            return _Go.CONTINUE
+        if status not in CHILD_FAILED:
+            self.waiting = True
+            return _Go.BLOCKED
+        child_error = child.get("error") or {}
+        error = {
+            "class": child_error.get("class") or status,
+            "message": f"child run {child.get('id')} {status}: {child_error.get('message', '')}",
+        }
+        ended = "timed_out" if status == "timed_out" else "failed"
+        self.out.actions.append(Close(latest.id, ended, error=error))
+        failed_view = replace(latest, status=ended, error=error, finished_at=self.now)
+        return self._after_failure(step, path, [*attempts[:-1], failed_view], failed_view)
 
     def _input(self, step: Mapping[str, Any]) -> Any:
         if "input" in step:
