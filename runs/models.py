@@ -45,6 +45,11 @@ class Run(models.Model):
     parent_step_run = models.ForeignKey(
         "StepRun", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # For an anonymous child run (a branch, item or iteration whose body is a list of steps):
+    # where its steps are in the version's document, "<composite step id>.do" or
+    # "<parallel step id>.branches.<name>". Its input is then the scope it runs in:
+    # {"input", "steps", "default", and "item"/"index" or "iter"}.
+    body = models.CharField(max_length=300, blank=True, default="")
     # A retry from the failed step starts a new generation: attempt budgets and limits count
     # within one generation, and what earlier generations completed is kept.
     generation = models.PositiveIntegerField(default=1)

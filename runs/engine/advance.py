@@ -60,7 +60,7 @@ def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | Non
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
         planned = plan(
-            journal.document_of(run.version_id),
+            journal.document_for(run),
             journal.run_view(run),
             journal.journal_of(run.id),
             now,

@@ -155,6 +155,20 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
 
     from .advance import advance_locked
 
+    if "body" in start:
+        # An anonymous child: the parent's own version, running one body of it.
+        child = Run.objects.create(
+            workflow_id=run.workflow_id,
+            version_id=run.version_id,
+            body=start["body"],
+            input=start["input"],
+            parent_run=run,
+            parent_step_run=step_run,
+            created_by_id=run.created_by_id,
+            correlation=run.correlation,
+        )
+        advance_locked(child)
+        return
     versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
     if start.get("version") is not None:
         versions = versions.filter(number=start["version"])

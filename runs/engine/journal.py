@@ -26,6 +26,23 @@ def document_of(version_id: int) -> dict[str, Any]:
     return WorkflowVersion.objects.values_list("document", flat=True).get(id=version_id)
 
 
+def document_for(run: Run) -> dict[str, Any]:
+    """The document a run plans: its version's, or, for an anonymous child run, the body it
+    runs (with the version's limits)."""
+    if not run.body:
+        return document_of(run.version_id)
+    return body_document(run.version_id, run.body)
+
+
+@lru_cache(maxsize=512)
+def body_document(version_id: int, body: str) -> dict[str, Any]:
+    step_id, _, where = body.partition(".")
+    step = steps_of(version_id)[step_id]
+    steps = step["do"] if where == "do" else step["branches"][where.split(".", 1)[1]]
+    limits = document_of(version_id).get("limits", {})
+    return {"id": f"{step_id}-body", "steps": steps, "limits": limits}
+
+
 def run_view(run: Run) -> RunView:
     return RunView(
         id=str(run.id),
@@ -35,6 +52,7 @@ def run_view(run: Run) -> RunView:
         generation=run.generation,
         started_at=run.started_at,
         deadline_at=run.deadline_at,
+        scope=run.input if run.body else None,
     )
 
 

@@ -37,6 +37,8 @@ WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event"})
 # Kinds that hold other steps: their row is open while the steps inside run.
 COMPOSITE_KINDS = frozenset({"parallel", "foreach", "loop"})
 SUBWORKFLOW = "subworkflow"
+# The step id of the row that stands for a body of several steps (an anonymous child run).
+BODY = "_body"
 # How a child run's end becomes its subworkflow step's end.
 CHILD_FAILED = frozenset({"failed", "cancelled", "timed_out"})
 DEFAULT_MAX_ITEMS = 1000
@@ -71,6 +73,9 @@ class RunView:
     generation: int
     started_at: datetime | None
     deadline_at: datetime | None
+    # An anonymous child run's scope (its steps are a body of its parent's document):
+    # {"input", "steps", "default", "item"/"index" or "iter"}; None for a run of a workflow.
+    scope: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -278,12 +283,23 @@ class _Planner:
         }
         self.previous_output: Any = run.input
         self.ran_before = False  # has any step (not skipped) come before this one?
+        if run.scope is not None:
+            # A body run sees what its branch, item or iteration saw in the parent.
+            scope = dict(run.scope)
+            self.context = {
+                **{k: v for k, v in scope.items() if k not in ("steps", "default")},
+                "steps": dict(scope.get("steps") or {}),
+                "run": self.context["run"],
+            }
+            self.previous_output, self.ran_before = scope.get("default"), True
         self.counted = 0
         # What blocked the walk: a sleep or wait (waiting), or work in flight or due (busy).
         self.waiting = False
         self.busy = False
         # Why the last _Go.FAILED failed: {"class", "message", "step"}.
         self.failure: dict[str, Any] = {}
+        # Where in the document the body being visited is ("fan.do"), for body runs.
+        self._body_ref = ""
 
     # entry
 
@@ -693,6 +709,9 @@ class _Planner:
             "class": child_error.get("class") or status,
             "message": f"child run {child.get('id')} {status}: {child_error.get('message', '')}",
         }
+        if step["id"] == BODY and child_error.get("step"):
+            # A body's failure names the step inside it that failed.
+            error["step"] = child_error["step"]
         ended = "timed_out" if status == "timed_out" else "failed"
         self.out.actions.append(Close(latest.id, ended, error=error))
         failed_view = replace(latest, status=ended, error=error, finished_at=self.now)
@@ -799,10 +818,7 @@ class _Planner:
         inner = f"{path}{step['id']}"
         saved = (self.context, self.previous_output, self.ran_before)
         try:
-            if not _single_step_bodies(step):
-                message = f"a list of steps in a {step['kind']} body is not supported yet"
-                go, output = self._fail(step, {"class": UNSUPPORTED, "message": message}), None
-            elif step["kind"] == "parallel":
+            if step["kind"] == "parallel":
                 go, output = self._parallel(step, inner)
             elif step["kind"] == "foreach":
                 go, output = self._foreach(step, inner)
@@ -845,14 +861,63 @@ class _Planner:
         roots of that scope (``item``, ``index``, ``iter``); its default input is
         ``roots["default"]``. Returns how it went and, when settled, its output."""
         default = roots.pop("default")
+        if isinstance(body, list) and len(body) > 1:
+            return self._body_run(path, roots, default)
+        body = _one(body)
         self.context = {**self.context, **roots, "steps": dict(self.context["steps"])}
         self.previous_output, self.ran_before = default, True
         go = self._visit(body, path)
         output = self.context["steps"][body["id"]]["output"] if go is _Go.CONTINUE else None
         return go, output
 
-    def _started(self, body: Mapping[str, Any], path: str) -> bool:
-        return (path, body["id"]) in self.by_step
+    def _body_run(self, path: str, roots: dict[str, Any], default: Any) -> tuple[_Go, Any]:
+        """A body of several steps runs as an anonymous child run (its own journal, so waits
+        and approvals work at any depth): a subworkflow row here, the steps in the child."""
+        stand_in = {"id": BODY, "kind": SUBWORKFLOW}
+        attempts = self.by_step.get((path, BODY), [])
+        latest = attempts[-1] if attempts else None
+        if latest is None:
+            scope = {
+                "input": self.context["input"],
+                "steps": self.context["steps"],
+                **roots,
+                "default": default,
+            }
+            self.counted += 1
+            self.out.actions.append(
+                Open(
+                    BODY,
+                    path,
+                    SUBWORKFLOW,
+                    attempt=1,
+                    generation=self.run_view.generation,
+                    status="waiting",
+                    start={"body": self._body_ref, "input": scope},
+                )
+            )
+            self.waiting = True
+            return _Go.BLOCKED, None
+        saved = self.context
+        self.context = {**self.context, "steps": dict(self.context["steps"])}
+        try:
+            if latest.status == "waiting":
+                go = self._child_waiting(stand_in, path, attempts, latest)
+            elif latest.status == "succeeded":
+                self._settle(stand_in, "succeeded", latest.output, None)
+                go = _Go.CONTINUE
+            elif latest.status in IN_FLIGHT:
+                self.busy = True
+                go = _Go.BLOCKED
+            else:
+                go = self._after_failure(stand_in, path, attempts, latest)
+            output = self.context["steps"][BODY]["output"] if go is _Go.CONTINUE else None
+        finally:
+            self.context = saved
+        return go, output
+
+    def _started(self, body: Any, path: str) -> bool:
+        first = BODY if isinstance(body, list) and len(body) > 1 else _one(body)["id"]
+        return (path, first) in self.by_step
 
     def _parallel(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Every branch is planned in the same pass, so all are journaled before any is
@@ -864,7 +929,7 @@ class _Planner:
         # previous step's output).
         scope = (self.context, self._input(step))
         for name, body in step["branches"].items():
-            body = _one(body)
+            self._body_ref = f"{step['id']}.branches.{name}"
             self.context = scope[0]
             go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
             if go is _Go.CONTINUE:
@@ -887,7 +952,8 @@ class _Planner:
             message = f"items: {len(items)} items exceed max_items ({limit})"
             return self._fail_inside(step, message), None
         cap = step.get("concurrency")
-        body = _one(step["do"])
+        body = step["do"]
+        self._body_ref = f"{step['id']}.do"
         scope = self.context
         outputs: list[Any] = []
         active = 0
@@ -913,7 +979,8 @@ class _Planner:
         (the output of iteration k-1, null for the first). After each, ``until`` is evaluated
         with ``iter.index`` k and ``iter.previous`` the output just made; the loop ends when
         it holds or after ``max_iterations``. The output is the last iteration's."""
-        body = _one(step["do"])
+        body = step["do"]
+        self._body_ref = f"{step['id']}.do"
         scope = self.context
         previous: Any = self._input(step)
         output: Any = None
@@ -930,7 +997,9 @@ class _Planner:
             previous = output
             until = step.get("until")
             after = {**scope, "iter": {"index": index, "previous": output}}
-            after["steps"] = {**scope["steps"], body["id"]: self.context["steps"][body["id"]]}
+            last = BODY if isinstance(body, list) and len(body) > 1 else _one(body)["id"]
+            settled = {"output": output, "status": "succeeded", "error": None}
+            after["steps"] = {**scope["steps"], last: settled}
             if until is not None and evaluate(until, after):
                 break
         return _Go.CONTINUE, output
@@ -981,11 +1050,6 @@ class _Planner:
 def _one(body: Any) -> Mapping[str, Any]:
     """A body given as one step, or as a list holding one step, is that step."""
     return body[0] if isinstance(body, list) else body
-
-
-def _single_step_bodies(step: Mapping[str, Any]) -> bool:
-    bodies = list(step["branches"].values()) if step["kind"] == "parallel" else [step["do"]]
-    return all(not isinstance(body, list) or len(body) == 1 for body in bodies)
 
 
 def _counts_as_attempt(attempt: AttemptView) -> bool:

@@ -284,8 +284,56 @@ def test_a_body_of_one_step_in_a_list_is_that_step() -> None:
     assert only(out.actions, Schedule).path == "fan[0]/"
 
 
-def test_a_body_of_several_steps_is_not_supported_yet_and_says_so() -> None:
-    out = plan(doc(loop([task("a"), task("b")], max_iterations=2)), run(), [], NOW)
+def test_a_body_of_several_steps_runs_as_an_anonymous_child_with_its_scope() -> None:
+    body = [task("a", input="${item}"), task("b")]
+    out = plan(
+        doc(task("pre"), each("${input.xs}", body)),
+        run(input={"xs": [7, 8]}),
+        [ok("pre", "P")],
+        NOW,
+    )
+    children = [o for o in out.of(Open) if o.kind == "subworkflow"]
+    assert [(o.step_id, o.path, o.status) for o in children] == [
+        ("_body", "fan[0]/", "waiting"),
+        ("_body", "fan[1]/", "waiting"),
+    ]
+    start = children[1].start
+    assert start["body"] == "fan.do"
+    scope = start["input"]
+    assert (scope["item"], scope["index"], scope["default"]) == (8, 1, 8)
+    assert scope["steps"]["pre"]["output"] == "P" and scope["input"] == {"xs": [7, 8]}
+
+
+def test_a_body_run_plans_its_steps_in_its_parents_scope() -> None:
+    scope = {
+        "input": {"t": 1},
+        "steps": {"pre": {"output": "P", "status": "succeeded", "error": None}},
+        "item": {"n": 5},
+        "index": 3,
+        "default": {"n": 5},
+    }
+    body = doc(
+        task("a", input={"i": "${item.n}", "at": "${index}", "pre": "${steps.pre.output}"}),
+        task("b"),
+    )
+    out = plan(body, run(scope=scope, input=scope), [], NOW)
+    assert only(out.actions, Schedule).input == {"i": 5, "at": 3, "pre": "P"}
+    out = plan(body, run(scope=scope, input=scope), [ok("a", "A")], NOW)
+    assert only(out.actions, Schedule).input == "A"
+    out = plan(body, run(scope=scope, input=scope), [ok("a", "A"), ok("b", "B")], NOW)
+    assert only(out.actions, Finish).output == "B"
+
+
+def test_a_failed_body_run_fails_its_container_naming_the_inner_step() -> None:
+    child = {
+        "id": "c",
+        "status": "failed",
+        "error": {"class": "fatal", "message": "x", "step": "b"},
+    }
+    journal = [
+        row("lp", "loop"),
+        at(in_flight("_body", status="waiting", kind="subworkflow", child=child), "lp[0]/"),
+    ]
+    out = plan(doc(loop([task("a"), task("b")], max_iterations=2)), run(), journal, NOW)
     finish = only(out.actions, Finish)
-    assert (finish.error["class"], finish.error["step"]) == ("unsupported", "lp")
-    assert "list of steps" in finish.error["message"]
+    assert (finish.error["class"], finish.error["step"]) == ("fatal", "b")

@@ -205,3 +205,70 @@ def test_the_api_shows_children_and_the_parent(api: APIClient) -> None:
     assert [c["id"] for c in body["children"]] == [str(child.id)]
     child_body = api.get(f"/api/v1/runs/{child.id}").json()
     assert child_body["parent"] == {"run": str(parent.id), "step": "child"}
+
+
+# --- bodies of several steps: anonymous child runs --------------------------------------------
+
+
+def test_a_foreach_body_of_several_steps_runs_each_item_as_a_child_run() -> None:
+    body = [
+        {"id": "gate_item", "kind": "wait_event", "event": "go", "key": "${item}"},
+        {"id": "nap", "kind": "sleep", "ms": 0, "input": "${steps.gate_item.output}"},
+    ]
+    save("bulk", {"id": "fan", "kind": "foreach", "items": "${input.keys}", "do": body})
+    parent = services.run_start(workflow="bulk", input={"keys": ["a", "b"]}).run
+    children = list(Run.objects.filter(parent_run=parent).order_by("created_at"))
+    assert [(c.body, c.status) for c in children] == [("fan.do", "waiting"), ("fan.do", "waiting")]
+    assert children[0].input["item"] == "a" and children[1].input["index"] == 1
+    assert services.event_send(name="go", key="b", payload="B")[1] == 1
+    assert services.event_send(name="go", key="a", payload="A")[1] == 1
+    notify_parents()
+    parent = fresh(parent)
+    # The body's output is its last step's (a sleep: null); order is the items'.
+    assert (parent.status, parent.output) == ("completed", [None, None])
+    assert {c.steps.count() for c in children} == {2}
+    assert parent.steps.filter(path__startswith="fan[").count() == 2  # the parent stays flat
+
+
+def test_three_levels_foreach_subworkflow_parallel_with_a_wait_at_the_bottom() -> None:
+    deepest = {
+        "id": "both",
+        "kind": "parallel",
+        "branches": {
+            "wait": {"id": "deep_wait", "kind": "wait_event", "event": "go", "key": "${input.key}"},
+            "nap": {"id": "deep_nap", "kind": "sleep", "ms": 0},
+        },
+    }
+    save("bottom", deepest, output="${steps.both.output.wait}")
+    save(
+        "top",
+        {
+            "id": "fan",
+            "kind": "foreach",
+            "items": "${input.keys}",
+            "do": sub("mid", workflow="bottom", input={"key": "${item}"}),
+        },
+    )
+    parent = services.run_start(workflow="top", input={"keys": ["k1", "k2"]}).run
+    mids = Run.objects.filter(parent_run=parent)
+    assert mids.count() == 2 and {m.status for m in mids} == {"waiting"}
+    assert services.event_send(name="go", key="k2", payload=2)[1] == 1
+    assert services.event_send(name="go", key="k1", payload=1)[1] == 1
+    notify_parents()
+    parent = fresh(parent)
+    assert (parent.status, parent.output) == ("completed", [1, 2])
+
+
+def test_a_loop_body_of_several_steps_sees_iter_and_ends_by_until() -> None:
+    body = [
+        {"id": "one", "kind": "sleep", "ms": 0},
+        {"id": "two", "kind": "sleep_until", "until": 0, "input": "${iter.index}"},
+    ]
+    until = {"path": "iter.index", "op": "gte", "value": 2}
+    save("looping", {"id": "lp", "kind": "loop", "max_iterations": 5, "until": until, "do": body})
+    parent = services.run_start(workflow="looping", input={}).run
+    for _ in range(5):
+        notify_parents()
+    parent = fresh(parent)
+    assert parent.status == "completed"
+    assert Run.objects.filter(parent_run=parent, body="lp.do").count() == 3
