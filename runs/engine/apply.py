@@ -175,7 +175,7 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
     version = versions.order_by("-number").first()
     if version is None:
         # Validation at save refuses an unknown workflow; one deleted since fails the step.
-        StepRun.objects.filter(id=step_run.id).update(
+        StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
             status=StepStatus.FAILED,
             error={
                 "class": "fatal",
@@ -285,12 +285,17 @@ def _finish(run: Run, action: p.Finish, now: datetime) -> None:
     # Nothing may go on once the run has ended: attempts still offered or running are
     # cancelled (a running body's result will be refused), open engine rows closed.
     in_flight = StepRun.objects.filter(run=run, status__in=IN_FLIGHT)
-    task_ids = list(in_flight.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
-    _cancel_children(in_flight.filter(kind="subworkflow"), f"its parent run {action.status}")
-    ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
-    in_flight.filter(kind="condition").update(status=ended, finished_at=now)
-    in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
-    dispatch.revoke_on_commit(task_ids)
+    # One read, and writes only when something is left (a run that completes has nothing).
+    left = list(in_flight.values_list("id", "kind", "celery_task_id"))
+    if left:
+        children = [row_id for row_id, kind, _ in left if kind == p.SUBWORKFLOW]
+        if children:
+            reason = f"its parent run {action.status}"
+            _cancel_children(StepRun.objects.filter(id__in=children), reason)
+        ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
+        in_flight.filter(kind="condition").update(status=ended, finished_at=now)
+        in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
+        dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
     # An ended run needs no timer: the tick would find nothing to do for it.
     Timer.objects.filter(run=run, fired_at__isnull=True).delete()
     if run.parent_run_id is not None and request_advance(run.parent_run_id):

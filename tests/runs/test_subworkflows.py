@@ -272,3 +272,17 @@ def test_a_loop_body_of_several_steps_sees_iter_and_ends_by_until() -> None:
     parent = fresh(parent)
     assert parent.status == "completed"
     assert Run.objects.filter(parent_run=parent, body="lp.do").count() == 3
+
+
+def test_a_child_version_gone_since_the_save_fails_the_step_clearly() -> None:
+    from workflows.models import WorkflowVersion
+
+    save("inner", wait())
+    save("outer", sub(version=1))
+    WorkflowVersion.objects.filter(workflow_id="inner").delete()
+    parent = services.run_start(workflow="outer", input={}).run
+    row = parent.steps.get(step_id="child")
+    assert row.status == "failed" and "version 1 does not exist" in row.error["message"]
+    notify_parents()
+    parent = fresh(parent)
+    assert (parent.status, parent.error["step"]) == ("failed", "child")
