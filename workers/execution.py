@@ -234,7 +234,8 @@ def _record_inside(
     A fan-out's completions do not each lock the run and plan its whole journal (that is
     quadratic in the number of items): the first completion since the last advance asks for
     one, later ones find the request pending and only record. The advance takes the request
-    away before it reads the journal, so a completion it does not see asks again.
+    away before it reads the journal, and waits for the completions that found it pending
+    (see ``request_advance``), so a completion it does not see asks again.
     """
     with transaction.atomic():
         if cost:

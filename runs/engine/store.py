@@ -102,19 +102,37 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
 
 def request_advance(run_id: Any) -> bool:
     """Ask for an advance of the run; True when no request was pending (the caller sends
-    the message), False when one is (its advance will see this transaction's writes, or
-    the advance already took the request away and this insert made a new one)."""
+    the message), False when one is: its advance will see this transaction's writes.
+
+    That holds because a pending request is locked (``FOR KEY SHARE``) until the caller's
+    transaction ends: the advance takes the request away (``take_advance_request``) before
+    it reads the journal, and that ``DELETE`` waits for this transaction to commit. Without
+    the lock, an advance taking the request between this statement and the commit read a
+    journal without these writes, and nobody asked again: the fan-out stayed open until the
+    run's deadline. A request taken away before it could be locked is made anew.
+    """
     table = AdvanceRequest._meta.db_table
+    run = _prep("id", run_id, Run)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {table} (run_id, requested_at) VALUES (%s, %s) ON CONFLICT DO NOTHING",
-            [_prep("id", run_id, Run), _prep_now()],
-        )
-        return cursor.rowcount == 1
+        while True:
+            cursor.execute(
+                f"INSERT INTO {table} (run_id, requested_at) VALUES (%s, %s)"
+                " ON CONFLICT DO NOTHING",
+                [run, _prep_now()],
+            )
+            if cursor.rowcount == 1:
+                return True
+            if connection.vendor != "postgresql":
+                # SQLite has one writer at a time: no DELETE comes before this commit.
+                return False
+            cursor.execute(f"SELECT 1 FROM {table} WHERE run_id = %s FOR KEY SHARE", [run])
+            if cursor.fetchone() is not None:
+                return False
 
 
 def take_advance_request(run_id: Any) -> None:
-    """Take the run's advance request away (autocommit, before the journal is read)."""
+    """Take the run's advance request away (autocommit, before the journal is read). Waits
+    for the transactions that found it pending: the journal read next has their writes."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"DELETE FROM {AdvanceRequest._meta.db_table} WHERE run_id = %s",

@@ -1,0 +1,110 @@
+"""The advance request of a fan-out (runs.engine.store): a completion that finds a request
+pending is seen by the advance that takes it away, however their transactions interleave.
+
+Two real Postgres connections (threads); no broker: the messages the engine would send are
+only counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from runs import dispatch, services
+from runs.engine.advance import run_advance
+from runs.models import AdvanceRequest, Run, StepRun
+from workers import execution
+from workers.claims import Claimed, claim_attempt
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def advances(monkeypatch) -> list[str]:
+    """Advance messages the engine asked for; offers of attempts are dropped (no worker)."""
+    asked: list[str] = []
+    monkeypatch.setattr(dispatch, "advance_on_commit", lambda run_id: asked.append(str(run_id)))
+    monkeypatch.setattr(dispatch, "offer_on_commit", lambda *a, **k: None)
+    monkeypatch.setattr(dispatch, "offer_chord_on_commit", lambda *a, **k: None)
+    return asked
+
+
+def _pair() -> tuple[Run, Claimed, Claimed]:
+    """A run in a foreach of two items, both attempts claimed by a worker."""
+    item = {"id": "item", "kind": "task"}
+    fan = {"id": "fan", "kind": "foreach", "items": [0, 1], "do": item}
+    definition_save(document={"id": "pair", "steps": [fan]})
+    run = services.run_start(workflow="pair").run
+    rows = StepRun.objects.filter(run=run, kind="task").order_by("path")
+    first, second = (claim_attempt(r.id, worker="w", now=timezone.now()) for r in rows)
+    assert first is not None and second is not None
+    return run, first, second
+
+
+def _recorded(output: Any) -> dict[str, Any]:
+    return {
+        "status": "succeeded",
+        "output": output,
+        "error": None,
+        "finished_at": timezone.now(),
+        "lease_expires_at": None,
+        "usage": {},
+        "spans": [],
+        "cost_usd": Decimal("0"),
+    }
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_a_completion_still_committing_when_the_advance_takes_the_request_is_seen(
+    advances, monkeypatch
+) -> None:
+    run, first, second = _pair()
+    execution._record_inside(first, first.claim, _recorded("a"), 0)
+    assert advances == [str(run.id)]  # the first completion asked; its message is on its way
+
+    # The second completion finds that request pending, then is slow to commit: the advance
+    # the first one asked for takes the request away and reads the journal meanwhile.
+    found_pending = threading.Event()
+    real_request = execution.request_advance
+
+    def slow_to_commit(run_id: Any) -> bool:
+        pending = real_request(run_id)
+        found_pending.set()
+        time.sleep(0.5)
+        return pending
+
+    monkeypatch.setattr(execution, "request_advance", slow_to_commit)
+
+    def complete_second() -> None:
+        try:
+            execution._record_inside(second, second.claim, _recorded("b"), 0)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=complete_second)
+    thread.start()
+    assert found_pending.wait(5)
+    run_advance(run_id=run.id)
+    thread.join(10)
+    assert not thread.is_alive()
+
+    run.refresh_from_db()
+    # Either that advance saw the second result, or the second completion asked again: a
+    # result nobody will look at would leave the foreach open until the run's deadline.
+    pending = AdvanceRequest.objects.filter(run_id=run.id).exists()
+    assert run.status == "completed" or (pending and advances.count(str(run.id)) == 2), (
+        run.status,
+        pending,
+        advances,
+    )
+    if run.status != "completed":
+        run_advance(run_id=run.id)
+        run.refresh_from_db()
+    assert (run.status, run.output) == ("completed", ["a", "b"])
