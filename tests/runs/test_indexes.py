@@ -26,10 +26,10 @@ def many_runs() -> None:
         for index, version in enumerate(versions):
             cursor.execute(
                 "INSERT INTO runs_run (id, workflow_id, version_id, status, input, generation,"
-                " attempts, cost_usd, created_at, updated_at)"
+                " attempts, cost_usd, body, created_at, updated_at)"
                 " SELECT gen_random_uuid(), %s, %s,"
                 " (ARRAY['running','completed','failed','waiting'])[1 + n %% 4],"
-                " '{}'::jsonb, 1, 0, 0, now() - (4 * n + %s) * interval '1 second', now()"
+                " '{}'::jsonb, 1, 0, 0, '', now() - (4 * n + %s) * interval '1 second', now()"
                 " FROM generate_series(1, 5000) AS n",
                 [version.workflow_id, version.id, index],
             )
