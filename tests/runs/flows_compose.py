@@ -120,3 +120,14 @@ def _failing(ctx: Any, input: Any, prior: Any) -> Any:
 
 
 registry.register("fork", "failing", _failing)
+
+
+# A loop whose until never holds: it ends by max_iterations.
+endless = workflow("endless", limits=LIMITS)
+endless.loop(
+    "lp",
+    max_iterations=3,
+    until={"path": "iter.previous.n", "op": "lt", "value": 0},
+    do=task("spin", input={"n": "${iter.index}"}),
+)
+registry.register("endless", "spin", lambda ctx, input, prior: {"n": input["n"] * 10})

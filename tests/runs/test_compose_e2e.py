@@ -85,3 +85,58 @@ def test_parallel_branches_with_a_nested_foreach(celery_worker, celery_processes
     assert {r.scheduled_at for r in first if r.kind == "task" and r.path != "par[right]/"} | {
         StepRun.objects.get(run=run, step_id="many").scheduled_at
     } == {par.scheduled_at}
+
+
+def test_a_loop_ends_by_max_iterations(celery_worker, celery_processes) -> None:
+    celery_worker(workflow_modules=FLOWS)
+    run = finished(start("endless", {}).id, logs=celery_processes.logs)
+    assert (run.status, run.output) == ("completed", {"n": 20})
+    assert StepRun.objects.filter(run=run, step_id="spin").count() == 3
+
+
+def test_three_levels_with_a_wait_at_the_bottom_resumed_by_an_event(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    from workflows.services import definition_save
+
+    bottom = {
+        "id": "bottom",
+        "steps": [
+            {
+                "id": "both",
+                "kind": "parallel",
+                "branches": {
+                    "wait": {"id": "deep", "kind": "wait_event", "event": "go", "key": "${input}"},
+                    "nap": {"id": "nap", "kind": "sleep", "ms": 300},
+                },
+            }
+        ],
+        "output": "${steps.both.output.wait}",
+    }
+    top = {
+        "id": "top",
+        "steps": [
+            {
+                "id": "fan",
+                "kind": "foreach",
+                "items": "${input.keys}",
+                "do": {"id": "mid", "kind": "subworkflow", "workflow": "bottom"},
+            }
+        ],
+    }
+    definition_save(document=bottom)
+    definition_save(document=top)
+    celery_worker(workflow_modules=FLOWS)
+    celery_beat()
+    run = start("top", {"keys": ["k1", "k2"]})
+
+    def all_waiting() -> bool:
+        grandchildren = StepRun.objects.filter(step_id="deep", status="waiting").count()
+        return grandchildren == 2
+
+    wait_for(all_waiting, timeout=20, message=celery_processes.logs)
+    assert Run.objects.get(id=run.id).status == "waiting"
+    assert services.event_send(name="go", key="k2", payload="two")[1] == 1
+    assert services.event_send(name="go", key="k1", payload="one")[1] == 1
+    run = finished(run.id, logs=celery_processes.logs)
+    assert (run.status, run.output) == ("completed", ["one", "two"])
