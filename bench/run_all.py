@@ -2,8 +2,9 @@
 
 Starts one ``celery -A config worker`` (prefork, ``-c 2``, the project's settings) on the
 bench services, measures bare Celery and the engine on it in one sitting, and prints
-``name | engine | bare | ratio``. Then issue 4's timer benchmark (``bench.timers``) runs in
-a process of its own, on its own database and Redis databases (``--timers none`` skips it).
+``name | engine | bare | ratio``. Then issue 4's timer benchmark (``bench.timers``) and issue
+5's fan-out benchmark (``bench.fanout``) run, each in a process of its own, on its own
+database and Redis databases (``--timers none``, ``--fanout none`` skip them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=["all", "waiting", "precision", "burst", "none"],
         default="all",
         help="which part of bench.timers to run afterwards (several minutes for all)",
+    )
+    parser.add_argument(
+        "--fanout",
+        choices=["all", "one", "many", "none"],
+        default="all",
+        help="which part of bench.fanout to run last (about 8 minutes for all)",
     )
     args = parser.parse_args(argv)
 
@@ -81,14 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(common.format_table(rows), flush=True)
 
-    if args.timers != "none":
-        # Its own process: Django is configured once per process, on other services.
-        print()
-        subprocess.run(
-            [sys.executable, "-m", "bench.timers", "--part", args.timers],
-            cwd=Path(__file__).resolve().parent.parent,
-            check=True,
-        )
+    # Each in its own process: Django is configured once per process, on other services.
+    for module, part in (("bench.timers", args.timers), ("bench.fanout", args.fanout)):
+        if part != "none":
+            print(flush=True)
+            subprocess.run(
+                [sys.executable, "-m", module, "--part", part],
+                cwd=Path(__file__).resolve().parent.parent,
+                check=True,
+            )
 
 
 if __name__ == "__main__":
