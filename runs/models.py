@@ -167,6 +167,12 @@ class StepRun(models.Model):
                 name="step_run_scheduled",
                 condition=Q(status="scheduled"),
             ),
+            # "Is anything else of this run in flight?", asked at each completion in a fan-out.
+            models.Index(
+                fields=["run"],
+                name="step_run_busy",
+                condition=Q(status__in=["scheduled", "running"]),
+            ),
             models.Index(
                 fields=["wait_key"],
                 name="step_run_waiting_event",

@@ -30,6 +30,7 @@ from django.utils import timezone
 from runs import dispatch
 from runs.engine import journal
 from runs.engine.advance import advance_locked, lock_run
+from runs.engine.plan import WORKER_KINDS
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
@@ -229,24 +230,52 @@ def _record_inside(
     row: Claimed, claim: uuid.UUID, result: dict[str, Any], cost: Any
 ) -> tuple[str, Held | None]:
     """Record an attempt inside a composite step (a branch, an item, an iteration) without
-    the run's lock, and ask for an advance.
+    the run's lock, and ask for an advance only when one can change something.
 
-    A fan-out's completions do not each lock the run and plan its whole journal (that is
-    quadratic in the number of items): the first completion since the last advance asks for
-    one, later ones find the request pending and only record. The advance takes the request
-    away before it reads the journal, and waits for the completions that found it pending
-    (see ``request_advance``), so a completion it does not see asks again.
+    A fan-out's completions must not each plan the whole journal (quadratic in the number of
+    items). A success changes nothing the planner acts on while other attempts of the run
+    are still in flight, unless a ``concurrency`` window is waiting for the slot it frees;
+    so only a failure (a retry or on_error to decide), a success in a capped fan-out, or the
+    last success of the run asks. Completions of one run take turns on an advisory lock
+    while they decide, so of the last two, the second sees the first committed. An advance
+    already pending sees this one's writes (see ``request_advance``).
     """
     with transaction.atomic():
+        _one_at_a_time(row.run_id)
         if cost:
             # The run row before the step run: the order every advance locks them in.
             Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
         if not record_result(row.id, claim, result):
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None
-        if request_advance(row.run_id):
+        if _may_change_the_plan(row, result["status"]) and request_advance(row.run_id):
             dispatch.advance_on_commit(row.run_id)
     return result["status"], None
+
+
+def _one_at_a_time(run_id: Any) -> None:
+    if connection.vendor != "postgresql":
+        return  # SQLite: one writer at a time already
+    with connection.cursor() as cursor:
+        # 63 bits of the run's UUID: a signed bigint (a collision only serialises two runs).
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [uuid.UUID(str(run_id)).int >> 65])
+
+
+def _may_change_the_plan(row: Claimed, status: str) -> bool:
+    if status != StepStatus.SUCCEEDED:
+        return True
+    steps = journal.steps_of(row.version_id)
+    capped = any(
+        steps.get(part.split("[", 1)[0], {}).get("concurrency") is not None
+        for part in row.path.split("/")
+        if part
+    )
+    if capped:
+        return True
+    others = StepRun.objects.filter(
+        run_id=row.run_id, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
+    ).exclude(id=row.id)
+    return not others.filter(kind__in=WORKER_KINDS).exists()
 
 
 def _reconnecting(operation: Callable[[], T]) -> T:

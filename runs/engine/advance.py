@@ -44,7 +44,9 @@ def lock_run(run_id: Any) -> Run | None:
     A raw query: it runs once per step, and the ORM's query building was a visible share
     of a step's cost.
     """
-    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    # NO KEY UPDATE: advances still take turns, but inserts that only reference the run (an
+    # attempt's deadline timer at its claim, an advance request) do not wait behind one.
+    lock = " FOR NO KEY UPDATE" if connection.vendor == "postgresql" else ""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
     found = list(Run.objects.raw(f"SELECT * FROM {Run._meta.db_table} WHERE id = %s{lock}", [pk]))
     return found[0] if found else None

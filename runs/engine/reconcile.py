@@ -36,6 +36,7 @@ from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
 from . import events
 from .advance import run_advance
+from .plan import WORKER_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,11 @@ def advance_stuck(now: datetime, batch: int) -> int:
     tunables = settings.DJFLOW
     quiet = now - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"])
     grace = timedelta(seconds=tunables["DEADLINE_GRACE_SECONDS"])
+    # Attempts of worker steps in flight; an open composite or condition row is not work.
     busy = StepRun.objects.filter(
-        run_id=OuterRef("id"), status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
+        run_id=OuterRef("id"),
+        status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING],
+        kind__in=WORKER_KINDS,
     )
     # A sleep just due is the tick's to end; one still waiting this long after is left over.
     due_wait = StepRun.objects.filter(

@@ -66,6 +66,9 @@ def test_a_completion_still_committing_when_the_advance_takes_the_request_is_see
     advances, monkeypatch
 ) -> None:
     run, first, second = _pair()
+    # Here every completion asks (as a failure, or one in a capped fan-out, does): the race
+    # is between asking and the advance taking the request away.
+    monkeypatch.setattr(execution, "_may_change_the_plan", lambda row, status: True)
     execution._record_inside(first, first.claim, _recorded("a"), 0)
     assert advances == [str(run.id)]  # the first completion asked; its message is on its way
 
@@ -108,3 +111,33 @@ def test_a_completion_still_committing_when_the_advance_takes_the_request_is_see
         run_advance(run_id=run.id)
         run.refresh_from_db()
     assert (run.status, run.output) == ("completed", ["a", "b"])
+
+
+def test_a_success_asks_only_when_nothing_else_of_the_run_is_in_flight(advances) -> None:
+    run, first, second = _pair()
+    execution._record_inside(first, first.claim, _recorded("a"), 0)
+    assert advances == []  # the other item still runs: nothing for a plan to do yet
+    execution._record_inside(second, second.claim, _recorded("b"), 0)
+    assert advances == [str(run.id)]
+    run_advance(run_id=run.id)
+    run.refresh_from_db()
+    assert (run.status, run.output) == ("completed", ["a", "b"])
+
+
+def test_a_failure_asks_at_once(advances) -> None:
+    run, first, _ = _pair()
+    failure = {**_recorded(None), "status": "failed", "error": {"class": "fatal", "message": "x"}}
+    execution._record_inside(first, first.claim, failure, 0)
+    assert advances == [str(run.id)]
+
+
+def test_a_success_in_a_capped_fan_out_asks_at_once(advances) -> None:
+    item = {"id": "item", "kind": "task"}
+    fan = {"id": "fan", "kind": "foreach", "items": [0, 1, 2], "concurrency": 2, "do": item}
+    definition_save(document={"id": "capped_pair", "steps": [fan]})
+    run = services.run_start(workflow="capped_pair").run
+    rows = StepRun.objects.filter(run=run, kind="task").order_by("path")
+    first = claim_attempt(rows[0].id, worker="w", now=timezone.now())
+    claim_attempt(rows[1].id, worker="w", now=timezone.now())
+    execution._record_inside(first, first.claim, _recorded("a"), 0)
+    assert advances == [str(run.id)]  # a slot is free: the third item may start
