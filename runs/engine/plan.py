@@ -723,15 +723,22 @@ class _Planner:
         # The default: the run input for the first step, else the previous step's output.
         return copy.deepcopy(self.previous_output if self.ran_before else self.run_view.input)
 
+    def _already_settled(self, step: Mapping[str, Any], latest: AttemptView | None) -> bool:
+        """An engine row (a condition's, a composite's) that already ended well: its output,
+        or its skip, goes into the context as it is."""
+        if latest is not None and latest.status == "succeeded":
+            self._settle(step, "succeeded", latest.output, None)
+            return True
+        if latest is not None and latest.status == "skipped":
+            self._settle_skipped(step)
+            return True
+        return False
+
     def _condition(self, step: Mapping[str, Any], path: str) -> _Go:
         attempts = self.by_step.get((path, step["id"]), [])
         latest = attempts[-1] if attempts else None
         generation = self.run_view.generation
-        if latest is not None and latest.status == "succeeded":
-            self._settle(step, "succeeded", latest.output, None)
-            return _Go.CONTINUE
-        if latest is not None and latest.status == "skipped":
-            self._settle_skipped(step)
+        if self._already_settled(step, latest):
             return _Go.CONTINUE
         opening = latest is None or (latest.status != "running" and latest.generation < generation)
         if latest is None:
@@ -794,11 +801,7 @@ class _Planner:
         attempts = self.by_step.get((path, step["id"]), [])
         latest = attempts[-1] if attempts else None
         generation = self.run_view.generation
-        if latest is not None and latest.status == "succeeded":
-            self._settle(step, "succeeded", latest.output, None)
-            return _Go.CONTINUE
-        if latest is not None and latest.status == "skipped":
-            self._settle_skipped(step)
+        if self._already_settled(step, latest):
             return _Go.CONTINUE
         if latest is not None and latest.status != "running" and latest.generation == generation:
             # Failed in this generation: it went on (continue), or the run has ended.
