@@ -157,22 +157,12 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
 
     if "body" in start:
         # An anonymous child: the parent's own version, running one body of it.
-        child = Run.objects.create(
-            workflow_id=run.workflow_id,
-            version_id=run.version_id,
-            body=start["body"],
-            input=start["input"],
-            parent_run=run,
-            parent_step_run=step_run,
-            created_by_id=run.created_by_id,
-            correlation=run.correlation,
-        )
-        advance_locked(child)
-        return
-    versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
-    if start.get("version") is not None:
-        versions = versions.filter(number=start["version"])
-    version = versions.order_by("-number").first()
+        workflow_id, version, body = run.workflow_id, run.version, start["body"]
+    else:
+        versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
+        if start.get("version") is not None:
+            versions = versions.filter(number=start["version"])
+        workflow_id, version, body = start["workflow"], versions.order_by("-number").first(), ""
     if version is None:
         # Validation at save refuses an unknown workflow; one deleted since fails the step.
         StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
@@ -187,8 +177,9 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
             dispatch.advance_on_commit(run.id)
         return
     child = Run.objects.create(
-        workflow_id=start["workflow"],
+        workflow_id=workflow_id,
         version=version,
+        body=body,
         input=start["input"],
         parent_run=run,
         parent_step_run=step_run,

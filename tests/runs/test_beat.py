@@ -84,3 +84,15 @@ def test_the_clock_has_a_queue_of_its_own_and_a_plain_worker_consumes_it() -> No
     assert queue_of("runs.fire_timers") == queue_of("runs.reconcile") == "timers"
     assert queue_of("runs.advance") == "engine"
     assert {"default", "engine", "timers"} <= set(app.amqp.queues)
+
+
+def test_a_broker_outage_while_the_tick_hands_runs_out_is_logged_not_raised(caplog) -> None:
+    from unittest import mock
+
+    from runs import dispatch
+
+    with mock.patch(
+        "config.celery.app.producer_or_acquire", side_effect=ConnectionError("broker down")
+    ):
+        dispatch.advance_many(["r1", "r2"])  # the reconciler advances them later
+    assert "could not send advance for 2 runs" in caplog.text

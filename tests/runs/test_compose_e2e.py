@@ -9,28 +9,16 @@ from runs.models import Run, StepRun
 from tests.processes import wait_for
 
 from .flows import effects, ensure_effects_table
+from .test_e2e import finished, start
 
 pytestmark = [pytest.mark.slow]
 
 FLOWS = ["tests.runs.flows_compose"]
-TERMINAL = ("completed", "failed", "cancelled", "timed_out")
 
 
 @pytest.fixture(autouse=True)
 def _effects_table(transactional_db):
     ensure_effects_table()
-
-
-def finished(run_id, timeout: float = 60.0, logs=lambda: "") -> Run:
-    def ended():
-        run = Run.objects.get(id=run_id)
-        return run if run.status in TERMINAL else None
-
-    return wait_for(ended, timeout=timeout, interval=0.1, message=logs)
-
-
-def start(workflow: str, input=None) -> Run:
-    return services.run_start(workflow=workflow, input=input).run
 
 
 def test_foreach_with_mixed_outcomes_keeps_item_order(celery_worker, celery_processes) -> None:
