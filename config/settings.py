@@ -116,6 +116,8 @@ EMAIL_HOST_USER = env("EMAIL_HOST_USER", default="")
 EMAIL_HOST_PASSWORD = env("EMAIL_HOST_PASSWORD", default="")
 EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
 DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="workflows@localhost")
+# Seconds an SMTP connection may block a mail worker before the send fails (and is retried).
+EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=30)
 
 # --- REST API -----------------------------------------------------------------------------
 REST_FRAMEWORK = {
@@ -184,8 +186,11 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 # thousands of timers sends thousands of advance messages to `engine`, and the next tick must
 # not wait behind them (measured: 10,000 timers due at once fired in 93 s with the tick on
 # `engine`, 6.4 s on a queue of its own).
-CELERY_TASK_QUEUES = [Queue("default"), Queue("engine"), Queue("timers")]
+# Approval and hand-off e-mails have a queue of their own: a slow or failing SMTP server
+# delays mail only, never planning or step bodies.
+CELERY_TASK_QUEUES = [Queue("default"), Queue("engine"), Queue("timers"), Queue("mail")]
 CELERY_TASK_ROUTES = {
+    "approvals.send_mail": {"queue": "mail"},
     "runs.fire_timers": {"queue": "timers"},
     "runs.reconcile": {"queue": "timers"},
     "runs.*": {"queue": "engine"},

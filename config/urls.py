@@ -12,6 +12,7 @@ api_v1 = [
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
+    path("", include("approvals.urls")),
 ]
 
 handler400 = "config.views.bad_request"

@@ -79,7 +79,7 @@ class Run(models.Model):
             models.Index(
                 fields=["updated_at"],
                 name="run_active_updated",
-                condition=Q(status__in=["pending", "running", "waiting"]),
+                condition=Q(status__in=["pending", "running", "waiting", "pending_approval"]),
             ),
             models.Index(
                 fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
@@ -191,6 +191,9 @@ class TimerPurpose(models.TextChoices):
     STEP_DEADLINE = "step_deadline"
     RUN_DEADLINE = "run_deadline"
     RETRY_BACKOFF = "retry_backoff"
+    APPROVAL_TIMEOUT = "approval_timeout"
+    # Mails the approvers who have not decided; fires without advancing the run.
+    APPROVAL_REMINDER = "approval_reminder"
 
 
 class Timer(models.Model):

@@ -144,6 +144,9 @@ def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
     run.save(update_fields=["status", "error", "finished_at", "updated_at"])
     dispatch.revoke_on_commit([task_id for task_id in in_flight if task_id])
     Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+    from approvals import gates
+
+    gates.cancel_run(run.id, now)  # its links now show a closed request
     for child in run.children.exclude(status__in=RUN_TERMINAL).values_list("id", flat=True):
         run_cancel(run_id=child, reason=f"parent run {run.id} was cancelled")
     parent = run.parent_run_id

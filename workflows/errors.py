@@ -61,3 +61,8 @@ class NotFound(EngineError):
 class Conflict(EngineError):
     code = "conflict"
     status = 409
+
+
+class Forbidden(EngineError):
+    code = "forbidden"
+    status = 403

@@ -70,7 +70,7 @@ def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | Non
         )
         applied = apply_plan(run, planned, now, hold=hold)
         taken = [wait for wait in applied.waits if events.take_event(run, wait)]
-        if not taken:
+        if not taken and not applied.replan:
             return planned, applied.held
-    logger.warning("advance: run %s took events in %d rounds; stopping", run.id, MAX_ROUNDS)
+    logger.warning("advance: run %s planned %d rounds in a row; stopping", run.id, MAX_ROUNDS)
     return planned, applied.held

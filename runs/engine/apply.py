@@ -30,6 +30,9 @@ class Applied:
     held: StepRun | None = None
     # wait_event rows opened by this plan: the caller looks for an event already there.
     waits: list[StepRun] = field(default_factory=list)
+    # A row this plan opened was ended at once by what opening it found (a hand-off sent,
+    # an approval whose approvers do not resolve): the caller plans again.
+    replan: bool = False
 
 
 def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> Applied:
@@ -77,7 +80,13 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
             )
         elif isinstance(action, p.Open):
             opened = _open(run, action, now)
-            if action.timer is not None and action.not_before is not None:
+            ended_here = (
+                action.kind in (p.APPROVAL, p.HANDOFF)
+                and action.status in OPEN
+                and _open_people(run, opened, now)
+            )
+            applied.replan |= ended_here
+            if action.timer is not None and action.not_before is not None and not ended_here:
                 timers.append(
                     Timer(
                         run=run,
@@ -92,9 +101,14 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
             if action.start is not None:
                 _start_child(run, opened, action.start)
         elif isinstance(action, p.Close):
-            StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
+            closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
             )
+            if closed and action.status == StepStatus.TIMED_OUT:
+                # An approval past its deadline: the request expires (escalation goes out).
+                from approvals import gates
+
+                gates.expire(action.attempt_id, now)
         elif isinstance(action, p.Cancel):
             _cancel(action.attempt_ids, now)
         elif isinstance(action, p.Expire):
@@ -141,11 +155,33 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
+    from approvals import gates
+
     doomed = StepRun.objects.filter(id__in=attempt_ids, status__in=IN_FLIGHT)
     task_ids = list(doomed.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
     _cancel_children(doomed.filter(kind="subworkflow"), "its subworkflow step was cancelled")
+    gates.cancel(doomed.filter(kind=p.APPROVAL).values_list("id", flat=True), now)
     doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
     dispatch.revoke_on_commit(task_ids)
+
+
+def _open_people(run: Run, opened: StepRun, now: datetime) -> bool:
+    """Open an approval's request, or send a hand-off's notifications (``approvals.gates``).
+    True when the row ended here and the run must be planned again: a hand-off always
+    (it never blocks), an approval when its approvers do not resolve (the step fails)."""
+    from approvals import gates
+
+    if opened.kind == p.APPROVAL:
+        error = gates.open_request(run, opened, now)
+    else:
+        error = gates.handoff(run, opened)
+    if error is None and opened.kind == p.APPROVAL:
+        return False
+    ended = (
+        {"status": StepStatus.FAILED, "error": error} if error else {"status": StepStatus.SUCCEEDED}
+    )
+    StepRun.objects.filter(id=opened.id, status__in=OPEN).update(finished_at=now, **ended)
+    return True
 
 
 def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
@@ -199,14 +235,22 @@ def _cancel_children(rows: Any, reason: str) -> None:
         run_cancel(run_id=child_id, reason=reason)
 
 
+HELD = (RunStatus.RUNNING, RunStatus.WAITING, RunStatus.PENDING_APPROVAL)
+
+
 def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:
     """``waiting`` while only sleeps and waits hold the run (no process is alive for it),
-    ``running`` again once anything is scheduled or due."""
-    if run.status == RunStatus.RUNNING and planned.waiting:
-        target = RunStatus.WAITING
-    elif run.status == RunStatus.WAITING and not planned.waiting:
+    ``pending_approval`` when an approval is among them, ``running`` again once anything is
+    scheduled or due."""
+    if run.status not in HELD:
+        return  # pending (not started), paused: an operator's status stays
+    if not planned.waiting:
         target = RunStatus.RUNNING
+    elif planned.approval:
+        target = RunStatus.PENDING_APPROVAL
     else:
+        target = RunStatus.WAITING
+    if target == run.status:
         return
     check_run_move(run.status, target)
     run.status = target
@@ -279,6 +323,9 @@ def _finish(run: Run, action: p.Finish, now: datetime) -> None:
     # One read, and writes only when something is left (a run that completes has nothing).
     left = list(in_flight.values_list("id", "kind", "celery_task_id"))
     if left:
+        from approvals import gates
+
+        gates.cancel([row_id for row_id, kind, _ in left if kind == p.APPROVAL], now)
         children = [row_id for row_id, kind, _ in left if kind == p.SUBWORKFLOW]
         if children:
             reason = f"its parent run {action.status}"

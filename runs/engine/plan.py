@@ -32,8 +32,13 @@ from workflows.templates import resolve
 
 # Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
 WORKER_KINDS = frozenset({"task", "agent"})
-# Kinds that wait in the engine: a row ``waiting`` and a timer, no process alive.
-WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event"})
+# Kinds that wait in the engine: a row ``waiting`` and a timer, no process alive. An
+# approval waits for people too: its request is opened and closed by ``approvals``.
+WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event", "approval"})
+APPROVAL = "approval"
+# A hand-off notifies people and never blocks: its row is opened ``running`` and ended by
+# ``approvals.gates`` in the same transaction, then the run is planned again.
+HANDOFF = "handoff"
 # Kinds that hold other steps: their row is open while the steps inside run.
 COMPOSITE_KINDS = frozenset({"parallel", "foreach", "loop"})
 SUBWORKFLOW = "subworkflow"
@@ -56,6 +61,7 @@ TIMEOUT = "timeout"
 LOST = "lost"  # the worker vanished (its lease expired) before recording a result
 LIMIT = "limit"
 INVALID_INPUT = "invalid_input"
+REJECTED = "rejected"  # an approver rejected an approval step
 UNSUPPORTED = "unsupported"
 
 IN_FLIGHT = frozenset({"scheduled", "running", "waiting"})
@@ -219,6 +225,8 @@ class Plan:
     # The run is held only by sleeps and waits (no attempt in flight, no back-off): it shows
     # ``waiting``, and no process is alive for it.
     waiting: bool = False
+    # Among what holds it, an approval: it shows ``pending_approval``.
+    approval: bool = False
 
     def of(self, kind: type) -> list[Any]:
         return [a for a in self.actions if isinstance(a, kind)]
@@ -296,6 +304,7 @@ class _Planner:
         # What blocked the walk: a sleep or wait (waiting), or work in flight or due (busy).
         self.waiting = False
         self.busy = False
+        self.approval = False
         # Why the last _Go.FAILED failed: {"class", "message", "step"}.
         self.failure: dict[str, Any] = {}
         # Where in the document the body being visited is ("fan.do"), for body runs.
@@ -334,6 +343,7 @@ class _Planner:
             self.out.actions.append(Finish("failed", error=self.failure))
         elif go is _Go.BLOCKED:
             self.out.waiting = self.waiting and not self.busy
+            self.out.approval = self.out.waiting and self.approval
         return self.out
 
     def _start(self) -> datetime:
@@ -480,7 +490,8 @@ class _Planner:
             self.busy = True
             return _Go.BLOCKED
         if continues:
-            self._settle(step, "failed", None, error)
+            # A rejected approval keeps its decision as its output for the steps after it.
+            self._settle(step, "failed", latest.output, error)
             return _Go.CONTINUE
         return self._fail(step, error)
 
@@ -530,7 +541,11 @@ class _Planner:
 
     def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
         kind = step["kind"]
-        if kind not in WORKER_KINDS and kind not in WAIT_KINDS and kind != SUBWORKFLOW:
+        if (
+            kind not in WORKER_KINDS
+            and kind not in WAIT_KINDS
+            and kind not in (SUBWORKFLOW, HANDOFF)
+        ):
             self.out.actions.append(
                 Finish(
                     "failed",
@@ -556,8 +571,27 @@ class _Planner:
             )
             return _Go.STOP
         self.counted += 1
+        if kind == APPROVAL:
+            return self._open_approval(step, path, attempt)
         if kind in WAIT_KINDS:
             return self._open_wait(step, path, attempt)
+        if kind == HANDOFF:
+            self.out.actions.append(
+                Open(
+                    step["id"],
+                    path,
+                    HANDOFF,
+                    attempt=attempt,
+                    generation=self.run_view.generation,
+                    status="running",
+                    input={
+                        "group": step["group"],
+                        "message": resolve(step.get("message"), self.context),
+                    },
+                )
+            )
+            self.busy = True
+            return _Go.BLOCKED
         if kind == SUBWORKFLOW:
             child_input = self._input(step)
             self.out.actions.append(
@@ -595,7 +629,37 @@ class _Planner:
         )
         return _Go.BLOCKED
 
-    # sleeps and waits
+    # sleeps, waits and approvals
+
+    def _open_approval(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
+        """Reach an approval: a ``waiting`` row whose input is what the request shows (the
+        resolved message, the step's input as the details) and a timer at its deadline."""
+        timeout = step.get("timeout_ms")
+        due = self.now + timedelta(milliseconds=timeout) if timeout is not None else None
+        request = {
+            "message": resolve(step.get("message"), self.context),
+            "details": self._input(step),
+            "approvers": copy.deepcopy(step["approvers"]),
+            "quorum": step.get("quorum", 1),
+            "timeout_ms": timeout,
+            "remind_after_ms": step.get("remind_after_ms"),
+            "escalate_to": copy.deepcopy(step.get("escalate_to")),
+        }
+        self.out.actions.append(
+            Open(
+                step["id"],
+                path,
+                APPROVAL,
+                attempt=attempt,
+                generation=self.run_view.generation,
+                status="waiting",
+                input=request,
+                not_before=due,
+                timer="approval_timeout" if due is not None else None,
+            )
+        )
+        self.waiting = self.approval = True
+        return _Go.BLOCKED
 
     def _open_wait(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
         """Reach a sleep, sleep_until or wait_event: a ``waiting`` row and its timer, or the
@@ -668,20 +732,25 @@ class _Planner:
         attempts: list[AttemptView],
         latest: AttemptView,
     ) -> _Go:
-        """A sleep or wait already waiting: over once its time has come. (A wait_event that
-        took an event is ``succeeded`` by the delivery, not here.)"""
+        """A sleep, wait or approval already waiting: over once its time has come. (A
+        wait_event that took an event is ``succeeded`` by the delivery, and an approval that
+        was decided is ended by the decision, not here.)"""
         if latest.not_before is None or self.now < latest.not_before:
             self.waiting = True
+            self.approval = self.approval or latest.kind == APPROVAL
             return _Go.BLOCKED
-        if latest.kind != "wait_event":
+        if latest.kind not in ("wait_event", APPROVAL):
             self.out.actions.append(Close(latest.id, "succeeded"))
             self._settle(step, "succeeded", None, None)
             return _Go.CONTINUE
-        error = {
-            "class": TIMEOUT,
-            "message": f"no event '{step['event']}' arrived within timeout_ms "
-            f"({step.get('timeout_ms')} ms)",
-        }
+        if latest.kind == APPROVAL:
+            message = f"no decision within timeout_ms ({step.get('timeout_ms')} ms)"
+        else:
+            message = (
+                f"no event '{step['event']}' arrived within timeout_ms "
+                f"({step.get('timeout_ms')} ms)"
+            )
+        error = {"class": TIMEOUT, "message": message}
         self.out.actions.append(Close(latest.id, "timed_out", error=error))
         timed_out = replace(latest, status="timed_out", error=error, finished_at=self.now)
         return self._after_failure(step, path, [*attempts[:-1], timed_out], timed_out)

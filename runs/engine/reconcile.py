@@ -59,7 +59,15 @@ def reconcile() -> dict[str, int]:
             "requested": advance_requested(now, batch),
             "missed_events": events.match_missed(batch),
             "timers_pruned": prune_timers(now, batch),
+            "mails_reoffered": _reoffer_mails(now, batch),
         }
+
+
+def _reoffer_mails(now: datetime, batch: int) -> int:
+    """Approval and hand-off e-mails whose message was lost (``approvals.outbox``)."""
+    from approvals.outbox import reoffer_unsent
+
+    return reoffer_unsent(now, batch)
 
 
 @contextlib.contextmanager
@@ -136,7 +144,12 @@ def advance_stuck(now: datetime, batch: int) -> int:
     )
     candidates = (
         Run.objects.filter(
-            status__in=[RunStatus.PENDING, RunStatus.RUNNING, RunStatus.WAITING],
+            status__in=[
+                RunStatus.PENDING,
+                RunStatus.RUNNING,
+                RunStatus.WAITING,
+                RunStatus.PENDING_APPROVAL,
+            ],
             updated_at__lte=quiet,
         )
         .alias(busy=Exists(busy), backing_off=Exists(backing_off), due_wait=Exists(due_wait))

@@ -56,6 +56,7 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
     while True:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
+        _remind([step for _, purpose, step in claimed if purpose == TimerPurpose.APPROVAL_REMINDER])
         _advance(_runs_to_advance(claimed))
         if len(claimed) < batch or time.monotonic() - started >= budget:
             return fired
@@ -94,9 +95,25 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
     )
     runs: dict[Any, None] = {}
     for run_id, purpose, step in claimed:
+        if purpose == TimerPurpose.APPROVAL_REMINDER:
+            continue  # mails only: the run has nothing to plan
         if purpose != TimerPurpose.STEP_DEADLINE or step in still_running:
             runs[run_id] = None
     return list(runs)
+
+
+def _remind(step_run_ids: list[int | None]) -> None:
+    """Reminders are sent by the tick itself: one short transaction each, mails after it."""
+    from approvals.gates import remind
+
+    for step_run_id in step_run_ids:
+        if step_run_id is None:
+            continue
+        try:
+            remind(step_run_id=step_run_id)
+        except DatabaseError:
+            # The timer is fired; this reminder is skipped (the next one is not set).
+            logger.exception("timers: reminding approvers of step run %s failed", step_run_id)
 
 
 def _advance(run_ids: list[Any]) -> None:

@@ -1,0 +1,240 @@
+"""The engine's side of approvals and hand-offs: called by ``runs.engine.apply`` inside the
+transaction that opens or closes an ``approval`` or ``handoff`` step row, under the run's
+lock. Whatever they write commits with that row or not at all; e--mails leave after commit
+(``approvals.outbox``).
+
+An approval step's row input (planned by ``runs.engine.plan``) is
+``{"message", "details", "approvers", "quorum", "timeout_ms", "remind_after_ms",
+"escalate_to"}``; a hand-off's is ``{"group", "message"}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.db import transaction
+from django.utils import timezone
+
+from runs.models import Run, StepRun, Timer, TimerPurpose
+
+from . import outbox
+from .models import ApprovalRequest, Approver, Notification
+from .status import ApprovalStatus, MailKind
+
+logger = logging.getLogger(__name__)
+
+INVALID_INPUT = "invalid_input"
+
+
+def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] | None:
+    """Open the approval request of a waiting approval row and mail its approvers; the
+    error that fails the step instead (class invalid_input) when the approvers named do not
+    resolve to enough people."""
+    spec = step_run.input or {}
+    people, problem = _approvers(spec.get("approvers") or {})
+    quorum = int(spec.get("quorum") or 1)
+    if problem is None and quorum > len(people):
+        problem = (
+            f"quorum: {quorum} approvals are needed but the approvers resolve to "
+            f"{len(people)} person(s)"
+        )
+    if problem is None and spec.get("escalate_to"):
+        problem = _users(spec["escalate_to"], "escalate_to")[1]
+    if problem is not None:
+        return {"class": INVALID_INPUT, "message": problem}
+    request = ApprovalRequest.objects.create(
+        run=run,
+        step_run=step_run,
+        step_id=step_run.step_id,
+        path=step_run.path,
+        message=_text(spec.get("message")),
+        details=spec.get("details"),
+        approvers=spec.get("approvers") or {},
+        quorum=quorum,
+        deadline=step_run.not_before,
+        remind_after_ms=spec.get("remind_after_ms"),
+        escalate_to=spec.get("escalate_to"),
+        created_at=now,
+    )
+    approvers = Approver.objects.bulk_create(
+        [Approver(request=request, user=user, email=email, via=via) for user, email, via in people]
+    )
+    for approver in approvers:
+        outbox.queue(MailKind.REQUEST, approver.email, approver=approver)
+    _set_reminder(request, step_run, 1, now)
+    return None
+
+
+def remind(*, step_run_id: int) -> int:
+    """A reminder is due: mail again everyone who has not decided, and set the next one.
+    Returns how many were reminded (0 when the request is no longer pending)."""
+    now = timezone.now()
+    with transaction.atomic():
+        request = (
+            ApprovalRequest.objects.select_for_update()
+            .select_related("step_run")
+            .filter(step_run_id=step_run_id)
+            .first()
+        )
+        if request is None or request.status != ApprovalStatus.PENDING:
+            return 0
+        undecided = list(request.people.filter(used_at__isnull=True).select_related("user"))
+        for approver in undecided:
+            outbox.queue(MailKind.REMINDER, approver.email, approver=approver)
+        request.reminders_sent += 1
+        request.save(update_fields=["reminders_sent"])
+        _set_reminder(request, request.step_run, request.reminders_sent + 1, now)
+        return len(undecided)
+
+
+def _set_reminder(request: ApprovalRequest, step_run: StepRun, number: int, now: datetime) -> None:
+    every = request.remind_after_ms
+    if not every:
+        return
+    due = now + timedelta(milliseconds=every)
+    if request.deadline is not None and due >= request.deadline:
+        return  # the deadline (and its escalation) comes first
+    Timer.objects.bulk_create(
+        [
+            Timer(
+                run_id=request.run_id,
+                step_run=step_run,
+                purpose=TimerPurpose.APPROVAL_REMINDER,
+                key=f"approval_reminder:{step_run.id}:{number}",
+                fire_at=due,
+            )
+        ],
+        ignore_conflicts=True,
+    )
+
+
+def expire(step_run_id: int, now: datetime) -> bool:
+    """The deadline passed with no outcome (the step times out in this transaction): the
+    request expires, and ``escalate_to`` is notified first. True when this call expired it."""
+    request = ApprovalRequest.objects.filter(step_run_id=step_run_id).select_related("run").first()
+    if request is None:
+        return False
+    changed = ApprovalRequest.objects.filter(id=request.id, status=ApprovalStatus.PENDING).update(
+        status=ApprovalStatus.EXPIRED, closed_at=now, escalated_at=_escalating(request, now)
+    )
+    if changed and request.escalate_to:
+        users, _ = _users(request.escalate_to, "escalate_to")
+        title = f"Approval '{request.step_id}' of {request.run.workflow_id} expired undecided"
+        notify(users, "escalation", title, request.message, request.run, request.step_run_id)
+    return bool(changed)
+
+
+def _escalating(request: ApprovalRequest, now: datetime) -> datetime | None:
+    return now if request.escalate_to else None
+
+
+def cancel(step_run_ids: Iterable[int], now: datetime) -> int:
+    """Approval rows cancelled (their composite failed, their run ended): their requests
+    close, and their links show a closed request."""
+    return ApprovalRequest.objects.filter(
+        step_run_id__in=list(step_run_ids), status=ApprovalStatus.PENDING
+    ).update(status=ApprovalStatus.CANCELLED, closed_at=now)
+
+
+def cancel_run(run_id: Any, now: datetime) -> int:
+    return ApprovalRequest.objects.filter(run_id=run_id, status=ApprovalStatus.PENDING).update(
+        status=ApprovalStatus.CANCELLED, closed_at=now
+    )
+
+
+def handoff(run: Run, step_run: StepRun) -> dict[str, Any] | None:
+    """Notify the users of the hand-off's group (in the app and by e-mail); the error that
+    fails the step (class invalid_input) when the group does not exist."""
+    spec = step_run.input or {}
+    name = spec.get("group")
+    group = Group.objects.filter(name=name).first()
+    if group is None:
+        return {"class": INVALID_INPUT, "message": f"group: no group named '{name}'"}
+    users = list(group.user_set.filter(is_active=True).order_by("id"))
+    if not users:
+        logger.warning("handoff %s of run %s: group '%s' has no users", step_run.id, run.id, name)
+    title = f"Hand-off from {run.workflow_id}: {step_run.step_id}"
+    notify(users, "handoff", title, _text(spec.get("message")), run, step_run.id)
+    return None
+
+
+def notify(
+    users: Iterable[Any], kind: str, title: str, body: str, run: Run, step_run_id: int
+) -> list[Notification]:
+    """An in-app notification for each user, and an e-mail to each who has an address."""
+    made = Notification.objects.bulk_create(
+        [
+            Notification(
+                user=user,
+                kind=kind,
+                title=title[:300],
+                body=body,
+                run=run,
+                step_run_id=step_run_id,
+            )
+            for user in users
+        ]
+    )
+    for notification in made:
+        outbox.queue(kind, notification.user.email, notification=notification)
+    return made
+
+
+# --- who the document names ---------------------------------------------------------------
+
+
+def _approvers(spec: Mapping[str, Any]) -> tuple[list[tuple[Any, str, str]], str | None]:
+    """(user or None, e-mail, via) for each distinct person; or the problem naming the field."""
+    user_model = get_user_model()
+    people: dict[Any, tuple[Any, str, str]] = {}
+    names = list(dict.fromkeys(spec.get("users") or []))
+    found = {u.get_username(): u for u in user_model.objects.filter(username__in=names)}
+    for name in names:
+        user = found.get(name)
+        if user is None or not user.is_active:
+            return [], f"approvers.users: no active user named '{name}'"
+        people.setdefault(("user", user.pk), (user, user.email, "user"))
+    for name in dict.fromkeys(spec.get("groups") or []):
+        group = Group.objects.filter(name=name).first()
+        if group is None:
+            return [], f"approvers.groups: no group named '{name}'"
+        for user in group.user_set.filter(is_active=True).order_by("id"):
+            people.setdefault(("user", user.pk), (user, user.email, f"group:{name}"))
+    known = {(p[1] or "").lower() for p in people.values()}
+    for email in dict.fromkeys(spec.get("emails") or []):
+        if email.lower() not in known:
+            known.add(email.lower())
+            people[("email", email.lower())] = (None, email, "email")
+    return list(people.values()), None
+
+
+def _users(spec: Mapping[str, Any], where: str) -> tuple[list[Any], str | None]:
+    user_model = get_user_model()
+    users: dict[Any, Any] = {}
+    for name in spec.get("users") or []:
+        user = user_model.objects.filter(username=name, is_active=True).first()
+        if user is None:
+            return [], f"{where}.users: no active user named '{name}'"
+        users[user.pk] = user
+    for name in spec.get("groups") or []:
+        group = Group.objects.filter(name=name).first()
+        if group is None:
+            return [], f"{where}.groups: no group named '{name}'"
+        for user in group.user_set.filter(is_active=True).order_by("id"):
+            users.setdefault(user.pk, user)
+    return list(users.values()), None
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    import json
+
+    return json.dumps(value, indent=2, sort_keys=True, default=str)

@@ -1,0 +1,180 @@
+"""Writes of the approvals app: a decision, a notification read.
+
+A decision takes the run's lock first and then the request's row, in the order the engine
+takes them when the deadline fires (``runs.engine.advance`` locks the run; closing the
+request happens under it). So two approvers deciding at once, a decision racing the deadline
+timer and a form submitted twice are serialised: the first to lock decides, the rest find
+the request closed (409) or their vote already counted (409), and the run is planned on by
+exactly the transaction that closed the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from runs.engine.advance import advance_locked, lock_run
+from runs.models import StepRun
+from runs.status import StepStatus
+from workflows.errors import Conflict, FieldError, Forbidden, InvalidInput, NotFound
+
+from .models import COMMENT_MAX, ApprovalRequest, Approver, Decision, Notification
+from .status import ApprovalStatus, DecisionChoice
+
+REJECTED = "rejected"
+
+
+class RequestClosed(Conflict):
+    code = "approval_closed"
+
+
+class AlreadyDecided(Conflict):
+    code = "already_decided"
+
+
+class NotApprover(Forbidden):
+    code = "not_an_approver"
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a decision came from, for its audit row."""
+
+    channel: str  # "link", "inbox" or "api"
+    ip: str | None = None
+    user_agent: str = ""
+
+
+def check_decision(decision: Any, comment: Any) -> tuple[str, str]:
+    """The decision and comment, or InvalidInput naming the field."""
+    if decision not in DecisionChoice.values:
+        raise InvalidInput(
+            errors=[FieldError("decision", f"must be one of {', '.join(DecisionChoice.values)}")]
+        )
+    if comment is None:
+        comment = ""
+    if not isinstance(comment, str):
+        raise InvalidInput(errors=[FieldError("comment", "must be a string")])
+    if len(comment) > COMMENT_MAX:
+        raise InvalidInput(
+            errors=[
+                FieldError("comment", f"is {len(comment)} characters; the limit is {COMMENT_MAX}")
+            ]
+        )
+    return decision, comment
+
+
+def approver_for(request: ApprovalRequest, user: Any) -> Approver | None:
+    """The approver row a signed-in user acts as: theirs, or a plain e-mail approver with
+    their address."""
+    if user is None or not user.is_authenticated:
+        return None
+    match = Q(user=user)
+    if user.email:
+        match |= Q(user__isnull=True, email__iexact=user.email)
+    return request.people.filter(match).order_by("id").first()
+
+
+def approval_decide(
+    *,
+    request_id: Any,
+    decision: str,
+    comment: str = "",
+    origin: Origin,
+    user: Any = None,
+    approver_id: int | None = None,
+) -> tuple[ApprovalRequest, Decision]:
+    """Record one approver's decision and close the request when it decides the outcome
+    (any rejection; ``quorum`` approvals), ending the step and planning the run on.
+
+    ``approver_id`` is the approver a link was made for (a link works without signing in);
+    without it the signed-in ``user`` must be among the approvers.
+    """
+    decision, comment = check_decision(decision, comment)
+    found = ApprovalRequest.objects.filter(id=request_id).values_list("run_id", flat=True)
+    run_id = found.first()
+    if run_id is None:
+        raise NotFound(errors=[FieldError("id", f"no approval {request_id}")])
+    now = timezone.now()
+    with transaction.atomic():
+        run = lock_run(run_id)
+        request = ApprovalRequest.objects.select_for_update().get(id=request_id)
+        if approver_id is not None:
+            approver = request.people.filter(id=approver_id).select_related("user").first()
+        else:
+            approver = approver_for(request, user)
+        if approver is None:
+            raise NotApprover(
+                errors=[FieldError(None, "you are not among this approval's approvers")]
+            )
+        closed = _closed_reason(request, now)
+        if closed:
+            raise RequestClosed(errors=[FieldError(None, closed)])
+        if approver.used_at is not None:
+            raise AlreadyDecided(errors=[FieldError(None, "your decision is already recorded")])
+        try:
+            with transaction.atomic():
+                made = Decision.objects.create(
+                    request=request,
+                    approver=approver,
+                    user=user if user is not None and user.is_authenticated else None,
+                    by=approver.label,
+                    decision=decision,
+                    comment=comment,
+                    channel=origin.channel,
+                    ip=origin.ip,
+                    user_agent=origin.user_agent[:1000],
+                    token_id=approver.token_id if origin.channel == "link" else None,
+                    created_at=now,
+                )
+        except IntegrityError:
+            raise AlreadyDecided(
+                errors=[FieldError(None, "your decision is already recorded")]
+            ) from None
+        Approver.objects.filter(id=approver.id).update(used_at=now)
+        approvals = request.decisions.filter(decision=DecisionChoice.APPROVED).count()
+        if decision == DecisionChoice.REJECTED:
+            outcome = ApprovalStatus.REJECTED
+        elif approvals >= request.quorum:
+            outcome = ApprovalStatus.APPROVED
+        else:
+            return request, made
+        request.status, request.closed_at = outcome, now
+        request.save(update_fields=["status", "closed_at"])
+        output = {"decision": decision, "by": approver.label, "comment": comment}
+        if outcome == ApprovalStatus.APPROVED:
+            ended = {"status": StepStatus.SUCCEEDED, "output": output}
+        else:
+            message = f"rejected by {approver.label}" + (f": {comment}" if comment else "")
+            ended = {
+                "status": StepStatus.FAILED,
+                "output": output,
+                "error": {"class": REJECTED, "message": message},
+            }
+        changed = StepRun.objects.filter(id=request.step_run_id, status=StepStatus.WAITING).update(
+            finished_at=now, **ended
+        )
+        if changed and run is not None:
+            advance_locked(run)
+        return request, made
+
+
+def _closed_reason(request: ApprovalRequest, now: Any) -> str:
+    if request.status != ApprovalStatus.PENDING:
+        return f"this approval is already {request.status}"
+    if request.deadline is not None and now >= request.deadline:
+        # The deadline timer has not fired yet; it will expire the request.
+        return "this approval expired"
+    return ""
+
+
+def notification_read(*, user: Any, notification_id: int | None = None) -> int:
+    """Mark one of the user's notifications read (or all, without an id)."""
+    unread = Notification.objects.filter(user=user, read_at__isnull=True)
+    if notification_id is not None:
+        unread = unread.filter(id=notification_id)
+    return unread.update(read_at=timezone.now())

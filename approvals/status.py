@@ -1,0 +1,47 @@
+"""Statuses of approval requests and mails, and the moves allowed between them."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class ApprovalStatus(models.TextChoices):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    # The deadline passed with no outcome (the step fails with class timeout).
+    EXPIRED = "expired"
+    # The run ended, or the step was cancelled, before an outcome.
+    CANCELLED = "cancelled"
+
+
+class DecisionChoice(models.TextChoices):
+    APPROVED = "approved"
+    REJECTED = "rejected"
+
+
+class MailKind(models.TextChoices):
+    REQUEST = "request"
+    REMINDER = "reminder"
+    ESCALATION = "escalation"
+    HANDOFF = "handoff"
+
+
+class MailStatus(models.TextChoices):
+    QUEUED = "queued"
+    SENT = "sent"
+    # Given up after the retries (the error is kept on the row).
+    FAILED = "failed"
+
+
+# Every request leaves ``pending`` once, by a conditional update on ``status='pending'``.
+APPROVAL_MOVES: dict[str, frozenset[str]] = {
+    ApprovalStatus.PENDING: frozenset(
+        {
+            ApprovalStatus.APPROVED,
+            ApprovalStatus.REJECTED,
+            ApprovalStatus.EXPIRED,
+            ApprovalStatus.CANCELLED,
+        }
+    ),
+}
