@@ -422,8 +422,10 @@ def test_terminal_runs_plan_nothing() -> None:
 
 
 def test_unsupported_kinds_fail_the_run_clearly() -> None:
-    out = plan(doc({"id": "gate", "kind": "approval", "approvers": {}}), run(), [], NOW)
-    assert only(out.actions, Finish).error["class"] == "unsupported"
+    out = plan(doc({"id": "call", "kind": "http", "url": "http://x"}), run(), [], NOW)
+    finish = only(out.actions, Finish)
+    assert finish.error["class"] == "unsupported"
+    assert "'http'" in finish.error["message"] and finish.error["step"] == "call"
 
 
 # --- retry from the failed step (a new generation) -------------------------------------
