@@ -479,7 +479,8 @@ class _Planner:
             # The run was retried from its failed step: this step starts a fresh budget,
             # unless an earlier generation already went on past it.
             if continues:
-                self._settle(step, "failed", None, error)
+                # As that generation saw it: a rejected approval's decision stays its output.
+                self._settle(step, "failed", latest.output, error)
                 return _Go.CONTINUE
             return self._schedule(step, path, attempt=latest.attempt + 1)
         due = self._retry_due(step, path, attempts, latest, error)
@@ -612,6 +613,8 @@ class _Planner:
             )
             self.waiting = True
             return _Go.BLOCKED
+        # Work offered now: the run shows running even when a sibling branch waits.
+        self.busy = True
         self.out.actions.append(
             Schedule(
                 step_id=step["id"],
