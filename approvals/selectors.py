@@ -26,3 +26,20 @@ def unread_count(user: Any) -> int:
     if not user.is_authenticated:
         return 0
     return Notification.objects.filter(user=user, read_at__isnull=True).count()
+
+
+def inbox_for(
+    user: Any, history_limit: int = 100
+) -> tuple[list[ApprovalRequest], list[ApprovalRequest]]:
+    """The user's inbox: requests still waiting for their decision (pending, and they have
+    not decided), and the rest, newest first (the latest ``history_limit``). Each row carries
+    ``decided``: whether this user has decided it."""
+    mine = Q(user=user)
+    if user.email:
+        mine |= Q(user__isnull=True, email__iexact=user.email)
+    decided = Exists(Approver.objects.filter(mine, request=OuterRef("pk"), used_at__isnull=False))
+    rows = approvals_for(user).annotate(decided=decided)
+    waiting = Q(status="pending", decided=False)
+    pending = list(rows.filter(waiting))
+    history = list(rows.exclude(waiting)[:history_limit])
+    return pending, history

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from django.conf import settings
 from django.core import signing
+from django.core.exceptions import ValidationError
 from django.urls import reverse
 
 from .models import Approver
@@ -57,6 +58,8 @@ def read_token(token: str) -> Approver:
         approver = Approver.objects.select_related("request", "user").get(
             id=int(claim["a"]), request_id=str(claim["r"]), token_id=str(claim["t"])
         )
-    except (Approver.DoesNotExist, ValueError, TypeError):
+    except (Approver.DoesNotExist, ValueError, TypeError, ValidationError):
+        # ValidationError: a signed claim whose ids are not UUIDs (only the key's holder
+        # can make one) names no approver either; it must not be a server error.
         raise LinkProblem("not_approver") from None
     return approver

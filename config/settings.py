@@ -70,6 +70,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "approvals.context_processors.header",
             ],
         },
     },
@@ -106,6 +107,12 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+
+# The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
+# approval link works without signing in.
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "approvals:inbox"
+LOGOUT_REDIRECT_URL = "login"
 
 # --- E-mail -------------------------------------------------------------------------------
 EMAIL_BACKEND = env("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend")
