@@ -59,6 +59,9 @@ def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | Non
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
     """
+    # An attempt held back in one round (not offered) is the caller's even when a later
+    # round, planned again after a hand-off or a taken event, holds nothing.
+    held: StepRun | None = None
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
         planned = plan(
@@ -68,9 +71,10 @@ def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | Non
             now,
             journal.planner_settings(),
         )
-        applied = apply_plan(run, planned, now, hold=hold)
+        applied = apply_plan(run, planned, now, hold=hold and held is None)
+        held = held or applied.held
         taken = [wait for wait in applied.waits if events.take_event(run, wait)]
         if not taken and not applied.replan:
-            return planned, applied.held
+            return planned, held
     logger.warning("advance: run %s planned %d rounds in a row; stopping", run.id, MAX_ROUNDS)
-    return planned, applied.held
+    return planned, held

@@ -13,7 +13,7 @@ from django.conf import settings as django_settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.core import mail as django_mail
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from approvals import gates, outbox
@@ -21,7 +21,7 @@ from approvals.models import ApprovalRequest, Approver, Decision, Mail, Notifica
 from approvals.services import AlreadyDecided, Origin, RequestClosed, approval_decide
 from runs import services
 from runs.engine import timers
-from runs.engine.advance import run_advance
+from runs.engine.advance import advance_locked, lock_run, run_advance
 from runs.models import AdvanceRequest, Run, StepRun, Timer
 from workflows.services import definition_save
 
@@ -412,7 +412,7 @@ def test_escalation_commits_with_the_time_out_or_not_at_all(people, monkeypatch)
     assert Notification.objects.filter(kind="escalation").count() == 1
 
 
-# --- reminders ------------------------------------------------------------------------------------
+# --- reminders --------------------------------------------------------------------------------
 
 
 def test_reminders_mail_only_those_who_have_not_decided_until_the_request_closes(people) -> None:
@@ -474,7 +474,7 @@ def test_a_reminder_does_not_advance_the_run(people) -> None:
     assert (run.status, run.updated_at) == ("pending_approval", updated)
 
 
-# --- cancelling ---------------------------------------------------------------------------------
+# --- cancelling -------------------------------------------------------------------------------
 
 
 def test_cancelling_the_run_cancels_its_pending_request(people) -> None:
@@ -536,7 +536,7 @@ def test_the_run_deadline_cancels_a_pending_request(people) -> None:
     assert request_of(run).status == "cancelled"
 
 
-# --- at any depth -----------------------------------------------------------------------------------
+# --- at any depth -----------------------------------------------------------------------------
 
 
 def test_approvals_inside_a_foreach_are_decided_each_on_its_own(people) -> None:
@@ -618,7 +618,7 @@ def test_cancelling_the_parent_cancels_the_childs_request(people) -> None:
     assert (fresh(child).status, request_of(child).status) == ("cancelled", "cancelled")
 
 
-# --- retrying -----------------------------------------------------------------------------------------
+# --- retrying ---------------------------------------------------------------------------------
 
 
 def test_retrying_a_run_failed_by_a_rejection_opens_a_new_request(people) -> None:
@@ -638,7 +638,7 @@ def test_retrying_a_run_failed_by_a_rejection_opens_a_new_request(people) -> Non
     assert (fresh(run).status, fresh(run).output) == ("completed", "approved")
 
 
-# --- hand-offs --------------------------------------------------------------------------------------------
+# --- hand-offs --------------------------------------------------------------------------------
 
 
 def test_a_handoff_notifies_the_group_and_never_blocks(people) -> None:
@@ -685,7 +685,7 @@ def test_an_unknown_group_with_continue_goes_on(people) -> None:
     assert (run.status, run.output) == ("completed", "failed")
 
 
-# --- the outbox ----------------------------------------------------------------------------------------------
+# --- the outbox -------------------------------------------------------------------------------
 
 TEMPLATES = Path(django_settings.BASE_DIR) / "templates" / "emails"
 
@@ -738,3 +738,133 @@ def test_approver_rows_bind_one_token_each(people) -> None:
     start()
     tokens = list(Approver.objects.values_list("token_id", flat=True))
     assert len(set(tokens)) == 2
+
+
+def test_a_worker_that_holds_the_next_attempt_gets_it_beside_a_handoff(people) -> None:
+    # A worker finishing "pre" plans on with hold: the lone attempt it schedules is handed
+    # back to it to run. A hand-off opened in the same plan makes the engine plan again; the
+    # attempt held in the first round must still come back (else nobody offers it).
+    save(
+        {"id": "pre", "kind": "task"},
+        {
+            "id": "par",
+            "kind": "parallel",
+            "branches": {
+                "tell": {"id": "tell", "kind": "handoff", "group": "finance"},
+                "work": {"id": "work", "kind": "task"},
+            },
+        },
+    )
+    run = start()
+    StepRun.objects.filter(run=run, step_id="pre").update(
+        status="succeeded", finished_at=timezone.now()
+    )
+    with transaction.atomic():
+        _, held = advance_locked(lock_run(run.id), hold=True)
+    assert held is not None and held.step_id == "work"
+    assert step(run, "tell").status == "succeeded"
+    assert Notification.objects.filter(kind="handoff").count() == 2
+
+
+def test_a_rejected_item_fails_the_foreach_and_cancels_the_other_requests(people) -> None:
+    save(
+        {
+            "id": "fan",
+            "kind": "foreach",
+            "items": "${input.xs}",
+            "do": [approval(input="${item}")],
+        }
+    )
+    run = start(xs=["a", "b", "c"])
+    requests = {r.path: r for r in ApprovalRequest.objects.filter(run=run)}
+    decide(requests["fan[0]/"], "ann")
+    decide(requests["fan[1]/"], "ann", "rejected", "not b")
+    run = fresh(run)
+    assert (run.status, run.error["class"]) == ("failed", "rejected")
+    states = dict(ApprovalRequest.objects.filter(run=run).values_list("path", "status"))
+    assert states == {"fan[0]/": "approved", "fan[1]/": "rejected", "fan[2]/": "cancelled"}
+    with pytest.raises(RequestClosed):
+        decide(requests["fan[2]/"], "ann")
+
+
+def test_a_rejected_body_run_cancels_the_requests_of_the_other_body_runs(people) -> None:
+    save(
+        {
+            "id": "fan",
+            "kind": "foreach",
+            "items": "${input.xs}",
+            "do": [{"id": "pause", "kind": "sleep", "ms": 0}, approval()],
+        }
+    )
+    run = start(xs=["a", "b"])
+    first, second = Run.objects.filter(parent_run=run).order_by("created_at", "id")
+    decide(request_of(first), "ann", "rejected")
+    assert fresh(first).status == "failed"
+    notify_parents()
+    assert fresh(run).status == "failed"
+    assert (fresh(second).status, request_of(second).status) == ("cancelled", "cancelled")
+
+
+def test_a_decision_on_a_paused_run_is_kept_and_the_run_goes_on_when_resumed(people) -> None:
+    save(approval(), {"id": "after", "kind": "sleep", "ms": 0})
+    run = start()
+    services.run_pause(run_id=run.id)
+    decide(request_of(run), "ann")
+    assert step(run).status == "succeeded"
+    assert fresh(run).status == "paused" and not step(run, "after")
+    services.run_resume(run_id=run.id)
+    run_advance(run_id=run.id)  # the advance the resume sends on commit
+    assert fresh(run).status == "completed"
+
+
+def test_handoffs_inside_a_foreach_notify_once_per_item(people) -> None:
+    save(
+        {
+            "id": "fan",
+            "kind": "foreach",
+            "items": "${input.xs}",
+            "do": {"id": "tell", "kind": "handoff", "group": "finance", "message": "${item}"},
+        },
+        output="${steps.fan.output}",
+    )
+    run = fresh(start(xs=["a", "b"]))
+    assert (run.status, run.output) == ("completed", [None, None])
+    bodies = sorted(Notification.objects.values_list("body", "user__username"))
+    assert bodies == [("a", "bob"), ("a", "cy"), ("b", "bob"), ("b", "cy")]
+    assert len(mails("handoff")) == 4
+
+
+def test_two_approvals_in_parallel_hold_the_run_until_both_are_decided(people) -> None:
+    save(
+        {
+            "id": "par",
+            "kind": "parallel",
+            "branches": {"one": approval("one"), "two": approval("two")},
+        },
+        output="${steps.par.output}",
+    )
+    run = start()
+    decide(request_of(run, "two"), "ann", comment="2")
+    assert fresh(run).status == "pending_approval"
+    decide(request_of(run, "one"), "ann", comment="1")
+    run = fresh(run)
+    assert run.status == "completed"
+    assert {k: v["comment"] for k, v in run.output.items()} == {"one": "1", "two": "2"}
+
+
+def test_an_approval_in_a_loop_opens_a_request_per_iteration(people) -> None:
+    save(
+        {
+            "id": "lp",
+            "kind": "loop",
+            "max_iterations": 2,
+            "do": approval(message="round ${iter.index}"),
+        },
+        output="${steps.lp.output.comment}",
+    )
+    run = start()
+    decide(ApprovalRequest.objects.get(run=run, status="pending"), "ann", comment="first")
+    second = ApprovalRequest.objects.get(run=run, status="pending")
+    assert second.message == "round 1"
+    decide(second, "ann", comment="last")
+    assert (fresh(run).status, fresh(run).output) == ("completed", "last")
