@@ -123,7 +123,8 @@ def expire(step_run_id: int, now: datetime) -> bool:
         status=ApprovalStatus.EXPIRED, closed_at=now, escalated_at=_escalating(request, now)
     )
     if changed and request.escalate_to:
-        users, _ = _users(request.escalate_to, "escalate_to")
+        # Checked when the request opened; someone gone since must not silence the rest.
+        users, _ = _users(request.escalate_to, "escalate_to", strict=False)
         title = f"Approval '{request.step_id}' of {request.run.workflow_id} expired undecided"
         notify(users, "escalation", title, request.message, request.run, request.step_run_id)
     return bool(changed)
@@ -213,17 +214,25 @@ def _approvers(spec: Mapping[str, Any]) -> tuple[list[tuple[Any, str, str]], str
     return list(people.values()), None
 
 
-def _users(spec: Mapping[str, Any], where: str) -> tuple[list[Any], str | None]:
+def _users(
+    spec: Mapping[str, Any], where: str, *, strict: bool = True
+) -> tuple[list[Any], str | None]:
+    """The active users named (users, group members), or the problem naming the field;
+    without ``strict``, those that resolve (names that no longer do are skipped)."""
     user_model = get_user_model()
     users: dict[Any, Any] = {}
     for name in spec.get("users") or []:
         user = user_model.objects.filter(username=name, is_active=True).first()
         if user is None:
+            if not strict:
+                continue
             return [], f"{where}.users: no active user named '{name}'"
         users[user.pk] = user
     for name in spec.get("groups") or []:
         group = Group.objects.filter(name=name).first()
         if group is None:
+            if not strict:
+                continue
             return [], f"{where}.groups: no group named '{name}'"
         for user in group.user_set.filter(is_active=True).order_by("id"):
             users.setdefault(user.pk, user)

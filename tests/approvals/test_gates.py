@@ -868,3 +868,15 @@ def test_an_approval_in_a_loop_opens_a_request_per_iteration(people) -> None:
     assert second.message == "round 1"
     decide(second, "ann", comment="last")
     assert (fresh(run).status, fresh(run).output) == ("completed", "last")
+
+
+def test_escalation_reaches_who_still_resolves_when_one_was_deactivated(people) -> None:
+    # Checked when the request opened; by the deadline cy has left. bob is still told.
+    save(approval(timeout_ms=HOUR, escalate_to={"users": ["cy", "bob"]}))
+    run = start()
+    get_user_model().objects.filter(username="cy").update(is_active=False)
+    fire_now(run)
+    assert request_of(run).status == "expired"
+    notes = Notification.objects.filter(kind="escalation")
+    assert [n.user.username for n in notes] == ["bob"]
+    assert mails("escalation") == ["bob@example.com"]
