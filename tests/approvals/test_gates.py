@@ -18,7 +18,13 @@ from django.utils import timezone
 
 from approvals import gates, outbox
 from approvals.models import ApprovalRequest, Approver, Decision, Mail, Notification
-from approvals.services import AlreadyDecided, Origin, RequestClosed, approval_decide
+from approvals.services import (
+    AlreadyDecided,
+    NotApprover,
+    Origin,
+    RequestClosed,
+    approval_decide,
+)
 from runs import services
 from runs.engine import timers
 from runs.engine.advance import advance_locked, lock_run, run_advance
@@ -880,3 +886,53 @@ def test_escalation_reaches_who_still_resolves_when_one_was_deactivated(people) 
     notes = Notification.objects.filter(kind="escalation")
     assert [n.user.username for n in notes] == ["bob"]
     assert mails("escalation") == ["bob@example.com"]
+
+
+def test_a_guarded_approval_that_is_skipped_opens_no_request(people) -> None:
+    save(
+        approval(when={"path": "input.amount", "op": "gt", "value": 100}),
+        output="${steps.gate.status}",
+    )
+    run = fresh(start(amount=5))
+    assert (run.status, run.output) == ("completed", "skipped")
+    assert not ApprovalRequest.objects.exists() and not Mail.objects.exists()
+
+
+def test_an_approval_inside_a_condition_branch(people) -> None:
+    save(
+        {
+            "id": "big",
+            "kind": "condition",
+            "if": {"path": "input.amount", "op": "gt", "value": 100},
+            "then": [approval(message="${input.amount}")],
+        },
+        output="${steps.big.output.decision}",
+    )
+    run = start(amount=500)
+    assert fresh(run).status == "pending_approval"
+    assert request_of(run).message == "500"
+    decide(request_of(run), "ann")
+    assert (fresh(run).status, fresh(run).output) == ("completed", "approved")
+
+
+def test_someone_not_among_the_approvers_is_refused(people) -> None:
+    save(approval())
+    run = start()
+    with pytest.raises(NotApprover):
+        decide(request_of(run), "bob")
+    assert not Decision.objects.exists() and request_of(run).status == "pending"
+
+
+def test_a_plain_email_approver_is_reminded_too(people) -> None:
+    save(
+        approval(
+            approvers={"users": ["ann"], "emails": ["ext@example.org"]},
+            quorum=2,
+            timeout_ms=HOUR,
+            remind_after_ms=60_000,
+        )
+    )
+    run = start()
+    decide(request_of(run), "ann")
+    fire_reminders(run)
+    assert mails("reminder") == ["ext@example.org"]
