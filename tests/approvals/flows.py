@@ -1,0 +1,69 @@
+"""Workflows the approvals end-to-end tests run on a real worker (WORKFLOW_MODULES).
+
+A handler step before and after each gate, so a decision's effect (the run resuming) is a
+real worker running the next body; the handlers write to the side table of
+``tests.runs.flows``, which proves how many times a body really ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.runs.flows import note
+from workflows.sdk import workflow
+
+# A release is drafted, approved by ann or the ops address, then shipped.
+release = workflow("release", limits={"run_timeout_ms": 600_000})
+
+
+@release.step("draft")
+def draft(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return {"title": f"Release {input['version']}", "changes": input.get("changes", [])}
+
+
+release.approval(
+    "gate",
+    approvers={"users": ["ann", "bob"], "emails": ["ops@example.com"]},
+    message="Ship release ${input.version}?",
+    timeout_ms=300_000,
+)
+
+
+@release.step("ship")
+def ship(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return {"shipped": True, "approval": input}
+
+
+# Two of three must approve.
+pair = workflow("pair", limits={"run_timeout_ms": 600_000})
+pair.approval(
+    "gate",
+    approvers={"users": ["ann", "bob", "cy"]},
+    quorum=2,
+    message="Merge ${input.pr}?",
+    timeout_ms=300_000,
+)
+
+
+@pair.step("merge")
+def merge(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return "merged"
+
+
+# A gate whose deadline comes fast, for the race between a decision and the deadline timer.
+hurry = workflow("hurry", limits={"run_timeout_ms": 60_000})
+hurry.approval(
+    "gate",
+    approvers={"users": ["ann"]},
+    message="Quick: ${input.n}?",
+    timeout_ms=2_500,
+)
+
+
+@hurry.step("after")
+def after(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return "after"

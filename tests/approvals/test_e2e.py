@@ -1,0 +1,349 @@
+"""Approvals end to end: a real worker sends the e-mails (the file-based backend, so the
+test reads the link from the mail that was sent), Django's live server answers the link,
+the inbox and the API, and Chromium clicks the buttons. The concurrency cases send real
+concurrent HTTP requests to that server.
+"""
+
+from __future__ import annotations
+
+import email
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from email import policy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from django.contrib.auth import get_user_model
+from rest_framework.authtoken.models import Token
+
+from approvals.models import ApprovalRequest, Decision
+from runs import services
+from runs.models import Run, StepRun
+from tests.processes import wait_for
+from tests.runs.flows import effects, ensure_effects_table
+
+pytestmark = [pytest.mark.slow]
+
+FLOWS = ["tests.approvals.flows"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync"]
+TERMINAL = ("completed", "failed", "cancelled", "timed_out")
+LINK = re.compile(r"https?://\S+/approvals/link/[^/\s]+/")
+
+
+@pytest.fixture
+def people(transactional_db) -> dict[str, Any]:
+    users = get_user_model().objects
+    return {
+        name: users.create_user(name, f"{name}@example.com", "a-long-password-1")
+        for name in ("ann", "bob", "cy")
+    }
+
+
+@pytest.fixture
+def mailbox(tmp_path: Path) -> Path:
+    folder = tmp_path / "mail"
+    folder.mkdir()
+    return folder
+
+
+@pytest.fixture
+def worker(celery_processes, live_server, mailbox: Path, people) -> Any:
+    """A worker that sends mail to files in ``mailbox``, with links to the live server."""
+    ensure_effects_table()
+    return celery_processes.worker(
+        workflow_modules=FLOWS,
+        env={
+            "EMAIL_BACKEND": "django.core.mail.backends.filebased.EmailBackend",
+            "EMAIL_FILE_PATH": str(mailbox),
+            "SITE_URL": live_server.url,
+            "DJFLOW_RECONCILE_SECONDS": "2",
+        },
+        concurrency=4,
+    )
+
+
+def start(workflow: str, input: dict[str, Any]) -> Run:
+    return services.run_start(workflow=workflow, input=input).run
+
+
+def status_of(run: Run) -> str:
+    return Run.objects.values_list("status", flat=True).get(id=run.id)
+
+
+def until_pending(run: Run, logs: Callable[[], str]) -> None:
+    wait_for(lambda: status_of(run) == "pending_approval", timeout=20, message=logs)
+
+
+def ended(run: Run, logs: Callable[[], str], timeout: float = 30.0) -> Run:
+    def done() -> Run | None:
+        fresh = Run.objects.get(id=run.id)
+        return fresh if fresh.status in TERMINAL else None
+
+    return wait_for(done, timeout=timeout, interval=0.1, message=logs)
+
+
+def mails(mailbox: Path) -> list[email.message.EmailMessage]:
+    """Every message the file-based backend wrote (one file per connection, messages
+    separated by a line of dashes)."""
+    found = []
+    for path in sorted(mailbox.glob("*.log")):
+        for chunk in path.read_text().split("-" * 79):
+            if chunk.strip():
+                found.append(email.message_from_string(chunk.strip(), policy=policy.default))
+    return found
+
+
+def link_in_mail(mailbox: Path, to: str, run: Run, logs: Callable[[], str]) -> str:
+    """The approval link sent to ``to`` for ``run``, read from the mail's text part."""
+    request = ApprovalRequest.objects.get(run=run)
+
+    def find() -> str | None:
+        for message in mails(mailbox):
+            if message["To"] != to:
+                continue
+            text = message.get_body(("plain",)).get_content()
+            html = message.get_body(("html",)).get_content()
+            match = LINK.search(text)
+            if match and request.message in text and match.group(0) in html:
+                return match.group(0)
+        return None
+
+    return wait_for(find, timeout=20, interval=0.2, message=logs)
+
+
+# --- the browser ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    import os
+
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    from django.db import connections
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            context = browser.new_context(viewport={"width": 1100, "height": 900})
+            context.set_default_timeout(15_000)
+            yield context.new_page()
+        finally:
+            connections.close_all()
+            browser.close()
+
+
+@pytest.mark.browser
+def test_approve_from_the_emailed_link_in_a_browser(
+    worker, page, mailbox, celery_processes
+) -> None:
+    run = start("release", {"version": "2.4", "changes": ["faster"]})
+    wait_for(
+        lambda: status_of(run) == "pending_approval", timeout=20, message=celery_processes.logs
+    )
+    link = link_in_mail(mailbox, "ann@example.com", run, celery_processes.logs)
+
+    page.goto(link)
+    body = page.locator("body")
+    assert "Ship release 2.4?" in body.inner_text()
+    assert "faster" in body.inner_text()  # the details: the draft step's output
+    page.screenshot(path=str(ARTIFACTS / "approval-confirm.png"), full_page=True)
+    # Opening the page decided nothing.
+    assert status_of(run) == "pending_approval"
+    assert not Decision.objects.filter(request__run=run).exists()
+
+    page.fill("textarea[name=comment]", "ship it")
+    page.click("button[value=approved]")
+    page.wait_for_load_state()
+    assert "approved" in page.locator("body").inner_text().lower()
+    page.screenshot(path=str(ARTIFACTS / "approval-approved.png"), full_page=True)
+
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output["approval"] == {"decision": "approved", "by": "ann", "comment": "ship it"}
+    assert [step for step, *_ in effects(run.id)] == ["draft", "ship"]
+    decision = Decision.objects.get(request__run=run)
+    assert (decision.channel, decision.by, decision.ip) == ("link", "ann", "127.0.0.1")
+    assert "Chrome" in decision.user_agent and decision.token_id is not None
+
+    # The same link again: already used, a clear page, nothing changes.
+    page.goto(link)
+    assert "already" in page.locator("body").inner_text().lower()
+    assert Decision.objects.filter(request__run=run).count() == 1
+
+
+@pytest.mark.browser
+def test_reject_with_a_comment_from_the_emailed_link_in_a_browser(
+    worker, page, mailbox, celery_processes
+) -> None:
+    run = start("release", {"version": "3.0"})
+    wait_for(
+        lambda: status_of(run) == "pending_approval", timeout=20, message=celery_processes.logs
+    )
+    link = link_in_mail(mailbox, "ops@example.com", run, celery_processes.logs)
+
+    page.goto(link)
+    assert "Ship release 3.0?" in page.locator("body").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "approval-confirm-reject.png"), full_page=True)
+    page.fill("textarea[name=comment]", "not before the freeze ends")
+    page.click("button[value=rejected]")
+    page.wait_for_load_state()
+    assert "rejected" in page.locator("body").inner_text().lower()
+    page.screenshot(path=str(ARTIFACTS / "approval-rejected.png"), full_page=True)
+
+    run = ended(run, celery_processes.logs)
+    assert (run.status, run.error["class"], run.error["step"]) == ("failed", "rejected", "gate")
+    assert "not before the freeze ends" in run.error["message"]
+    assert [step for step, *_ in effects(run.id)] == ["draft"]  # ship never ran
+    assert Decision.objects.get(request__run=run).by == "ops@example.com"
+
+
+# --- concurrent requests against the running server -----------------------------------------
+
+
+def together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run the calls in threads released at one moment; their results in order."""
+    barrier = threading.Barrier(len(calls))
+    results: list[Any] = [None] * len(calls)
+
+    def run(index: int, call: Callable[[], Any]) -> None:
+        barrier.wait()
+        results[index] = call()
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+def form_poster(link: str) -> Callable[[str], requests.Response]:
+    """GET the link page as a browser would (cookie and CSRF token), then a function that
+    POSTs the form with a decision."""
+    client = requests.Session()
+    page = client.get(link, timeout=20)
+    assert page.status_code == 200, page.text[:500]
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+
+    def post(decision: str) -> requests.Response:
+        return client.post(
+            link,
+            data={"csrfmiddlewaretoken": token, "decision": decision, "comment": ""},
+            timeout=20,
+        )
+
+    return post
+
+
+class Api:
+    """A user's API client against the live server."""
+
+    def __init__(self, live_server: Any, user: Any) -> None:
+        token, _ = Token.objects.get_or_create(user=user)
+        self.base = f"{live_server.url}/api/v1"
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Token {token.key}"
+
+    def post(self, path: str, json: Any) -> requests.Response:
+        return self.session.post(f"{self.base}{path}", json=json, timeout=20)
+
+
+def api_client(live_server: Any, user: Any) -> Api:
+    return Api(live_server, user)
+
+
+def test_two_approvers_clicking_at_the_same_moment_give_one_outcome(
+    worker, mailbox, celery_processes
+) -> None:
+    for attempt in range(3):
+        run = start("release", {"version": f"5.{attempt}"})
+        until_pending(run, celery_processes.logs)
+        posters = [
+            form_poster(link_in_mail(mailbox, to, run, celery_processes.logs))
+            for to in ("ann@example.com", "bob@example.com")
+        ]
+        answers = together([lambda p=p: p("approved") for p in posters])
+        codes = sorted(answer.status_code for answer in answers)
+        assert codes == [200, 409], [a.text[:300] for a in answers]
+        run = ended(run, celery_processes.logs)
+        assert run.status == "completed", run.error
+        assert Decision.objects.filter(request__run=run).count() == 1
+        assert StepRun.objects.filter(run=run, step_id="ship").count() == 1
+        assert [step for step, *_ in effects(run.id)] == ["draft", "ship"]
+
+
+def test_a_form_submitted_twice_at_once_counts_once(worker, mailbox, celery_processes) -> None:
+    run = start("release", {"version": "6.0"})
+    until_pending(run, celery_processes.logs)
+    post = form_poster(link_in_mail(mailbox, "bob@example.com", run, celery_processes.logs))
+    answers = together([lambda: post("approved"), lambda: post("approved")])
+    codes = sorted(answer.status_code for answer in answers)
+    assert codes[0] == 200 and codes[1] in (409, 410), [a.text[:300] for a in answers]
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed"
+    assert Decision.objects.filter(request__run=run).count() == 1
+    assert [step for step, *_ in effects(run.id)] == ["draft", "ship"]
+
+
+def test_quorum_two_of_three_through_the_api_at_once(
+    worker, live_server, people, celery_processes
+) -> None:
+    run = start("pair", {"pr": 42})
+    until_pending(run, celery_processes.logs)
+    request = ApprovalRequest.objects.get(run=run)
+    clients = [api_client(live_server, people[name]) for name in ("ann", "bob", "cy")]
+    answers = together(
+        [lambda c=c: c.post(f"/approvals/{request.id}/approve", json={}) for c in clients]
+    )
+    codes = sorted(answer.status_code for answer in answers)
+    assert codes == [200, 200, 409], [a.text[:300] for a in answers]
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert Decision.objects.filter(request=request).count() == 2
+    assert [step for step, *_ in effects(run.id)] == ["merge"]
+
+
+def test_a_decision_racing_the_deadline_timer_has_one_outcome(
+    worker, live_server, people, celery_processes, celery_beat
+) -> None:
+    celery_beat(env={"DJFLOW_RECONCILE_SECONDS": "2"})
+    client = api_client(live_server, people["ann"])
+    outcomes = []
+    for n in range(6):
+        run = start("hurry", {"n": n})
+        until_pending(run, celery_processes.logs)
+        request = ApprovalRequest.objects.get(run=run)
+        # Aim the decision at the deadline: a little before, at, and after it.
+        aim = request.deadline.timestamp() + (n - 3) * 0.2
+        time.sleep(max(0.0, aim - time.time()))
+        answer = client.post(f"/approvals/{request.id}/approve", json={"comment": f"n={n}"})
+        run = ended(run, celery_processes.logs)
+        request.refresh_from_db()
+        gate = StepRun.objects.get(run=run, step_id="gate")
+        decided = Decision.objects.filter(request=request).count()
+        if answer.status_code == 200:
+            assert (request.status, gate.status, run.status, decided) == (
+                "approved",
+                "succeeded",
+                "completed",
+                1,
+            )
+            assert [step for step, *_ in effects(run.id)] == ["after"]
+        else:
+            assert answer.status_code == 409, answer.text
+            assert (request.status, gate.status, decided) == ("expired", "timed_out", 0)
+            assert (run.status, run.error["class"]) == ("failed", "timeout")
+            assert effects(run.id) == []
+        outcomes.append(answer.status_code)
+    # Both sides of the race were exercised.
+    assert 200 in outcomes and 409 in outcomes, outcomes
