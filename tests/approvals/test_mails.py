@@ -1,0 +1,188 @@
+"""The e-mails: rendered from the rows when sent, with the link in both parts; an SMTP
+failure leaves the mail queued with its error and raises, so Celery retries it."""
+
+from __future__ import annotations
+
+import smtplib
+from datetime import timedelta
+
+import pytest
+from django.core import mail as django_mail
+from django.test import Client
+from django.utils import timezone
+
+from approvals import gates, outbox
+from approvals.models import ApprovalRequest, Mail
+from approvals.tasks import RETRIED
+from approvals.tokens import read_token
+
+from .builders import approver, link_path, make_group, make_user, start_approval
+
+pytestmark = pytest.mark.django_db
+
+LOCMEM = "django.core.mail.backends.locmem.EmailBackend"
+
+
+class RefusingBackend:
+    """An e-mail backend whose SMTP server refuses every message."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def send_messages(self, messages):
+        raise smtplib.SMTPException("421 try again later")
+
+
+@pytest.fixture(autouse=True)
+def locmem(settings):
+    settings.EMAIL_BACKEND = LOCMEM
+    settings.SITE_URL = "https://flows.example.com"
+
+
+def sent_to(address: str) -> django_mail.EmailMultiAlternatives:
+    found = [m for m in django_mail.outbox if m.to == [address]]
+    assert len(found) == 1, [m.to for m in django_mail.outbox]
+    return found[0]
+
+
+def html_of(message) -> str:
+    ((body, kind),) = message.alternatives
+    assert kind == "text/html"
+    return body
+
+
+def token_in(text: str) -> str:
+    start = text.index("https://flows.example.com/approvals/link/")
+    end = text.index("/", start + len("https://flows.example.com/approvals/link/"))
+    return text[start + len("https://flows.example.com/approvals/link/") : end]
+
+
+def test_request_mails_carry_the_link_in_both_parts() -> None:
+    make_user("bob")
+    _, request = start_approval(users=["bob"], emails=["ext@example.org"], timeout_ms=86_400_000)
+    queued = Mail.objects.filter(approver__request=request, kind="request")
+    assert queued.count() == 2
+    for mail in queued:
+        assert outbox.deliver(mail.id) is True
+    message = sent_to("ext@example.org")
+    assert message.subject == "Approval needed: sign_off of expense"
+    ext = approver(request, "ext@example.org")
+    for part in (message.body, html_of(message)):
+        assert "https://flows.example.com/approvals/link/" in part
+        # The link is ext's own: its token reads back to ext's approver row.
+        assert read_token(token_in(part)).id == ext.id
+        assert "Pay 120 EUR to Acme Paper?" in part
+        assert "Acme Paper" in part and "amount" in part  # the details
+        assert "Deadline:" in part or "Deadline</td>" in part
+    assert "&quot;vendor&quot;" in html_of(message)  # escaped in HTML
+    assert '"vendor": "Acme Paper"' in message.body  # not in text
+    bob_mail = sent_to("bob@example.com")
+    assert read_token(token_in(bob_mail.body)).id == approver(request, "bob").id
+    assert Mail.objects.filter(approver__request=request, status="sent").count() == 2
+
+
+def test_the_mailed_link_opens_the_confirmation_page() -> None:
+    make_user("bob")
+    _, request = start_approval(users=["bob"])
+    outbox.deliver(Mail.objects.get(approver__request=request).id)
+    token = token_in(sent_to("bob@example.com").body)
+    page = Client().get(f"/approvals/link/{token}/")
+    assert page.status_code == 200
+    assert "Pay 120 EUR to Acme Paper?" in page.content.decode()
+
+
+def test_a_reminder_shows_who_decided_so_far() -> None:
+    for name in ("bob", "cy"):
+        make_user(name)
+    _, request = start_approval(users=["bob", "cy"], quorum=2)
+    Client().post(link_path(approver(request, "cy")), {"decision": "approved", "comment": "ok"})
+    assert gates.remind(step_run_id=request.step_run_id) == 1  # bob only
+    reminder = Mail.objects.get(kind="reminder")
+    assert reminder.to == "bob@example.com"
+    outbox.deliver(reminder.id)
+    message = sent_to("bob@example.com")
+    assert message.subject.startswith("Reminder: approval still needed")
+    for part in (message.body, html_of(message)):
+        assert "Decided so far" in part
+        assert "cy approved" in part
+        assert "/approvals/link/" in part
+        assert "Deadline" not in part  # no timeout_ms: no deadline
+
+
+def test_handoff_mail_has_the_notification_and_its_page() -> None:
+    bob = make_user("bob")
+    make_group("finance", bob)
+    run, request = start_approval(users=["bob"], then_handoff="finance")
+    Client().post(link_path(approver(request, "bob")), {"decision": "approved"})
+    handoff = Mail.objects.get(kind="handoff")
+    outbox.deliver(handoff.id)
+    message = sent_to("bob@example.com")
+    assert message.subject == "Hand-off from expense: tell_finance"
+    for part in (message.body, html_of(message)):
+        assert "Paid Acme Paper" in part
+        assert "https://flows.example.com/notifications/" in part
+        assert str(run.id) in part
+
+
+def test_escalation_mail() -> None:
+    from runs.services import run_start
+    from workflows.services import definition_save
+
+    make_user("bob")
+    make_user("boss")
+    definition_save(
+        document={
+            "id": "urgent",
+            "steps": [
+                {
+                    "id": "ok",
+                    "kind": "approval",
+                    "approvers": {"users": ["bob"]},
+                    "message": "Ship it?",
+                    "timeout_ms": 60_000,
+                    "escalate_to": {"users": ["boss"]},
+                }
+            ],
+        }
+    )
+    run = run_start(workflow="urgent", input={}).run
+    request = ApprovalRequest.objects.get(run=run)
+    assert gates.expire(request.step_run_id, timezone.now() + timedelta(minutes=2))
+    escalation = Mail.objects.get(kind="escalation")
+    outbox.deliver(escalation.id)
+    message = sent_to("boss@example.com")
+    assert message.subject.startswith("Escalation: Approval 'ok' of urgent expired")
+    for part in (message.body, html_of(message)):
+        assert "Ship it?" in part
+        assert "https://flows.example.com/notifications/" in part
+
+
+def test_a_mail_is_sent_once() -> None:
+    make_user("bob")
+    _, request = start_approval(users=["bob"])
+    mail = Mail.objects.get(approver__request=request)
+    assert outbox.deliver(mail.id) is True
+    assert outbox.deliver(mail.id) is False
+    assert len(django_mail.outbox) == 1
+
+
+def test_an_smtp_failure_keeps_the_mail_queued_and_raises(settings) -> None:
+    settings.EMAIL_BACKEND = f"{__name__}.RefusingBackend"
+    make_user("bob")
+    _, request = start_approval(users=["bob"])
+    mail = Mail.objects.get(approver__request=request)
+    with pytest.raises(smtplib.SMTPException) as raised:
+        outbox.deliver(mail.id)
+    # The task retries exactly these errors (autoretry_for).
+    assert isinstance(raised.value, RETRIED)
+    mail.refresh_from_db()
+    assert mail.status == "queued"
+    assert mail.tries == 1
+    assert mail.last_error == "SMTPException: 421 try again later"
+    assert mail.sent_at is None
+    # The server recovers: the retry sends it.
+    settings.EMAIL_BACKEND = LOCMEM
+    assert outbox.deliver(mail.id) is True
+    mail.refresh_from_db()
+    assert (mail.status, mail.tries) == ("sent", 2)
+    assert len(django_mail.outbox) == 1
