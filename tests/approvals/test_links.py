@@ -177,6 +177,7 @@ def test_a_request_decided_by_someone_else_is_409_naming_them(client: Client, wa
     page = client.get(path)
     assert page.status_code == 409
     assert "already approved by cy" in page.content.decode()
+    assert "did not decide" in page.content.decode()  # bob, on the closed request
     post = client.post(path, {"decision": "rejected"})
     assert post.status_code == 409
     assert Decision.objects.filter(request=request).count() == 1
