@@ -253,6 +253,10 @@ def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:
     if target == run.status:
         return
     check_run_move(run.status, target)
+    # The parent shows pending_approval while a child waits for people: let it look.
+    people = RunStatus.PENDING_APPROVAL in (run.status, target)
+    if people and run.parent_run_id is not None and request_advance(run.parent_run_id):
+        dispatch.advance_on_commit(run.parent_run_id)
     run.status = target
     fields.add("status")
 

@@ -775,6 +775,8 @@ class _Planner:
             return _Go.CONTINUE
         if status not in CHILD_FAILED:
             self.waiting = True
+            # A child waiting for people holds the parent for them too.
+            self.approval = self.approval or status == "pending_approval"
             return _Go.BLOCKED
         child_error = child.get("error") or {}
         error = {

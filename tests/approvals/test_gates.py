@@ -586,7 +586,8 @@ def test_approvals_inside_a_foreach_body_of_several_steps_run_in_child_runs(peop
     run = start(xs=["a", "b"])
     children = list(Run.objects.filter(parent_run=run).order_by("created_at", "id"))
     assert [c.status for c in children] == ["pending_approval", "pending_approval"]
-    assert fresh(run).status == "waiting"
+    notify_parents()  # the children asked: the parent waits for people too
+    assert fresh(run).status == "pending_approval"
     for child, comment in zip(reversed(children), ["second", "first"], strict=True):
         decide(request_of(child), "ann", comment=comment)
         assert fresh(child).status == "completed"
@@ -605,7 +606,9 @@ def test_an_approval_inside_a_subworkflow(people) -> None:
     )
     run = start()
     child = Run.objects.get(parent_run=run)
-    assert (fresh(run).status, child.status) == ("waiting", "pending_approval")
+    assert child.status == "pending_approval"
+    notify_parents()  # the child asked: its parent shows it waits for people
+    assert fresh(run).status == "pending_approval"
     request = request_of(child)
     assert request.message == "Inner T-1"
     decide(request, "ann")
@@ -613,6 +616,19 @@ def test_an_approval_inside_a_subworkflow(people) -> None:
     notify_parents()
     run = fresh(run)
     assert (run.status, run.output) == ("completed", "approved")
+
+
+def test_a_parent_shows_waiting_again_once_its_childs_approval_is_decided(people) -> None:
+    save(approval(), {"id": "nap", "kind": "sleep", "ms": 60_000}, workflow="inner")
+    save({"id": "child", "kind": "subworkflow", "workflow": "inner"})
+    run = start()
+    child = Run.objects.get(parent_run=run)
+    notify_parents()
+    assert fresh(run).status == "pending_approval"
+    decide(request_of(child), "ann")
+    assert fresh(child).status == "waiting"  # now sleeping
+    notify_parents()
+    assert fresh(run).status == "waiting"
 
 
 def test_cancelling_the_parent_cancels_the_childs_request(people) -> None:

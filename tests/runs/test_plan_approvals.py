@@ -315,3 +315,21 @@ def test_max_steps_stops_an_approval_from_opening() -> None:
     out = plan(doc(task("a"), approval(), limits={"max_steps": 1}), run(), [ok("a")], NOW)
     assert not out.of(Open)
     assert only(out.actions, Finish).error["class"] == "limit"
+
+
+# --- a child run waiting for people ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("child_status", "approval_shown"),
+    [("pending_approval", True), ("waiting", False), ("running", False)],
+)
+def test_a_subworkflow_whose_child_waits_for_people_holds_the_parent_for_them(
+    child_status: str, approval_shown: bool
+) -> None:
+    step = {"id": "child", "kind": "subworkflow", "workflow": "inner"}
+    row = waiting("child", kind="subworkflow", child={"id": "c1", "status": child_status})
+    out = plan(doc(step), run(), [row], NOW)
+    assert out.actions == []
+    assert out.waiting is True
+    assert out.approval is approval_shown
