@@ -66,7 +66,7 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     )
     for approver in approvers:
         outbox.queue(MailKind.REQUEST, approver.email, approver=approver)
-    _set_reminder(request, step_run, 1, now)
+    _set_reminder(request, step_run, now)
     return None
 
 
@@ -88,15 +88,20 @@ def remind(*, step_run_id: int) -> int:
             outbox.queue(MailKind.REMINDER, approver.email, approver=approver)
         request.reminders_sent += 1
         request.save(update_fields=["reminders_sent"])
-        _set_reminder(request, request.step_run, request.reminders_sent + 1, now)
+        _set_reminder(request, request.step_run, now)
         return len(undecided)
 
 
-def _set_reminder(request: ApprovalRequest, step_run: StepRun, number: int, now: datetime) -> None:
+def _set_reminder(request: ApprovalRequest, step_run: StepRun, now: datetime) -> None:
+    """The next reminder's timer: on the request's own beat (``remind_after_ms`` after it
+    opened, twice that, ...), so a tick that fires late does not push the later ones back;
+    a slot already past is skipped. Reminder n is never set before reminder n - 1 was sent."""
     every = request.remind_after_ms
     if not every:
         return
-    due = now + timedelta(milliseconds=every)
+    period = timedelta(milliseconds=every)
+    number = max(int((now - request.created_at) / period) + 1, request.reminders_sent + 1)
+    due = request.created_at + number * period
     if request.deadline is not None and due >= request.deadline:
         return  # the deadline (and its escalation) comes first
     Timer.objects.bulk_create(

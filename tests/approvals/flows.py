@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.runs.flows import note
+from workflows import sdk
 from workflows.sdk import workflow
 
 # A release is drafted, approved by ann or the ops address, then shipped.
@@ -67,3 +68,51 @@ hurry.approval(
 def after(ctx: Any, input: Any, prior: Any) -> Any:
     note(ctx)
     return "after"
+
+
+# Reminders every second until a 3.5 s deadline, then escalation to cy; the run goes on.
+nudge = workflow("nudge", limits={"run_timeout_ms": 60_000})
+nudge.approval(
+    "gate",
+    approvers={"users": ["ann"], "emails": ["ops@example.com"]},
+    message="Still waiting on ${input.what}",
+    timeout_ms=3_500,
+    remind_after_ms=1_000,
+    escalate_to={"users": ["cy"]},
+    on_error="continue",
+)
+
+
+@nudge.step("afterwards", input={"gate": "${steps.gate.error.class}"})
+def afterwards(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return input
+
+
+# One approval per item, then a handler that pays what was approved.
+batch = workflow("batch", limits={"run_timeout_ms": 600_000})
+batch.foreach(
+    "each",
+    items="${input.bills}",
+    do=sdk.approval("ok", approvers={"users": ["ann"]}, message="Pay ${item}?", timeout_ms=300_000),
+)
+
+
+@batch.step("pay", input="${steps.each.output}")
+def pay(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return [decision["comment"] for decision in input]
+
+
+# A subworkflow whose child waits for people.
+inner = workflow("signoff", limits={"run_timeout_ms": 600_000})
+inner.approval("sign", approvers={"users": ["bob"]}, message="Sign ${input.doc}?")
+
+outer = workflow("contract", limits={"run_timeout_ms": 600_000})
+outer.subworkflow("child", workflow="signoff", input={"doc": "${input.doc}"})
+
+
+@outer.step("file", input="${steps.child.output}")
+def file(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return input["by"]

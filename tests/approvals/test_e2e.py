@@ -347,3 +347,76 @@ def test_a_decision_racing_the_deadline_timer_has_one_outcome(
         outcomes.append(answer.status_code)
     # Both sides of the race were exercised.
     assert 200 in outcomes and 409 in outcomes, outcomes
+
+
+# --- durable time and nesting on the real worker and beat --------------------------------------
+
+
+def test_reminders_then_escalation_then_the_run_goes_on(
+    worker, mailbox, people, celery_processes, celery_beat
+) -> None:
+    celery_beat(env={"DJFLOW_RECONCILE_SECONDS": "2"})
+    run = start("nudge", {"what": "the budget"})
+    until_pending(run, celery_processes.logs)
+    request = ApprovalRequest.objects.get(run=run)
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output == {"gate": "timeout"}
+    request.refresh_from_db()
+    # Reminders are due at 1, 2 and 3 s; the last one races the 3.5 s deadline on the
+    # 1 s tick, and one that fires after the request expired mails nobody.
+    reminded = request.reminders_sent
+    assert request.status == "expired" and reminded in (2, 3)
+    assert request.escalated_at is not None
+
+    def sent() -> list[tuple[str, str]]:
+        return sorted((str(m["To"]), str(m["Subject"])) for m in mails(mailbox))
+
+    # Every mail goes out: the requests, the reminders to each, and the escalation.
+    total = 2 * (1 + reminded) + 1
+    got = wait_for(
+        lambda: len(sent()) == total and sent(), timeout=20, message=celery_processes.logs
+    )
+    to = [address for address, _ in got]
+    assert to.count("ann@example.com") == to.count("ops@example.com") == 1 + reminded
+    assert to.count("cy@example.com") == 1
+    escalation = next(subject for address, subject in got if address == "cy@example.com")
+    assert "expired" in escalation.lower()
+    assert people["cy"].notifications.get().kind == "escalation"
+
+
+def test_approvals_inside_foreach_items_decided_through_the_api(
+    worker, live_server, people, celery_processes
+) -> None:
+    run = start("batch", {"bills": ["gas", "rent", "water"]})
+    until_pending(run, celery_processes.logs)
+    requests_ = wait_for(
+        lambda: (
+            len(ApprovalRequest.objects.filter(run=run)) == 3
+            and list(ApprovalRequest.objects.filter(run=run).order_by("path"))
+        ),
+        timeout=20,
+    )
+    assert [r.message for r in requests_] == ["Pay gas?", "Pay rent?", "Pay water?"]
+    client = api_client(live_server, people["ann"])
+    for request in reversed(requests_):
+        answer = client.post(f"/approvals/{request.id}/approve", json={"comment": request.path})
+        assert answer.status_code == 200, answer.text
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output == ["each[0]/", "each[1]/", "each[2]/"]
+    assert [step for step, *_ in effects(run.id)] == ["pay"]
+
+
+def test_an_approval_inside_a_subworkflow_decided_from_its_link(
+    worker, mailbox, people, celery_processes
+) -> None:
+    run = start("contract", {"doc": "NDA"})
+    child = wait_for(lambda: Run.objects.filter(parent_run=run).first(), timeout=20)
+    until_pending(child, celery_processes.logs)
+    until_pending(run, celery_processes.logs)  # the parent waits for people too
+    post = form_poster(link_in_mail(mailbox, "bob@example.com", child, celery_processes.logs))
+    assert post("approved").status_code == 200
+    run = ended(run, celery_processes.logs)
+    assert (run.status, run.output) == ("completed", "bob"), run.error
+    assert Run.objects.get(id=child.id).status == "completed"

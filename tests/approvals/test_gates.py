@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import time_machine
 from django.conf import settings as django_settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
@@ -952,3 +953,20 @@ def test_a_plain_email_approver_is_reminded_too(people) -> None:
     decide(request_of(run), "ann")
     fire_reminders(run)
     assert mails("reminder") == ["ext@example.org"]
+
+
+def test_reminders_keep_the_requests_own_beat_when_a_tick_fires_late(people) -> None:
+    save(approval(remind_after_ms=60_000, timeout_ms=3_600_000))
+    run = start()
+    request = request_of(run)
+    first = Timer.objects.get(run=run, purpose="approval_reminder")
+    assert first.fire_at == request.created_at + timedelta(minutes=1)
+    # The first reminder is sent 2.5 minutes in (a tick far behind): the second is due at
+    # minute 3 of the request, not a minute after the late one, and minute 2 is skipped.
+    late = request.created_at + timedelta(minutes=2, seconds=30)
+    Timer.objects.filter(id=first.id).update(fired_at=late)
+    with time_machine.travel(late, tick=False):
+        assert gates.remind(step_run_id=request.step_run_id) == 1
+    following = Timer.objects.get(run=run, purpose="approval_reminder", fired_at=None)
+    assert following.fire_at == request.created_at + timedelta(minutes=3)
+    assert following.key.endswith(":3")
