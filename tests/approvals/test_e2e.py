@@ -23,15 +23,13 @@ from rest_framework.authtoken.models import Token
 from approvals.models import ApprovalRequest, Decision
 from runs import services
 from runs.models import Run, StepRun
+from tests.browser import ARTIFACTS, chromium_page
 from tests.processes import wait_for
 from tests.runs.flows import effects, ensure_effects_table
 
 pytestmark = [pytest.mark.slow]
 
 FLOWS = ["tests.approvals.flows"]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync"]
 TERMINAL = ("completed", "failed", "cancelled", "timed_out")
 LINK = re.compile(r"https?://\S+/approvals/link/[^/\s]+/")
 
@@ -122,24 +120,7 @@ def link_in_mail(mailbox: Path, to: str, run: Run, logs: Callable[[], str]) -> s
 
 @pytest.fixture
 def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    import os
-
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    from django.db import connections
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(viewport={"width": 1100, "height": 900})
-            context.set_default_timeout(15_000)
-            yield context.new_page()
-        finally:
-            connections.close_all()
-            browser.close()
+    yield from chromium_page(monkeypatch)
 
 
 @pytest.mark.browser

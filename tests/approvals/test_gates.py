@@ -30,6 +30,7 @@ from runs import services
 from runs.engine import timers
 from runs.engine.advance import advance_locked, lock_run, run_advance
 from runs.models import AdvanceRequest, Run, StepRun, Timer
+from tests.runs.test_events import fire_now
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db
@@ -99,19 +100,6 @@ def decide(
         origin=Origin("inbox"),
         user=user,
     )
-
-
-def fire_now(run: Run) -> int:
-    """Bring the timers of the run's waiting rows (and their due times) to now, then tick."""
-    past = timezone.now() - timedelta(milliseconds=1)
-    Timer.objects.filter(run=run, fired_at__isnull=True, step_run__isnull=False).update(
-        fire_at=past
-    )
-    StepRun.objects.filter(run=run, status="waiting", not_before__isnull=False).update(
-        not_before=past
-    )
-    ApprovalRequest.objects.filter(run=run, deadline__isnull=False).update(deadline=past)
-    return timers.fire_due()
 
 
 def fire_reminders(run: Run) -> int:

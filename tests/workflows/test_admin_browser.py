@@ -7,30 +7,17 @@ browser it downloads itself. Screenshots go to ``test-artifacts/``.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from django.contrib.admin.utils import quote
-from django.db import connections
 from django.urls import reverse
 
+from tests.browser import ARTIFACTS, chromium_page
 from workflows.models import WorkflowVersion
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 PASSWORD = "a-long-password-1"
 EDITOR = "window.id_document_editor"
 
@@ -54,25 +41,7 @@ INVALID = {
 
 @pytest.fixture
 def page(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install -y chromium")
-    # Playwright's sync API runs an event loop in this thread; the ORM calls the test makes
-    # between browser steps are still plain synchronous calls.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
-    from playwright.sync_api import sync_playwright
-
-    ARTIFACTS.mkdir(exist_ok=True)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            context = browser.new_context(viewport={"width": 1280, "height": 1000})
-            context.set_default_timeout(15_000)
-            yield context.new_page()
-        finally:
-            # ORM calls made while Playwright's loop runs get their own connection (Django
-            # keys connections by context); close it, or it outlives the test database.
-            connections.close_all()
-            browser.close()
+    yield from chromium_page(monkeypatch)
 
 
 def log_in(page, live_server, django_user_model, next_path: str) -> None:
