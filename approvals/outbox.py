@@ -16,6 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.core.mail import EmailMultiAlternatives
 from django.db import transaction
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
@@ -129,12 +130,21 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
+# A mail tried and failing is in Celery's retries (back-off up to 5 minutes apart); only
+# one whose last try is older than any retry's wait has lost its chain of retries.
+RETRIES_LOST_SECONDS = 600
+
+
 def reoffer_unsent(now: datetime, batch: int) -> int:
-    """Offer again mails queued and not tried for ``LOST_MESSAGE_SECONDS`` (their message
-    was lost, or the broker was down at commit)."""
-    quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
+    """Offer again queued mails whose message was lost: never tried for
+    ``LOST_MESSAGE_SECONDS`` (the broker was down at commit, the message vanished), or tried
+    but quiet for longer than Celery's retries wait (the worker holding the retry died).
+    A mail in its retries is left to them: a second chain would double every try."""
+    lost = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
+    dropped = now - timedelta(seconds=RETRIES_LOST_SECONDS)
     stale = list(
-        Mail.objects.filter(status=MailStatus.QUEUED, offered_at__lte=quiet)
+        Mail.objects.filter(status=MailStatus.QUEUED, offered_at__lte=lost)
+        .filter(Q(tries=0) | Q(offered_at__lte=dropped))
         .order_by("offered_at")
         .values_list("id", flat=True)[:batch]
     )

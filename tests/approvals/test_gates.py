@@ -735,6 +735,19 @@ def test_reoffer_unsent_offers_stale_queued_mails_again(people) -> None:
     assert Mail.objects.filter(status="queued").count() == 1
 
 
+def test_reoffer_leaves_a_mail_in_its_retries_alone_until_they_are_lost(people) -> None:
+    save(approval())
+    start()
+    now = timezone.now()
+    quiet = timedelta(seconds=django_settings.DJFLOW["LOST_MESSAGE_SECONDS"] + 1)
+    # Tried once and failed 11 s ago: Celery's retry (up to 5 min away) has it.
+    Mail.objects.update(tries=1, offered_at=now - quiet)
+    assert outbox.reoffer_unsent(now, 100) == 0
+    # Quiet for longer than any retry waits: the retry was lost with its worker.
+    Mail.objects.update(offered_at=now - timedelta(seconds=outbox.RETRIES_LOST_SECONDS + 1))
+    assert outbox.reoffer_unsent(now, 100) == 1
+
+
 def test_gates_cancel_leaves_closed_requests_alone(people) -> None:
     save(approval())
     run = start()
