@@ -116,3 +116,15 @@ outer.subworkflow("child", workflow="signoff", input={"doc": "${input.doc}"})
 def file(ctx: Any, input: Any, prior: Any) -> Any:
     note(ctx)
     return input["by"]
+
+
+# A hand-off to the on-call group, then an approval decided from the inbox.
+escalate = workflow("oncall", limits={"run_timeout_ms": 600_000})
+escalate.handoff("page", group="oncall", message="Disk full on ${input.host}")
+escalate.approval("wipe", approvers={"groups": ["oncall"]}, message="Wipe /tmp on ${input.host}?")
+
+
+@escalate.step("done")
+def done(ctx: Any, input: Any, prior: Any) -> Any:
+    note(ctx)
+    return input

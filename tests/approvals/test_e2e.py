@@ -401,3 +401,41 @@ def test_an_approval_inside_a_subworkflow_decided_from_its_link(
     run = ended(run, celery_processes.logs)
     assert (run.status, run.output) == ("completed", "bob"), run.error
     assert Run.objects.get(id=child.id).status == "completed"
+
+
+@pytest.mark.browser
+def test_a_handoff_shows_in_the_header_and_the_inbox_decides_in_a_browser(
+    worker, page, live_server, people, celery_processes
+) -> None:
+    from django.contrib.auth.models import Group
+
+    Group.objects.create(name="oncall").user_set.add(people["bob"])
+    run = start("oncall", {"host": "db-2"})
+    until_pending(run, celery_processes.logs)  # the hand-off did not block the run
+
+    page.goto(f"{live_server.url}/approvals/")
+    page.fill("input[name=username]", "bob")
+    page.fill("input[name=password]", "a-long-password-1")
+    page.click("button[type=submit]")
+    page.wait_for_load_state()
+    assert page.locator("#unread-count").inner_text() == "1"
+    assert "Wipe /tmp on db-2?" in page.locator("main").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "approvals-inbox.png"), full_page=True)
+
+    page.click("a[href$='/notifications/']")
+    assert "Disk full on db-2" in page.locator("main").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "notifications.png"), full_page=True)
+    page.click("text=Mark as read")
+    page.wait_for_load_state()
+    assert page.locator("#unread-count").count() == 0
+    assert people["bob"].notifications.get().read_at is not None
+
+    page.goto(f"{live_server.url}/approvals/")
+    page.click("#pending a:text('wipe')")
+    page.fill("textarea[name=comment]", "go")
+    page.click("button[value=approved]")
+    page.wait_for_load_state()
+    run = ended(run, celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output == {"decision": "approved", "by": "bob", "comment": "go"}
+    assert Decision.objects.get(request__run=run).channel == "inbox"
