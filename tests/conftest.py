@@ -12,6 +12,13 @@ from rest_framework.test import APIClient
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker
 
 
+@pytest.fixture(autouse=True)
+def _fast_password_hashing(settings) -> None:
+    """PBKDF2 at Django's iteration count costs about half a second per password set or
+    checked; no test is about hashing, and many create users."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def user(db):
     return get_user_model().objects.create_user(
