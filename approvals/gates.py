@@ -18,6 +18,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from runs.models import Run, StepRun, Timer, TimerPurpose
@@ -70,10 +71,12 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     return None
 
 
-def remind(*, step_run_id: int) -> int:
-    """A reminder is due: mail again everyone who has not decided, and set the next one.
-    Returns how many were reminded (0 when the request is no longer pending)."""
-    now = timezone.now()
+def remind(*, step_run_id: int, now: datetime | None = None) -> int:
+    """Reminder slots have passed that no reminder covered: mail again everyone who has not
+    decided, once however many slots were missed, and set the next one. Returns how many
+    were reminded: 0 when the request is no longer pending or no slot is uncovered (so the
+    tick and the reconciler never both remind for one slot)."""
+    now = now or timezone.now()
     with transaction.atomic():
         request = (
             ApprovalRequest.objects.select_for_update()
@@ -83,13 +86,56 @@ def remind(*, step_run_id: int) -> int:
         )
         if request is None or request.status != ApprovalStatus.PENDING:
             return 0
+        passed = slots_passed(request, now)
+        if passed <= request.reminders_sent:
+            _set_reminder(request, request.step_run, now)
+            return 0
         undecided = list(request.people.filter(used_at__isnull=True).select_related("user"))
         for approver in undecided:
             outbox.queue(MailKind.REMINDER, approver.email, approver=approver)
-        request.reminders_sent += 1
+        request.reminders_sent = passed
         request.save(update_fields=["reminders_sent"])
         _set_reminder(request, request.step_run, now)
         return len(undecided)
+
+
+def slots_passed(request: ApprovalRequest, now: datetime) -> int:
+    """How many reminder slots (n x remind_after_ms after the request opened, before its
+    deadline) have come by ``now``."""
+    if not request.remind_after_ms:
+        return 0
+    period = timedelta(milliseconds=request.remind_after_ms)
+    passed = max(int((now - request.created_at) / period), 0)
+    if request.deadline is not None:
+        before_deadline = -(-(request.deadline - request.created_at) // period) - 1
+        passed = min(passed, max(before_deadline, 0))
+    return passed
+
+
+def restore_reminders(now: datetime, batch: int) -> int:
+    """The reconciler's net for reminders: a pending request with a slot passed for
+    ``LOST_MESSAGE_SECONDS`` that no reminder covered, and no reminder timer waiting (its
+    timer fired but the reminder failed, or the tick died after claiming it), is reminded
+    now and its next timer set. Returns how many requests were reminded."""
+    from django.conf import settings
+
+    waiting = Timer.objects.filter(
+        step_run_id=OuterRef("step_run_id"),
+        purpose=TimerPurpose.APPROVAL_REMINDER,
+        fired_at__isnull=True,
+    )
+    quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
+    candidates = (
+        ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING, remind_after_ms__gt=0)
+        .filter(~Exists(waiting))
+        .order_by("created_at")[:batch]
+    )
+    restored = 0
+    for request in candidates:
+        if slots_passed(request, quiet) > request.reminders_sent:
+            logger.warning("reconcile: approval %s missed a reminder", request.id)
+            restored += bool(remind(step_run_id=request.step_run_id, now=now))
+    return restored
 
 
 def _set_reminder(request: ApprovalRequest, step_run: StepRun, now: datetime) -> None:

@@ -60,7 +60,15 @@ def reconcile() -> dict[str, int]:
             "missed_events": events.match_missed(batch),
             "timers_pruned": prune_timers(now, batch),
             "mails_reoffered": _reoffer_mails(now, batch),
+            "reminders_restored": _restore_reminders(now, batch),
         }
+
+
+def _restore_reminders(now: datetime, batch: int) -> int:
+    """Approval reminders whose timer fired but whose mails were never queued."""
+    from approvals.gates import restore_reminders
+
+    return restore_reminders(now, batch)
 
 
 def _reoffer_mails(now: datetime, batch: int) -> int:

@@ -20,7 +20,7 @@ import requests
 from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 
-from approvals.models import ApprovalRequest, Decision
+from approvals.models import ApprovalRequest, Decision, Mail
 from runs import services
 from runs.models import Run, StepRun
 from tests.browser import ARTIFACTS, chromium_page
@@ -346,8 +346,8 @@ def test_reminders_then_escalation_then_the_run_goes_on(
     request.refresh_from_db()
     # Reminders are due at 1, 2 and 3 s; the last one races the 3.5 s deadline on the
     # 1 s tick, and one that fires after the request expired mails nobody.
-    reminded = request.reminders_sent
-    assert request.status == "expired" and reminded in (2, 3)
+    reminded = Mail.objects.filter(kind="reminder", approver__request=request).count() // 2
+    assert request.status == "expired" and reminded in (2, 3), reminded
     assert request.escalated_at is not None
 
     def sent() -> list[tuple[str, str]]:

@@ -103,11 +103,16 @@ def decide(
 
 
 def fire_reminders(run: Run) -> int:
-    past = timezone.now() - timedelta(milliseconds=1)
-    Timer.objects.filter(run=run, fired_at__isnull=True, purpose="approval_reminder").update(
-        fire_at=past
+    """Travel to the run's next reminder slot and tick there."""
+    due = (
+        Timer.objects.filter(run=run, fired_at__isnull=True, purpose="approval_reminder")
+        .values_list("fire_at", flat=True)
+        .first()
     )
-    return timers.fire_due()
+    if due is None:
+        return timers.fire_due()
+    with time_machine.travel(due + timedelta(milliseconds=1), tick=False):
+        return timers.fire_due()
 
 
 def notify_parents() -> None:
@@ -971,3 +976,45 @@ def test_reminders_keep_the_requests_own_beat_when_a_tick_fires_late(people) -> 
     following = Timer.objects.get(run=run, purpose="approval_reminder", fired_at=None)
     assert following.fire_at == request.created_at + timedelta(minutes=3)
     assert following.key.endswith(":3")
+
+
+def test_the_reconciler_restores_a_reminder_whose_timer_fired_but_sent_nothing(people) -> None:
+    save(approval(approvers={"users": ["ann", "bob"]}, remind_after_ms=60_000, timeout_ms=HOUR))
+    run = start()
+    request = request_of(run)
+    slot = request.created_at + timedelta(minutes=1)
+    # The tick claimed the timer and died (or its reminder's transaction failed).
+    Timer.objects.filter(run=run, purpose="approval_reminder").update(fired_at=slot)
+    late = slot + timedelta(seconds=django_settings.DJFLOW["LOST_MESSAGE_SECONDS"] + 1)
+    assert gates.restore_reminders(slot + timedelta(seconds=1), 100) == 0  # not yet quiet
+    with time_machine.travel(late, tick=False):
+        assert gates.restore_reminders(late, 100) == 1
+        assert gates.restore_reminders(late, 100) == 0  # covered, and the next one is set
+    assert mails("reminder") == ["ann@example.com", "bob@example.com"]
+    assert request_of(run).reminders_sent == 1
+    following = Timer.objects.get(run=run, purpose="approval_reminder", fired_at=None)
+    assert following.fire_at == request.created_at + timedelta(minutes=2)
+
+
+def test_one_slot_is_reminded_once_by_whoever_comes_first(people) -> None:
+    save(approval(remind_after_ms=60_000, timeout_ms=HOUR))
+    run = start()
+    request = request_of(run)
+    moment = request.created_at + timedelta(minutes=1, seconds=30)
+    assert gates.remind(step_run_id=request.step_run_id, now=moment) == 1
+    assert gates.remind(step_run_id=request.step_run_id, now=moment) == 0
+    assert mails("reminder") == ["ann@example.com"]
+
+
+def test_reminder_slots_stop_before_the_deadline(people) -> None:
+    save(approval(remind_after_ms=1_000, timeout_ms=3_000))
+    run = start()
+    request = request_of(run)
+    at = request.created_at
+    assert [gates.slots_passed(request, at + timedelta(seconds=s)) for s in (0, 1, 2, 3, 9)] == [
+        0,
+        1,
+        2,
+        2,
+        2,
+    ]

@@ -96,7 +96,9 @@ def test_a_reminder_shows_who_decided_so_far() -> None:
         make_user(name)
     _, request = start_approval(users=["bob", "cy"], quorum=2)
     Client().post(link_path(approver(request, "cy")), {"decision": "approved", "comment": "ok"})
-    assert gates.remind(step_run_id=request.step_run_id) == 1  # bob only
+    ApprovalRequest.objects.filter(id=request.id).update(remind_after_ms=60_000)
+    first_slot = request.created_at + timedelta(minutes=1)
+    assert gates.remind(step_run_id=request.step_run_id, now=first_slot) == 1  # bob only
     reminder = Mail.objects.get(kind="reminder")
     assert reminder.to == "bob@example.com"
     outbox.deliver(reminder.id)
