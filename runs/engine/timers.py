@@ -112,7 +112,7 @@ def _remind(step_run_ids: list[int | None]) -> None:
         try:
             remind(step_run_id=step_run_id)
         except DatabaseError:
-            # The timer is fired; this reminder is skipped (the next one is not set).
+            # The timer is fired; the reconciler sends a reminder left uncovered.
             logger.exception("timers: reminding approvers of step run %s failed", step_run_id)
 
 
