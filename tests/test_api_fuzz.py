@@ -53,7 +53,7 @@ def token(user) -> str:
 
 @schema.parametrize()
 @settings(
-    max_examples=1000,
+    max_examples=300,
     deadline=None,
     suppress_health_check=list(HealthCheck),
     derandomize=True,
