@@ -1,4 +1,8 @@
-"""Statuses of approval requests and mails, and the moves allowed between them."""
+"""Statuses of approval requests and mails.
+
+A request has one move: it leaves ``pending`` once, for one of the other four, either by a
+conditional update on ``status='pending'`` (expiry, cancellation) or under its row lock
+(a decision, ``approvals.services``). A mail leaves ``queued`` once, the same way."""
 
 from __future__ import annotations
 
@@ -32,16 +36,3 @@ class MailStatus(models.TextChoices):
     SENT = "sent"
     # Given up after the retries (the error is kept on the row).
     FAILED = "failed"
-
-
-# Every request leaves ``pending`` once, by a conditional update on ``status='pending'``.
-APPROVAL_MOVES: dict[str, frozenset[str]] = {
-    ApprovalStatus.PENDING: frozenset(
-        {
-            ApprovalStatus.APPROVED,
-            ApprovalStatus.REJECTED,
-            ApprovalStatus.EXPIRED,
-            ApprovalStatus.CANCELLED,
-        }
-    ),
-}
