@@ -171,7 +171,9 @@ def expire(step_run_id: int, now: datetime) -> bool:
     if request is None:
         return False
     changed = ApprovalRequest.objects.filter(id=request.id, status=ApprovalStatus.PENDING).update(
-        status=ApprovalStatus.EXPIRED, closed_at=now, escalated_at=_escalating(request, now)
+        status=ApprovalStatus.EXPIRED,
+        closed_at=now,
+        escalated_at=now if request.escalate_to else None,
     )
     if changed and request.escalate_to:
         # Checked when the request opened; someone gone since must not silence the rest.
@@ -179,10 +181,6 @@ def expire(step_run_id: int, now: datetime) -> bool:
         title = f"Approval '{request.step_id}' of {request.run.workflow_id} expired undecided"
         notify(users, "escalation", title, request.message, request.run, request.step_run_id)
     return bool(changed)
-
-
-def _escalating(request: ApprovalRequest, now: datetime) -> datetime | None:
-    return now if request.escalate_to else None
 
 
 def cancel(step_run_ids: Iterable[int], now: datetime) -> int:
@@ -241,28 +239,18 @@ def notify(
 
 
 def _approvers(spec: Mapping[str, Any]) -> tuple[list[tuple[Any, str, str]], str | None]:
-    """(user or None, e-mail, via) for each distinct person; or the problem naming the field."""
-    user_model = get_user_model()
-    people: dict[Any, tuple[Any, str, str]] = {}
-    names = list(dict.fromkeys(spec.get("users") or []))
-    found = {u.get_username(): u for u in user_model.objects.filter(username__in=names)}
-    for name in names:
-        user = found.get(name)
-        if user is None or not user.is_active:
-            return [], f"approvers.users: no active user named '{name}'"
-        people.setdefault(("user", user.pk), (user, user.email, "user"))
-    for name in dict.fromkeys(spec.get("groups") or []):
-        group = Group.objects.filter(name=name).first()
-        if group is None:
-            return [], f"approvers.groups: no group named '{name}'"
-        for user in group.user_set.filter(is_active=True).order_by("id"):
-            people.setdefault(("user", user.pk), (user, user.email, f"group:{name}"))
-    known = {(p[1] or "").lower() for p in people.values()}
+    """(user or None, e-mail, via) for each distinct person; or the problem naming the field.
+    A plain address that is a listed user's is that user."""
+    named, problem = _named_users(spec, "approvers")
+    if problem is not None:
+        return [], problem
+    people = [(user, user.email, via) for user, via in named]
+    known = {(user.email or "").lower() for user, _ in named}
     for email in dict.fromkeys(spec.get("emails") or []):
         if email.lower() not in known:
             known.add(email.lower())
-            people[("email", email.lower())] = (None, email, "email")
-    return list(people.values()), None
+            people.append((None, email, "email"))
+    return people, None
 
 
 def _users(
@@ -270,31 +258,38 @@ def _users(
 ) -> tuple[list[Any], str | None]:
     """The active users named (users, group members), or the problem naming the field;
     without ``strict``, those that resolve (names that no longer do are skipped)."""
-    user_model = get_user_model()
-    users: dict[Any, Any] = {}
-    for name in spec.get("users") or []:
-        user = user_model.objects.filter(username=name, is_active=True).first()
+    named, problem = _named_users(spec, where, strict=strict)
+    return [user for user, _ in named], problem
+
+
+def _named_users(
+    spec: Mapping[str, Any], where: str, *, strict: bool = True
+) -> tuple[list[tuple[Any, str]], str | None]:
+    """(user, via) for each distinct active user named by ``users`` (via "user") or as a
+    member of ``groups`` (via "group:<name>"), first naming first; or the problem naming the
+    field (``strict``), else what resolves."""
+    names = list(dict.fromkeys(spec.get("users") or []))
+    active = get_user_model().objects.filter(username__in=names, is_active=True)
+    found = {user.get_username(): user for user in active}
+    named: dict[Any, tuple[Any, str]] = {}
+    for name in names:
+        user = found.get(name)
         if user is None:
-            if not strict:
-                continue
-            return [], f"{where}.users: no active user named '{name}'"
-        users[user.pk] = user
-    for name in spec.get("groups") or []:
+            if strict:
+                return [], f"{where}.users: no active user named '{name}'"
+            continue
+        named.setdefault(user.pk, (user, "user"))
+    for name in dict.fromkeys(spec.get("groups") or []):
         group = Group.objects.filter(name=name).first()
         if group is None:
-            if not strict:
-                continue
-            return [], f"{where}.groups: no group named '{name}'"
+            if strict:
+                return [], f"{where}.groups: no group named '{name}'"
+            continue
         for user in group.user_set.filter(is_active=True).order_by("id"):
-            users.setdefault(user.pk, user)
-    return list(users.values()), None
+            named.setdefault(user.pk, (user, f"group:{name}"))
+    return list(named.values()), None
 
 
 def _text(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    import json
-
-    return json.dumps(value, indent=2, sort_keys=True, default=str)
+    """A message template's value as the request and mails show it."""
+    return value if isinstance(value, str) else outbox.pretty(value)

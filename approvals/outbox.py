@@ -78,7 +78,9 @@ def deliver(mail_id: int) -> bool:
     except Exception as error:
         Mail.objects.filter(id=mail.id).update(last_error=f"{type(error).__name__}: {error}")
         raise
-    Mail.objects.filter(id=mail.id).update(status=MailStatus.SENT, sent_at=timezone.now())
+    Mail.objects.filter(id=mail.id, status=MailStatus.QUEUED).update(
+        status=MailStatus.SENT, sent_at=timezone.now()
+    )
     return True
 
 

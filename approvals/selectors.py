@@ -9,13 +9,19 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from .models import ApprovalRequest, Approver, Notification
 
 
-def approvals_for(user: Any, status: str | None = None) -> QuerySet[ApprovalRequest]:
-    """The requests ``user`` is an approver of, newest first."""
+def as_approver(user: Any) -> Q:
+    """The approver rows a signed-in user acts as: theirs, or plain e-mail approvers with
+    their address."""
     mine = Q(user=user)
     if user.email:
         mine |= Q(user__isnull=True, email__iexact=user.email)
+    return mine
+
+
+def approvals_for(user: Any, status: str | None = None) -> QuerySet[ApprovalRequest]:
+    """The requests ``user`` is an approver of, newest first."""
     requests = ApprovalRequest.objects.filter(
-        Exists(Approver.objects.filter(mine, request=OuterRef("pk")))
+        Exists(Approver.objects.filter(as_approver(user), request=OuterRef("pk")))
     ).select_related("run")
     if status:
         requests = requests.filter(status=status)
@@ -34,10 +40,9 @@ def inbox_for(
     """The user's inbox: requests still waiting for their decision (pending, and they have
     not decided), and the rest, newest first (the latest ``history_limit``). Each row carries
     ``decided``: whether this user has decided it."""
-    mine = Q(user=user)
-    if user.email:
-        mine |= Q(user__isnull=True, email__iexact=user.email)
-    decided = Exists(Approver.objects.filter(mine, request=OuterRef("pk"), used_at__isnull=False))
+    decided = Exists(
+        Approver.objects.filter(as_approver(user), request=OuterRef("pk"), used_at__isnull=False)
+    )
     rows = approvals_for(user).annotate(decided=decided)
     waiting = Q(status="pending", decided=False)
     pending = list(rows.filter(waiting))

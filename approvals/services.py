@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Q
 from django.utils import timezone
 
 from runs.engine.advance import advance_locked, lock_run
@@ -23,6 +22,7 @@ from runs.status import StepStatus
 from workflows.errors import Conflict, FieldError, Forbidden, InvalidInput, NotFound
 
 from .models import COMMENT_MAX, ApprovalRequest, Approver, Decision, Notification
+from .selectors import as_approver
 from .status import ApprovalStatus, DecisionChoice
 
 REJECTED = "rejected"
@@ -73,10 +73,7 @@ def approver_for(request: ApprovalRequest, user: Any) -> Approver | None:
     their address."""
     if user is None or not user.is_authenticated:
         return None
-    match = Q(user=user)
-    if user.email:
-        match |= Q(user__isnull=True, email__iexact=user.email)
-    return request.people.filter(match).order_by("id").first()
+    return request.people.filter(as_approver(user)).order_by("id").first()
 
 
 def approval_decide(

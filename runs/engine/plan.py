@@ -577,40 +577,24 @@ class _Planner:
         if kind in WAIT_KINDS:
             return self._open_wait(step, path, attempt)
         if kind == HANDOFF:
-            self.out.actions.append(
-                Open(
-                    step["id"],
-                    path,
-                    HANDOFF,
-                    attempt=attempt,
-                    generation=self.run_view.generation,
-                    status="running",
-                    input={
-                        "group": step["group"],
-                        "message": resolve(step.get("message"), self.context),
-                    },
-                )
+            message = resolve(step.get("message"), self.context)
+            self._open(
+                step,
+                path,
+                attempt,
+                status="running",
+                input={"group": step["group"], "message": message},
             )
             self.busy = True
             return _Go.BLOCKED
         if kind == SUBWORKFLOW:
             child_input = self._input(step)
-            self.out.actions.append(
-                Open(
-                    step["id"],
-                    path,
-                    SUBWORKFLOW,
-                    attempt=attempt,
-                    generation=self.run_view.generation,
-                    status="waiting",
-                    input=child_input,
-                    start={
-                        "workflow": step["workflow"],
-                        "version": step.get("version"),
-                        "input": child_input,
-                    },
-                )
-            )
+            start = {
+                "workflow": step["workflow"],
+                "version": step.get("version"),
+                "input": child_input,
+            }
+            self._open(step, path, attempt, status="waiting", input=child_input, start=start)
             self.waiting = True
             return _Go.BLOCKED
         # Work offered now: the run shows running even when a sibling branch waits.
@@ -632,13 +616,30 @@ class _Planner:
         )
         return _Go.BLOCKED
 
+    def _open(self, step: Mapping[str, Any], path: str, attempt: int, **row: Any) -> None:
+        """Open this step's engine row (its kind, in this generation)."""
+        self.out.actions.append(
+            Open(
+                step["id"],
+                path,
+                step["kind"],
+                attempt=attempt,
+                generation=self.run_view.generation,
+                **row,
+            )
+        )
+
+    def _after(self, timeout_ms: int | None) -> datetime | None:
+        """When a wait with this ``timeout_ms`` times out (None: it does not)."""
+        return self.now + timedelta(milliseconds=timeout_ms) if timeout_ms is not None else None
+
     # sleeps, waits and approvals
 
     def _open_approval(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
         """Reach an approval: a ``waiting`` row whose input is what the request shows (the
         resolved message, the step's input as the details) and a timer at its deadline."""
         timeout = step.get("timeout_ms")
-        due = self.now + timedelta(milliseconds=timeout) if timeout is not None else None
+        due = self._after(timeout)
         request = {
             "message": resolve(step.get("message"), self.context),
             "details": self._input(step),
@@ -648,18 +649,9 @@ class _Planner:
             "remind_after_ms": step.get("remind_after_ms"),
             "escalate_to": copy.deepcopy(step.get("escalate_to")),
         }
-        self.out.actions.append(
-            Open(
-                step["id"],
-                path,
-                APPROVAL,
-                attempt=attempt,
-                generation=self.run_view.generation,
-                status="waiting",
-                input=request,
-                not_before=due,
-                timer="approval_timeout" if due is not None else None,
-            )
+        timer = "approval_timeout" if due is not None else None
+        self._open(
+            step, path, attempt, status="waiting", input=request, not_before=due, timer=timer
         )
         self.waiting = self.approval = True
         return _Go.BLOCKED
@@ -668,26 +660,18 @@ class _Planner:
         """Reach a sleep, sleep_until or wait_event: a ``waiting`` row and its timer, or the
         step done (or failed) at once when its time has already come."""
         kind = step["kind"]
-        opened = {
-            "step_id": step["id"],
-            "path": path,
-            "kind": kind,
-            "attempt": attempt,
-            "generation": self.run_view.generation,
-        }
         if kind == "wait_event":
             key = key_text(resolve(step.get("key", ""), self.context))
-            timeout = step.get("timeout_ms")
-            due = self.now + timedelta(milliseconds=timeout) if timeout is not None else None
-            self.out.actions.append(
-                Open(
-                    **opened,
-                    status="waiting",
-                    input={"event": step["event"], "key": key},
-                    not_before=due,
-                    timer="wait_timeout" if due is not None else None,
-                    wait_key=wait_key(step["event"], key),
-                )
+            due = self._after(step.get("timeout_ms"))
+            self._open(
+                step,
+                path,
+                attempt,
+                status="waiting",
+                input={"event": step["event"], "key": key},
+                not_before=due,
+                timer="wait_timeout" if due is not None else None,
+                wait_key=wait_key(step["event"], key),
             )
             self.waiting = True
             return _Go.BLOCKED
@@ -701,9 +685,7 @@ class _Planner:
                 due = parse_until(until)
             except ValueError as error:
                 failure = {"class": INVALID_INPUT, "message": f"until: {error}"}
-                self.out.actions.append(
-                    Open(**opened, status="failed", input=wait_input, error=failure)
-                )
+                self._open(step, path, attempt, status="failed", input=wait_input, error=failure)
                 view = AttemptView(
                     id=0,
                     step_id=step["id"],
@@ -719,11 +701,11 @@ class _Planner:
                 return self._after_failure(step, path, attempts, view)
         if due <= self.now:
             # A time already past fires at once, within this plan.
-            self.out.actions.append(Open(**opened, status="succeeded", input=wait_input))
+            self._open(step, path, attempt, status="succeeded", input=wait_input)
             self._settle(step, "succeeded", None, None)
             return _Go.CONTINUE
-        self.out.actions.append(
-            Open(**opened, status="waiting", input=wait_input, not_before=due, timer="sleep")
+        self._open(
+            step, path, attempt, status="waiting", input=wait_input, not_before=due, timer="sleep"
         )
         self.waiting = True
         return _Go.BLOCKED

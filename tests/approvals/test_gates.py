@@ -1018,3 +1018,20 @@ def test_reminder_slots_stop_before_the_deadline(people) -> None:
         2,
         2,
     ]
+
+
+def test_a_reminder_that_fails_in_the_tick_is_logged_and_the_tick_goes_on(
+    people, monkeypatch, caplog
+) -> None:
+    save(approval(remind_after_ms=60_000, timeout_ms=HOUR))
+    run = start()
+
+    def broken(**kwargs: Any) -> int:
+        raise DatabaseError("the connection dropped")
+
+    monkeypatch.setattr(gates, "remind", broken)
+    assert fire_reminders(run) == 1  # fired, and the tick did not raise
+    assert "reminding approvers of step run" in caplog.text
+    assert not Mail.objects.filter(kind="reminder").exists()
+    # Nothing is left waiting: the reconciler's net (restore_reminders) covers it.
+    assert not Timer.objects.filter(run=run, purpose="approval_reminder", fired_at=None).exists()

@@ -188,3 +188,31 @@ def test_an_smtp_failure_keeps_the_mail_queued_and_raises(settings) -> None:
     mail.refresh_from_db()
     assert (mail.status, mail.tries) == ("sent", 2)
     assert len(django_mail.outbox) == 1
+
+
+def test_the_last_retry_that_fails_marks_the_mail_failed_with_its_error(settings) -> None:
+    from approvals.tasks import send_mail
+
+    settings.EMAIL_BACKEND = f"{__name__}.RefusingBackend"
+    make_user("bob")
+    _, request = start_approval(users=["bob"])
+    mail = Mail.objects.get(approver__request=request)
+
+    def attempt(retries: int) -> None:
+        # The task's body as the worker runs it on that retry (autoretry wraps ``run``;
+        # ``apply`` would close the test's database connection after the task).
+        send_mail.push_request(retries=retries)
+        try:
+            with pytest.raises(smtplib.SMTPException):
+                send_mail._orig_run(mail.id)
+        finally:
+            send_mail.pop_request()
+
+    attempt(send_mail.max_retries - 1)  # a retry follows: the mail stays queued
+    mail.refresh_from_db()
+    assert (mail.status, mail.tries) == ("queued", 1)
+    attempt(send_mail.max_retries)  # the last: given up, with its error
+    mail.refresh_from_db()
+    assert (mail.status, mail.last_error) == ("failed", "SMTPException: 421 try again later")
+    far = timezone.now() + timedelta(hours=1)
+    assert outbox.reoffer_unsent(far, 100) == 0  # never offered again
