@@ -20,6 +20,27 @@ class ContractCursorPagination(CursorPagination):
     max_page_size = 500
     cursor_query_param = "cursor"
 
+    def get_page_size(self, request: Any) -> int:
+        """``?limit=`` is a whole number from 1 to ``max_page_size``; anything else is a 400
+        naming it (DRF would silently fall back to the default page size)."""
+        raw = request.query_params.get(self.page_size_query_param)
+        if raw is None:
+            return self.page_size
+        try:
+            size = int(raw, 10)
+        except ValueError:
+            size = 0
+        if not 1 <= size <= self.max_page_size:
+            raise InvalidInput(
+                errors=[
+                    FieldError(
+                        self.page_size_query_param,
+                        f"must be a whole number from 1 to {self.max_page_size}, not {raw[:40]!r}",
+                    )
+                ]
+            )
+        return size
+
     def decode_cursor(self, request: Any) -> Any:
         try:
             return super().decode_cursor(request)

@@ -21,7 +21,7 @@ from .engine import events
 from .engine.advance import advance_locked
 from .engine.store import request_advance
 from .models import Event, Run, StepRun, Timer
-from .status import RUN_TERMINAL, RunStatus, StepStatus, check_run_move
+from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ def run_resume(*, run_id: Any) -> Run:
     run = _locked(run_id)
     check_run_move(run.status, RunStatus.RUNNING)
     if run.status != RunStatus.PAUSED:
-        raise InvalidInput(errors=[FieldError("status", f"a {run.status} run is not paused")])
+        # An illegal move is a conflict with the run's state, like every other (409).
+        raise IllegalTransition(errors=[FieldError("status", f"a {run.status} run is not paused")])
     run.status = RunStatus.RUNNING
     # Should the advance message be lost, the reconciler advances a run this quiet.
     run.save(update_fields=["status", "updated_at"])
@@ -189,7 +190,7 @@ def run_retry(*, run_id: Any) -> Run:
     """
     run = _locked(run_id)
     if run.status != RunStatus.FAILED:
-        raise InvalidInput(
+        raise IllegalTransition(
             errors=[
                 FieldError("status", f"only a failed run can be retried; this one is {run.status}")
             ]

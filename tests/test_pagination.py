@@ -1,0 +1,30 @@
+"""``?limit=`` on every cursor-paginated list: a bad value is a 400 naming it, never ignored."""
+
+from __future__ import annotations
+
+import pytest
+from rest_framework.test import APIClient
+
+LISTS = ["/api/v1/definitions", "/api/v1/runs", "/api/v1/approvals"]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", LISTS)
+@pytest.mark.parametrize("limit", ["abc", "0", "501", "-1", "1e3", "9" * 40])
+def test_a_bad_limit_is_a_400_naming_it(api: APIClient, url: str, limit: str) -> None:
+    response = api.get(url, {"limit": limit})
+    assert response.status_code == 400, response.content
+    [error] = response.json()["errors"]
+    assert error["field"] == "limit"
+    assert "from 1 to 500" in error["message"]
+    # The value is echoed, but never more than a bounded prefix of it.
+    assert len(error["message"]) < 120
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", LISTS)
+@pytest.mark.parametrize("limit", ["1", "500"])
+def test_a_limit_in_range_is_taken(api: APIClient, url: str, limit: str) -> None:
+    response = api.get(url, {"limit": limit})
+    assert response.status_code == 200, response.content
+    assert response.json()["next"] is None
