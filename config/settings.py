@@ -38,6 +38,9 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    # Swagger UI's files, served from the package: the docs work offline (the default
+    # loads swagger-ui-dist from a CDN, a blank page without the network).
+    "drf_spectacular_sidecar",
     "django_celery_beat",
     "django_json_widget",
     "workflows",
@@ -111,7 +114,7 @@ STATIC_ROOT = VAR_DIR / "static"
 # The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
 # approval link works without signing in.
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "approvals:inbox"
+LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 
 # --- E-mail -------------------------------------------------------------------------------
@@ -145,6 +148,9 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SCHEMA_PATH_PREFIX": "/api/v1",
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "runs.status.RunStatus",

@@ -3,6 +3,8 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from config.views import home
+
 api_v1 = [
     path("", include("workflows.urls")),
     path("", include("runs.urls")),
@@ -16,6 +18,7 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", home, name="home"),
     path("", include("approvals.urls")),
 ]
 

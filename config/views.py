@@ -1,9 +1,15 @@
-"""Project-wide views: JSON 404/500 for the API, whatever the URL."""
+"""Project-wide views: the home page, and JSON 404/500 for the API whatever the URL."""
 
 from __future__ import annotations
 
+from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
 from django.views import defaults
+from django.views.decorators.http import require_http_methods
+
+from approvals.selectors import inbox_for
+from runs.selectors import run_list
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
@@ -22,3 +28,25 @@ def bad_request(request: HttpRequest, exception: Exception | None = None) -> Htt
     if request.path.startswith("/api/"):
         return JsonResponse({"errors": [{"message": "bad request"}]}, status=400)
     return defaults.bad_request(request, exception)
+
+
+HOME_RUNS = 20
+
+
+@login_required
+@require_http_methods(["GET", "HEAD"])
+def home(request: HttpRequest) -> HttpResponse:
+    """``/``: where a signed-in person starts. What waits for their decision, the newest runs
+    they may see (every run with ``runs.view_run``, else the runs they started), and the way
+    to the admin and the API docs. Anonymous visitors are sent to the sign-in page."""
+    user = request.user
+    pending, _ = inbox_for(user, history_limit=0)
+    sees_all = user.has_perm("runs.view_run")
+    runs = run_list() if sees_all else run_list().filter(created_by=user)
+    context = {
+        "pending": pending,
+        "runs": list(runs[:HOME_RUNS]),
+        "sees_all_runs": sees_all,
+        "runs_in_admin": user.is_staff and sees_all,
+    }
+    return render(request, "home.html", context)

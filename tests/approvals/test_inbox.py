@@ -28,15 +28,16 @@ def test_the_inbox_needs_a_login() -> None:
     assert page["Location"].startswith("/accounts/login/?next=/approvals/")
 
 
-def test_the_login_page_signs_in_and_goes_to_the_inbox() -> None:
+def test_the_login_page_signs_in_and_goes_home() -> None:
     make_user("bob")
     client = Client()
     form = client.get("/accounts/login/")
     assert form.status_code == 200
     assert 'name="password"' in form.content.decode()
     page = client.post("/accounts/login/", {"username": "bob", "password": PASSWORD}, follow=True)
-    assert page.redirect_chain[-1][0] == "/approvals/"
+    assert page.redirect_chain[-1][0] == "/"
     assert "bob" in page.content.decode()  # the header names the user
+    assert "Waiting for your decision" in page.content.decode()
 
 
 def test_pending_and_history(client: Client) -> None:
