@@ -1,19 +1,25 @@
 """Validation of workflow documents at save (contract section 4).
 
-Two passes. The JSON Schema (``definition.schema.json``) checks shapes: unknown fields, ids,
-kinds, durations, guard structure. When the shapes are right, a walk over the steps checks
-what a schema cannot: duplicate ids across nesting levels, templates and guards that read a
-step not declared earlier or a path that step cannot produce, ``foreach.items`` that is not a
-path, waits that outlast ``limits.run_timeout_ms``, ``input_schema`` that is not a JSON
-Schema, and ``subworkflow`` targets that do not exist. The second pass runs only on a
-document that passed the first, so it can trust the shapes.
+One pass that reports every problem at once, of two kinds. The JSON Schema
+(``definition.schema.json``) checks shapes: unknown fields, ids, kinds, durations, guard
+structure. A walk over the steps checks what a schema cannot: duplicate ids across nesting
+levels, templates and guards that read a step not declared earlier or a path that step cannot
+produce, ``foreach.items`` that is not a path, waits that outlast ``limits.run_timeout_ms``,
+``input_schema`` that is not a JSON Schema, and ``subworkflow`` targets that do not exist.
+
+The walk runs beside the schema, not after it, so a user fixing a document sees every problem
+in one answer, not the shape errors first and the duplicate ids only once those are fixed. It
+therefore cannot trust shapes: each check of a step runs on its own and is skipped where the
+step's shape is wrong (the schema reports that), and a step with a usable id still counts for
+the steps after it.
 
 Every problem is a :class:`FieldError` whose ``field`` is a path into the document such as
-``steps[2].when.path``; all problems are reported at once.
+``steps[2].when.path``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import re
@@ -93,13 +99,10 @@ def validate_document(
     """Every problem with ``document``, or an empty list when it may be saved."""
     if not isinstance(document, dict):
         return [FieldError("body", "a workflow document must be a JSON object")]
-    errors = _dedupe(_schema_errors(document))
-    if errors:
-        return errors
-    return _dedupe(_Checker(document, workflow_exists).run())
+    return _dedupe([*_schema_errors(document), *_Checker(document, workflow_exists).run()])
 
 
-# --- pass 1: the JSON Schema ------------------------------------------------------------
+# --- shapes: the JSON Schema ---------------------------------------------------------------
 
 
 def field_path(parts: Iterable[str | int]) -> str:
@@ -207,7 +210,11 @@ def _dedupe(errors: Iterable[FieldError]) -> list[FieldError]:
     return out
 
 
-# --- pass 2: cross references -------------------------------------------------------------
+# --- cross references ----------------------------------------------------------------------
+
+# What a check raises when it meets a shape the schema refused (a string where an object
+# belongs, a missing required field): the schema has reported it, the check skips it.
+_SHAPE_ERRORS = (KeyError, IndexError, TypeError, AttributeError, ValueError)
 
 
 @dataclass(frozen=True)
@@ -228,18 +235,27 @@ class _Checker:
         self.workflow_exists = workflow_exists
         self.errors: list[FieldError] = []
         self.seen_ids: dict[str, str] = {}
-        self.all_ids = {step["id"]: step for step, _ in _every_step(document["steps"], "steps")}
-        limits = document.get("limits", {})
-        self.run_timeout_ms = limits.get("run_timeout_ms", DEFAULT_RUN_TIMEOUT_MS)
+        self.steps = document.get("steps")
+        if not isinstance(self.steps, list):
+            self.steps = []
+        self.all_ids = {step["id"]: step for step, _ in _every_step(self.steps, "steps")}
+        limits = document.get("limits")
+        timeout = limits.get("run_timeout_ms") if isinstance(limits, dict) else None
+        self.run_timeout_ms = timeout if _is_duration_value(timeout) else DEFAULT_RUN_TIMEOUT_MS
         self.closed_input = _closed_properties(document.get("input_schema"))
 
     def run(self) -> list[FieldError]:
-        self._check_input_schema()
+        self._safely(self._check_input_schema)
         scope = _Scope()
-        self._walk(self.document["steps"], "steps", scope)
+        self._walk(self.steps, "steps", scope)
         if "output" in self.document:
-            self._check_template(self.document["output"], "output", scope)
+            self._safely(self._check_template, self.document["output"], "output", scope)
         return self.errors
+
+    def _safely(self, check: Callable[..., None], *args: Any) -> None:
+        """Run one check; a shape the schema refused ends this check only."""
+        with contextlib.suppress(_SHAPE_ERRORS):
+            check(*args)
 
     def fail(self, where: str, message: str) -> None:
         self.errors.append(FieldError(where, message))
@@ -260,28 +276,30 @@ class _Checker:
             self._step(body, where, inner)
         return inner
 
-    def _step(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
-        step_id, kind = step["id"], step["kind"]
+    def _step(self, step: Any, where: str, scope: _Scope) -> None:
+        if not isinstance(step, dict) or not isinstance(step.get("id"), str):
+            return  # nothing to check or to read later; the schema names what is wrong
+        step_id, kind = step["id"], step.get("kind")
         first = self.seen_ids.setdefault(step_id, where)
         if first != where:
             self.fail(f"{where}.id", f"duplicate step id '{step_id}' (first used at {first})")
 
         if "when" in step:
-            self._check_guard(step["when"], f"{where}.when", scope)
+            self._safely(self._check_guard, step["when"], f"{where}.when", scope)
         if "input" in step:
-            self._check_template(step["input"], f"{where}.input", scope)
-        for name in _TEMPLATE_FIELDS.get(kind, ()):
+            self._safely(self._check_template, step["input"], f"{where}.input", scope)
+        for name in _TEMPLATE_FIELDS.get(kind, ()) if isinstance(kind, str) else ():
             if name in step:
-                self._check_template(step[name], f"{where}.{name}", scope)
-        self._check_wait(step, where)
+                self._safely(self._check_template, step[name], f"{where}.{name}", scope)
+        self._safely(self._check_wait, step, where)
 
-        check = getattr(self, f"_kind_{kind}", None)
+        check = getattr(self, f"_kind_{kind}", None) if isinstance(kind, str) else None
         if check is not None:
-            check(step, where, scope)
+            self._safely(check, step, where, scope)
         scope.steps[step_id] = step
 
     def _kind_condition(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
-        self._check_guard(step["if"], f"{where}.if", scope)
+        self._safely(self._check_guard, step.get("if"), f"{where}.if", scope)
         taken = []
         for name in ("then", "else"):
             if name in step:
@@ -298,6 +316,10 @@ class _Checker:
             self._body(body, f"{where}.branches.{name}", scope)
 
     def _kind_foreach(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        self._safely(self._check_items, step, where, scope)
+        self._body(step["do"], f"{where}.do", scope.child(in_foreach=True))
+
+    def _check_items(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         items = step["items"]
         if isinstance(items, str):
             if REFERENCE.fullmatch(items.strip()) is None:
@@ -313,7 +335,6 @@ class _Checker:
             if len(items) > limit:
                 self.fail(f"{where}.items", f"has {len(items)} items, more than max_items {limit}")
             self._check_template(items, f"{where}.items", scope)
-        self._body(step["do"], f"{where}.do", scope.child(in_foreach=True))
 
     def _kind_loop(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         inner = self._body(step["do"], f"{where}.do", scope.child(in_loop=True))
@@ -342,6 +363,8 @@ class _Checker:
 
     def _kind_subworkflow(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         target, version = step["workflow"], step.get("version")
+        if not isinstance(target, str) or not (version is None or _is_int(version)):
+            return  # a shape error: never look such a value up in the database
         if target == self.document["id"] and version is None:
             return  # recursion into the workflow being saved; its limits bound it
         if self.workflow_exists is None or self.workflow_exists(target, version):
@@ -355,8 +378,8 @@ class _Checker:
 
     def _check_wait(self, step: dict[str, Any], where: str) -> None:
         name = _WAIT_FIELDS.get(step["kind"])
-        if name is None or name not in step:
-            return
+        if name is None or not _is_duration_value(step.get(name)):
+            return  # a duration out of range is the schema's to report
         if step[name] > self.run_timeout_ms:
             self.fail(
                 f"{where}.{name}",
@@ -461,9 +484,9 @@ class _Checker:
 
 
 def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | None:
-    if not tail:
+    kind = step.get("kind")
+    if not tail or not isinstance(kind, str):
         return None
-    kind = step["kind"]
     if kind in _FIXED_OUTPUT:
         keys = _FIXED_OUTPUT[kind]
         if keys is None:
@@ -471,7 +494,11 @@ def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | N
         if tail[0] not in keys:
             return f"'{path}': a {kind} step's output has only {', '.join(sorted(keys))}"
         return None
-    if kind == "parallel" and tail[0] not in step["branches"]:
+    if (
+        kind == "parallel"
+        and isinstance(step.get("branches"), dict)
+        and tail[0] not in step["branches"]
+    ):
         names = ", ".join(step["branches"])
         return f"'{path}': parallel step '{step['id']}' has no branch '{tail[0]}' ({names})"
     if kind == "foreach" and not tail[0].isdigit():
@@ -489,22 +516,35 @@ def _closed_properties(input_schema: Any) -> frozenset[str] | None:
     return frozenset(properties)
 
 
-def _every_step(steps: list[dict[str, Any]], where: str) -> Iterator[tuple[dict[str, Any], str]]:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_duration_value(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_DURATION_MS
+
+
+def _every_step(steps: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every step with a usable id, nested ones too, skipping what the schema refuses."""
+    if not isinstance(steps, list):
+        return
     for index, step in enumerate(steps):
         yield from _step_and_children(step, f"{where}[{index}]")
 
 
-def _step_and_children(step: dict[str, Any], here: str) -> Iterator[tuple[dict[str, Any], str]]:
+def _step_and_children(step: Any, here: str) -> Iterator[tuple[dict[str, Any], str]]:
+    if not isinstance(step, dict) or not isinstance(step.get("id"), str):
+        return
     yield step, here
-    kind = step["kind"]
+    kind = step.get("kind")
     if kind == "condition":
         for name in ("then", "else"):
-            yield from _every_step(step.get(name, []), f"{here}.{name}")
-    elif kind == "parallel":
+            yield from _every_step(step.get(name), f"{here}.{name}")
+    elif kind == "parallel" and isinstance(step.get("branches"), dict):
         for name, body in step["branches"].items():
             yield from _every_body(body, f"{here}.branches.{name}")
     elif kind in ("foreach", "loop"):
-        yield from _every_body(step["do"], f"{here}.do")
+        yield from _every_body(step.get("do"), f"{here}.do")
 
 
 def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:

@@ -479,7 +479,14 @@ CASES: list[tuple[str, Callable[[], Doc], Callable[[Doc], None], str, list[str]]
         "steps[5].quorum",
         ["quorum 2"],
     ),
-    ("empty steps", support_ticket, _set(["steps"], []), "steps", ["should be non-empty"]),
+    # (Without its output, which would read a step that is no longer there.)
+    (
+        "empty steps",
+        support_ticket,
+        lambda d: d.update(steps=[]) or d.pop("output"),
+        "steps",
+        ["should be non-empty"],
+    ),
     ("document not an object", lambda: [], lambda d: None, "body", ["JSON object"]),
 ]
 
@@ -542,3 +549,47 @@ def test_field_path_formats_indexes_and_keys() -> None:
 def test_self_recursion_is_allowed_without_lookup() -> None:
     doc = {"id": "me", "steps": [{"id": "again", "kind": "subworkflow", "workflow": "me"}]}
     assert validate_document(doc, workflow_exists=lambda *_: False) == []
+
+
+def test_shape_errors_and_cross_references_come_in_one_answer() -> None:
+    """A user fixing a document sees every problem at once: an unknown field (the schema)
+    beside a duplicate id, a read of a later step and a bad foreach path (the walk)."""
+    doc = support_ticket()
+    doc["steps"][0]["colour"] = "red"
+    doc["steps"][2]["id"] = "classify"
+    doc["steps"][1]["input"] = {"kind": "${steps.send.output.sent}"}
+    doc["steps"].append({"id": "each", "kind": "foreach", "items": "hits", "do": 7})
+    errors = {e.field: e.message for e in validate_document(doc, workflow_exists=known)}
+    assert "unknown field 'colour'" in errors["steps[0].colour"]
+    assert "duplicate step id 'classify'" in errors["steps[2].id"]
+    assert "not declared before" in errors["steps[1].input.kind"]
+    assert "path template" in errors["steps[4].items"]
+    assert "steps[4].do" in errors  # the schema: a body is a step or a list of steps
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"id": "x", "kind": "condition", "if": "yes", "then": "no", "else": 3},
+        {"id": "x", "kind": "parallel", "branches": ["a"]},
+        {"id": "x", "kind": "foreach", "items": {"a": 1}, "do": [1, None, {"id": 5}]},
+        {"id": "x", "kind": "loop", "do": {"kind": "task"}, "until": [1]},
+        {"id": "x", "kind": "subworkflow", "workflow": {"$gt": ""}, "version": "1"},
+        {"id": "x", "kind": "approval", "approvers": "everyone", "quorum": "all"},
+        {"id": "x", "kind": "sleep", "ms": "soon", "when": {"all": 5}},
+        {"id": "x", "kind": "wait_event", "event": 1, "key": {"k": []}, "timeout_ms": []},
+        {"id": "x", "kind": "recipe", "context": "kb"},
+        {"id": ["x"], "kind": ["task"]},
+        "a step",
+        None,
+    ],
+)
+def test_a_document_of_any_shape_gets_errors_not_an_exception(broken: Any) -> None:
+    doc = support_ticket()
+    doc["steps"].insert(1, broken)
+    doc["limits"] = {"run_timeout_ms": "long"}
+    doc["input_schema"] = {"type": 12}
+    doc["output"] = {"x": "${steps.x.output.y}"}
+    errors = validate_document(doc, workflow_exists=known)
+    assert any((e.field or "").startswith("steps[1]") for e in errors), errors
+    assert any((e.field or "").startswith("input_schema") for e in errors), errors
