@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery import shared_task
+
+logger = logging.getLogger(__name__)
+
+# Rows the reconciler acted on that are housekeeping, not a repair: said at debug only.
+_RECONCILE_HOUSEKEEPING = frozenset({"timers_pruned"})
 
 
 @shared_task(name="runs.advance", ignore_result=True, acks_late=True)
@@ -15,10 +22,14 @@ def advance(run_id: str) -> None:
 
 @shared_task(name="runs.fire_timers", ignore_result=True)
 def fire_timers() -> int:
-    """The engine's clock tick (beat, every second): fire due timers, advance their runs."""
+    """The engine's clock tick (beat, every second): fire due timers, advance their runs.
+    Said at info only when it fired some: an idle tick is debug (config.logging drops
+    Celery's own lines about it)."""
     from .engine.timers import fire_due
 
-    return fire_due()
+    fired = fire_due()
+    logger.log(logging.INFO if fired else logging.DEBUG, "timers: fired %d due timer(s)", fired)
+    return fired
 
 
 @shared_task(name="runs.reconcile", ignore_result=True)
@@ -26,4 +37,10 @@ def reconcile() -> dict[str, int]:
     """The reconciler (beat, every RECONCILE_SECONDS): recover lost messages and workers."""
     from .engine.reconcile import reconcile as reconcile_once
 
-    return reconcile_once()
+    counts = reconcile_once()
+    repaired = {part: n for part, n in counts.items() if n and part not in _RECONCILE_HOUSEKEEPING}
+    if repaired:
+        logger.info("reconcile: repaired %s", ", ".join(f"{n} {p}" for p, n in repaired.items()))
+    else:
+        logger.debug("reconcile: nothing to repair %s", counts)
+    return counts
