@@ -42,8 +42,9 @@ def revoke_on_commit(task_ids: Iterable[str]) -> None:
 def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
     """Offer an attempt to a worker on the step's queue once the transaction commits.
 
-    The task id was chosen and stored with the attempt, so an operator can revoke it and
-    Flower shows ``<workflow>.<step>`` as the task's name.
+    The task id was chosen and stored with the attempt, so an operator can revoke it. The
+    message shows in Flower as ``workers.execute_step`` (it may run the run's next steps
+    too); each step it runs shows as ``<workflow>.<step>`` (``workers.task_events``).
     """
     # robust: if the broker is down the attempt stays scheduled and the reconciler offers it again.
     transaction.on_commit(lambda: offer(step_run, workflow_id=workflow_id), robust=True)
@@ -51,10 +52,10 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
 
 def offer(step_run: Any, *, workflow_id: str) -> None:
     """Send the attempt's message now (the caller has committed the attempt)."""
-    _execute_signature(step_run, workflow_id).apply_async()
+    _execute_signature(step_run).apply_async()
 
 
-def _execute_signature(step_run: Any, workflow_id: str, **options: Any) -> Any:
+def _execute_signature(step_run: Any, **options: Any) -> Any:
     from django.conf import settings
 
     from workers.tasks import execute_step
@@ -67,7 +68,6 @@ def _execute_signature(step_run: Any, workflow_id: str, **options: Any) -> Any:
         (step_run.id,),
         task_id=step_run.celery_task_id,
         queue=step_run.queue,
-        shadow=f"{workflow_id}.{step_run.step_id}",
         soft_time_limit=soft,
         time_limit=soft + 10,
         **options,
@@ -88,7 +88,7 @@ def offer_chord_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str
 
         from .tasks import advance
 
-        header = [_execute_signature(s, workflow_id, ignore_result=False) for s in step_runs]
+        header = [_execute_signature(s, ignore_result=False) for s in step_runs]
         chord(header)(advance.si(str(run_id)))
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler

@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class WorkersConfig(AppConfig):
     name = "workers"
     verbose_name = "Workers"
+
+    def ready(self) -> None:
+        from celery.signals import task_received
+
+        from . import task_events
+
+        # In a worker's main process: tell each execute_step whether task events are on.
+        task_received.connect(task_events.mark_carrier, dispatch_uid="djflow-step-task-events")

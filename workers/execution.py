@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 from celery.exceptions import SoftTimeLimitExceeded
@@ -28,7 +29,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch
-from runs.engine import journal
+from runs.engine import journal, unservable
 from runs.engine.advance import advance_locked, lock_run
 from runs.engine.plan import WORKER_KINDS
 from runs.engine.store import record_result, request_advance
@@ -37,6 +38,7 @@ from runs.status import RUN_TERMINAL, StepStatus
 from workflows import registry
 from workflows.sdk import StepFailure
 
+from . import task_events
 from .claims import Claimed, claim_attempt
 from .context import StepContext, bound_logger
 from .leases import keeper
@@ -63,7 +65,11 @@ def execute(
     """
     started = time.monotonic()
     alarm = threading.current_thread() is threading.main_thread()
-    outcome, held = _execute_one(step_run_id, worker, own_alarm=alarm)
+    # Each attempt shows in Flower as a task of its own (when the worker sends task events).
+    shown = task_events.StepEvents.for_current_task()
+    outcome, held = shown.around(
+        step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
+    )
     chained = 0
     while held is not None:
         step_run, workflow_id = held
@@ -72,7 +78,9 @@ def execute(
             dispatch.offer_now(step_run, workflow_id=workflow_id)
             break
         chained += 1
-        outcome, held = _execute_one(step_run.id, worker, own_alarm=True)
+        outcome, held = shown.around(
+            step_run.id, held, partial(_execute_one, step_run.id, worker, own_alarm=True)
+        )
     return outcome
 
 
@@ -292,8 +300,16 @@ def _reconnecting(operation: Callable[[], T]) -> T:
 
 def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     """This worker lacks the handler (class unservable): requeue the attempt for another
-    worker without using its retry budget."""
+    worker without using its retry budget.
+
+    When no live worker serves the handler on the step's queue, the attempt starts (or goes
+    on with) its wait for one, and is not offered again at once: workers without the
+    handler would only hand it back. The reconciler offers it again, and the wait ends in
+    an ``unservable`` failure if no worker that serves it comes (``runs.engine.unservable``).
+    """
+    handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
     with transaction.atomic():
+        now = timezone.now()
         returned = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
             status=StepStatus.SCHEDULED,
             claim=None,
@@ -302,14 +318,21 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
             deadline_at=None,
             lease_expires_at=None,
             refusals=F("refusals") + 1,
-            scheduled_at=timezone.now(),
+            scheduled_at=now,
         )
-        if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
-            # After that many refusals in a row the reconciler offers it again, slower.
+        waits = returned and unservable.unservable_arm(
+            step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
+        )
+        # After that many refusals in a row the reconciler offers it again, slower.
+        offered = (
+            returned and not waits and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]
+        )
+        if offered:
             dispatch.offer_on_commit(row, workflow_id=workflow_id)
-    # Hold this pool slot a moment after the offer: a free worker that may have the handler
-    # takes the message, instead of this one taking it straight back.
-    time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
+    if offered:
+        # Hold this pool slot a moment after the offer: a free worker that may have the
+        # handler takes the message, instead of this one taking it straight back.
+        time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:
