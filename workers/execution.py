@@ -29,7 +29,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch
-from runs.engine import journal, unservable
+from runs.engine import journal
 from runs.engine.advance import advance_locked, lock_run
 from runs.engine.plan import WORKER_KINDS
 from runs.engine.store import record_result, request_advance
@@ -300,16 +300,8 @@ def _reconnecting(operation: Callable[[], T]) -> T:
 
 def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     """This worker lacks the handler (class unservable): requeue the attempt for another
-    worker without using its retry budget.
-
-    When no live worker serves the handler on the step's queue, the attempt starts (or goes
-    on with) its wait for one, and is not offered again at once: workers without the
-    handler would only hand it back. The reconciler offers it again, and the wait ends in
-    an ``unservable`` failure if no worker that serves it comes (``runs.engine.unservable``).
-    """
-    handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
+    worker without using its retry budget."""
     with transaction.atomic():
-        now = timezone.now()
         returned = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
             status=StepStatus.SCHEDULED,
             claim=None,
@@ -318,21 +310,14 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
             deadline_at=None,
             lease_expires_at=None,
             refusals=F("refusals") + 1,
-            scheduled_at=now,
+            scheduled_at=timezone.now(),
         )
-        waits = returned and unservable.unservable_arm(
-            step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
-        )
-        # After that many refusals in a row the reconciler offers it again, slower.
-        offered = (
-            returned and not waits and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]
-        )
-        if offered:
+        if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
+            # After that many refusals in a row the reconciler offers it again, slower.
             dispatch.offer_on_commit(row, workflow_id=workflow_id)
-    if offered:
-        # Hold this pool slot a moment after the offer: a free worker that may have the
-        # handler takes the message, instead of this one taking it straight back.
-        time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
+    # Hold this pool slot a moment after the offer: a free worker that may have the handler
+    # takes the message, instead of this one taking it straight back.
+    time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:
