@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 app = Celery("config")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+# Each worker writes which handlers it serves (by name: loaded once Django is set up).
+app.steps["worker"].add("workers.heartbeat:Heartbeat")
 
 
 @worker_init.connect

@@ -261,6 +261,17 @@ DJFLOW = {
     "MAX_QUICK_REFUSALS": env.int("DJFLOW_MAX_QUICK_REFUSALS", default=20),
     # How long a worker that handed an attempt back keeps its slot, so another takes it.
     "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),
+    # An attempt whose handler no live worker serves (on its queue) fails, class unservable,
+    # when none has served it for this long (a worker lacking a handler another live worker
+    # has just hands it back).
+    "UNSERVABLE_SECONDS": env.float("DJFLOW_UNSERVABLE_SECONDS", default=60.0),
+    # Each worker writes a heartbeat (the handlers and queues it serves) this often; it counts
+    # as live while its last one is at most WORKER_LIVE_BEATS beats old.
+    "WORKER_HEARTBEAT_SECONDS": env.float("DJFLOW_WORKER_HEARTBEAT_SECONDS", default=5.0),
+    "WORKER_LIVE_BEATS": env.int("DJFLOW_WORKER_LIVE_BEATS", default=3),
+    # Starting a run whose task or agent handler no live worker serves is refused (400).
+    # Turn off where workers are started on demand (scaled from zero) or after the API.
+    "START_CHECKS_WORKERS": env.bool("DJFLOW_START_CHECKS_WORKERS", default=True),
     # A worker that finished a step runs the run's next step itself (no broker hop) for at
     # most this many steps and seconds in one task, then offers it through the broker.
     "INLINE_MAX_STEPS": env.int("DJFLOW_INLINE_MAX_STEPS", default=50),

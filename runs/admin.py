@@ -21,8 +21,10 @@ from django.utils.html import format_html, format_html_join
 from config.admin_mixins import ReadOnlyMixin
 from workflows.errors import EngineError
 
+from .engine import unservable
 from .models import Event, Run, StepRun, Timer
 from .services import run_cancel, run_retry
+from .status import StepStatus
 
 
 def _pretty_json(value: Any) -> str:
@@ -87,6 +89,7 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "workflow",
         "version_number",
         "status",
+        "reason",
         "correlation",
         "idempotency_key",
         "parent_link",
@@ -115,6 +118,13 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         Django grants although nothing here edits a run's fields."""
         opts = self.opts
         return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+
+    @admin.display(description="waiting")
+    def reason(self, run: Run) -> str:
+        """Why the run does not move on, when something is known to hold it."""
+        waiting = run.steps.filter(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
+        reasons = [unservable.waiting_reason(step) for step in waiting.order_by("id")]
+        return next((reason for reason in reasons if reason), "—")
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, run: Run) -> int:
@@ -214,6 +224,8 @@ class StepRunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "lease_expires_at",
         "deadline_at",
         "refusals",
+        "waiting_for",
+        "waiting_since",
         "cost_usd",
         "pretty_input",
         "pretty_output",

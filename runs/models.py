@@ -135,6 +135,11 @@ class StepRun(models.Model):
     )
     # Times a worker without the handler handed the attempt back (class unservable).
     refusals = models.PositiveIntegerField(default=0)
+    # While no live worker serves the attempt's handler on its queue: that handler, and when
+    # this was first seen; an ``unservable`` timer fails the attempt UNSERVABLE_SECONDS
+    # after, unless a worker that serves it shows up (``runs.engine.unservable``).
+    waiting_for = models.CharField(max_length=200, blank=True, default="")
+    waiting_since = models.DateTimeField(null=True, blank=True)
     usage = models.JSONField(default=dict, blank=True)
     spans = models.JSONField(default=list, blank=True)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
@@ -194,6 +199,8 @@ class TimerPurpose(models.TextChoices):
     APPROVAL_TIMEOUT = "approval_timeout"
     # Mails the approvers who have not decided; fires without advancing the run.
     APPROVAL_REMINDER = "approval_reminder"
+    # Fails a scheduled attempt no live worker has served since its waiting_since.
+    UNSERVABLE = "unservable"
 
 
 class Timer(models.Model):

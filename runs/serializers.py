@@ -13,6 +13,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from .engine import unservable
 from .models import Run, StepRun
 from .status import RunStatus
 
@@ -185,8 +186,16 @@ class StepRunSerializer(serializers.ModelSerializer):
             "finished_at",
             "usage",
             "cost_usd",
+            "waiting_for",
+            "waiting_since",
         ]
         read_only_fields = fields
+        extra_kwargs = {
+            "waiting_for": {
+                "help_text": "while no live worker serves this scheduled attempt: its handler"
+            },
+            "waiting_since": {"help_text": "since when no live worker has served it"},
+        }
 
     @extend_schema_field(STEP_ERROR_SCHEMA)
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
@@ -261,7 +270,16 @@ class RunSerializer(RunListSerializer):
 
     children = RunChildSerializer(many=True, read_only=True)
     steps = StepRunSerializer(many=True, read_only=True)
+    reason = serializers.SerializerMethodField(
+        help_text="null, or why the run does not move on (a step waits for a worker that "
+        "serves its handler, and when it fails if none comes)"
+    )
 
     class Meta(RunListSerializer.Meta):
-        fields = [*RunListSerializer.Meta.fields, "children", "steps"]
+        fields = [*RunListSerializer.Meta.fields, "reason", "children", "steps"]
         read_only_fields = fields
+
+    def get_reason(self, run: Run) -> str | None:
+        # The journal is prefetched (selectors.run_detail_queryset): no query.
+        reasons = (unservable.waiting_reason(step) for step in run.steps.all())
+        return next((reason for reason in reasons if reason), None)

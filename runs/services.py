@@ -7,11 +7,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 from jsonschema import Draft202012Validator
 
+from workflows import heartbeats
 from workflows.errors import FieldError, InvalidInput, NotFound
 from workflows.models import WorkflowVersion
 from workflows.validation import field_path
@@ -78,9 +80,11 @@ def run_start(
     """Start a run of ``workflow`` (its latest version unless pinned).
 
     The same ``idempotency_key`` for the same workflow returns the run it started first
-    (``created`` false), whatever the rest of the call says. The run is created and its first
-    step planned in one transaction; the attempt is offered to a worker after commit (and
-    offered again by the reconciler should that message be lost).
+    (``created`` false), whatever the rest of the call says. An input that fails the
+    version's ``input_schema``, or a ``task``/``agent`` handler no live worker serves (when
+    ``START_CHECKS_WORKERS``), is refused, every problem named at once. The run is created
+    and its first step planned in one transaction; the attempt is offered to a worker after
+    commit (and offered again by the reconciler should that message be lost).
     """
     if idempotency_key is not None:
         existing = Run.objects.filter(workflow_id=workflow, idempotency_key=idempotency_key).first()
@@ -88,6 +92,9 @@ def run_start(
             return StartResult(existing, created=False)
     pinned = _version_for(workflow, version)
     problems = input_errors(pinned, input)
+    if settings.DJFLOW["START_CHECKS_WORKERS"]:
+        # A run no worker can take would wait, then fail as unservable: say so now.
+        problems += heartbeats.unserved_errors(document=pinned.document)
     if problems:
         raise InvalidInput(errors=problems)
     try:

@@ -19,6 +19,18 @@ def _fast_password_hashing(settings) -> None:
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
+@pytest.fixture(autouse=True)
+def _start_checks_workers(request, settings) -> None:
+    """Starting a run checks that a live worker serves its handlers (``START_CHECKS_WORKERS``)
+    in tests with real worker processes, which write their own heartbeats; elsewhere no
+    worker runs, and the many tests that start runs to look at the engine's rows would all be
+    refused. ``@pytest.mark.start_checks_workers(True)`` (or ``False``) says otherwise; the
+    tests of the check itself set it."""
+    marker = request.node.get_closest_marker("start_checks_workers")
+    checks = marker.args[0] if marker else "celery_processes" in request.fixturenames
+    settings.DJFLOW = {**settings.DJFLOW, "START_CHECKS_WORKERS": checks}
+
+
 @pytest.fixture
 def user(db):
     return get_user_model().objects.create_user(

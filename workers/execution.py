@@ -29,7 +29,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch
-from runs.engine import journal
+from runs.engine import journal, unservable
 from runs.engine.advance import advance_locked, lock_run
 from runs.engine.plan import WORKER_KINDS
 from runs.engine.store import record_result, request_advance
@@ -70,6 +70,8 @@ def execute(
     outcome, held = shown.around(
         step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
     )
+    if outcome == HANDED_BACK:
+        raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
     chained = 0
     while held is not None:
         step_run, workflow_id = held
@@ -100,6 +102,31 @@ def _may_continue(
 
 
 Held = tuple[StepRun, str]
+HANDED_BACK = "unservable"
+
+
+class HandedBack(Exception):
+    """The task's own attempt was handed back: this worker lacks its handler, and the
+    attempt waits for another worker (offered again, or waiting for one to start). The
+    message is done with; ``execute_step`` ends it as REJECTED, not SUCCESS."""
+
+
+def report_handed_back(task: Any, reason: str) -> None:
+    """Tell Flower the task was rejected, as Celery's own reject would.
+
+    Celery has no ending that says so by itself: a task that raises ``Ignore`` sends no
+    event after ``task-started`` (Flower shows it STARTED for ever), and one that raises
+    ``Reject(requeue=False)`` sends ``task-failed`` before ``task-rejected`` (Flower shows
+    FAILURE, and ``task_failure`` fires: an alert for a routine hand-back). So the task
+    raises ``Ignore`` and sends ``task-rejected`` itself, only when the worker sends task
+    events for it (``task_events.HEADER``); publishing is best-effort.
+    """
+    if not getattr(task.request, task_events.HEADER, False):
+        return
+    try:
+        task.send_event("task-rejected", retry=False, requeue=False, reason=reason)
+    except Exception:
+        logger.debug("task-rejected for %s not sent", task.request.id, exc_info=True)
 
 
 def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str, Held | None]:
@@ -112,7 +139,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
     handler = registry.lookup(row.workflow_id, row.step_id, step.get("handler"))
     if handler is None:
         _hand_back(row, claim, row.workflow_id)
-        return "unservable", None
+        return HANDED_BACK, None
 
     ctx = StepContext(
         run_id=str(row.run_id),
@@ -131,7 +158,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         if failure.error_class == "unservable":
             keeper.release(row.id)
             _hand_back(row, claim, row.workflow_id)
-            return "unservable", None
+            return HANDED_BACK, None
         status, error = StepStatus.FAILED, failure.as_error()
         if failure.retry_after_ms is not None:
             error["retry_after_ms"] = failure.retry_after_ms
@@ -300,8 +327,16 @@ def _reconnecting(operation: Callable[[], T]) -> T:
 
 def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     """This worker lacks the handler (class unservable): requeue the attempt for another
-    worker without using its retry budget."""
+    worker without using its retry budget.
+
+    When no live worker serves the handler on the step's queue, the attempt starts (or goes
+    on with) its wait for one, and is not offered again at once: workers without the
+    handler would only hand it back. The reconciler offers it again, and the wait ends in
+    an ``unservable`` failure if no worker that serves it comes (``runs.engine.unservable``).
+    """
+    handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
     with transaction.atomic():
+        now = timezone.now()
         returned = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
             status=StepStatus.SCHEDULED,
             claim=None,
@@ -310,14 +345,21 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
             deadline_at=None,
             lease_expires_at=None,
             refusals=F("refusals") + 1,
-            scheduled_at=timezone.now(),
+            scheduled_at=now,
         )
-        if returned and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]:
-            # After that many refusals in a row the reconciler offers it again, slower.
+        waits = returned and unservable.unservable_arm(
+            step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
+        )
+        # After that many refusals in a row the reconciler offers it again, slower.
+        offered = (
+            returned and not waits and row.refusals + 1 < settings.DJFLOW["MAX_QUICK_REFUSALS"]
+        )
+        if offered:
             dispatch.offer_on_commit(row, workflow_id=workflow_id)
-    # Hold this pool slot a moment after the offer: a free worker that may have the handler
-    # takes the message, instead of this one taking it straight back.
-    time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
+    if offered:
+        # Hold this pool slot a moment after the offer: a free worker that may have the
+        # handler takes the message, instead of this one taking it straight back.
+        time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:

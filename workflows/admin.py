@@ -18,15 +18,17 @@ from django.db.models import OuterRef, QuerySet, Subquery
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
 from config.admin_mixins import ReadOnlyMixin
 
+from . import heartbeats
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm
-from .models import Workflow, WorkflowVersion
+from .models import WorkerHeartbeat, Workflow, WorkflowVersion
 from .services import SaveResult, definition_save
 
 # What the add page starts from: the shape of a document, for the user to fill in.
@@ -269,6 +271,10 @@ class WorkflowAdmin(admin.ModelAdmin):
                 f"unchanged: this is already version {version.number} of {workflow_id}",
                 messages.WARNING,
             )
+        # A warning, not a refusal: the worker that serves it may be deployed later. Runs
+        # are refused at start until one is live (START_CHECKS_WORKERS).
+        for _, why in heartbeats.unserved_steps(document=version.document):
+            self.message_user(request, why, messages.WARNING)
         return HttpResponseRedirect(_workflow_url(workflow_id))
 
     # --- diff ---------------------------------------------------------------------------------
@@ -384,3 +390,36 @@ class WorkflowVersionAdmin(ReadOnlyMixin, admin.ModelAdmin):
                 ],
             )
         return super().change_view(request, object_id, form_url, extra_context=context)
+
+
+@admin.register(WorkerHeartbeat)
+class WorkerHeartbeatAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    """The workers that said which handlers they serve; written by the workers only."""
+
+    list_display = ("hostname", "live", "queue_list", "handler_count", "last_seen", "stopped_at")
+    fields = (
+        "hostname",
+        "live",
+        "pid",
+        "queues",
+        "handlers",
+        "started_at",
+        "last_seen",
+        "stopped_at",
+    )
+    readonly_fields = fields
+    search_fields = ("hostname",)
+
+    @admin.display(boolean=True)
+    def live(self, worker: WorkerHeartbeat) -> bool:
+        return worker.stopped_at is None and worker.last_seen >= heartbeats.live_since(
+            timezone.now()
+        )
+
+    @admin.display(description="queues")
+    def queue_list(self, worker: WorkerHeartbeat) -> str:
+        return ", ".join(worker.queues)
+
+    @admin.display(description="handlers")
+    def handler_count(self, worker: WorkerHeartbeat) -> int:
+        return len(worker.handlers)

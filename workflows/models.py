@@ -54,3 +54,33 @@ class WorkflowVersion(models.Model):
 
     def __str__(self) -> str:
         return f"{self.workflow_id} v{self.number}"
+
+
+class WorkerHeartbeat(models.Model):
+    """A Celery worker's word on which handlers it serves, on which queues, and when it last
+    said so. Written by the worker's main process (``workers.heartbeat``) when it starts and
+    every ``WORKER_HEARTBEAT_SECONDS`` after; ``stopped_at`` is set at a clean shutdown. A
+    worker killed outright just stops beating: it counts as gone once ``last_seen`` is older
+    than ``WORKER_LIVE_BEATS`` beats (``workflows.heartbeats``).
+
+    It lives here, at the bottom of the layers, because starting a run (``runs``) and saving
+    a document (this app's admin) both ask it "does a live worker serve this handler?".
+    """
+
+    # The worker's node name (``-n``, e.g. ``celery@host``): one row per node, reused when
+    # a node of that name starts again.
+    hostname = models.CharField(primary_key=True, max_length=255)
+    # Handler keys of the worker's registry (``workflows.registry.handler_names()``).
+    handlers = models.JSONField(default=list)
+    # The queues it consumes.
+    queues = models.JSONField(default=list)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    started_at = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["hostname"]
+
+    def __str__(self) -> str:
+        return self.hostname

@@ -11,6 +11,8 @@ worker or a crash left behind, and put it right. Bounded work per tick.
 - a run whose advance request (made by a completion inside a fan-out) has been pending
   that long is advanced;
 - a wait left waiting although an event it may take is stored is given it;
+- an attempt left scheduled that long whose handler no live worker serves starts its wait
+  for one (``unservable.py``: it fails if none comes);
 - fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted.
 
 Two reconcilers at once (two beats) are safe: on Postgres a session advisory lock lets one
@@ -34,7 +36,7 @@ from django.utils import timezone
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import events
+from . import events, unservable
 from .advance import run_advance
 from .plan import WORKER_KINDS
 
@@ -53,6 +55,8 @@ def reconcile() -> dict[str, int]:
         now = timezone.now()
         batch = settings.DJFLOW["RECONCILE_BATCH"]
         return {
+            # Before re-offering, which makes the lost attempts look just offered.
+            "unservable": unservable.arm_unclaimed(now, batch),
             "reoffered": reoffer_lost(now, batch),
             "lost_workers": advance_lost_workers(now, batch),
             "stuck_runs": advance_stuck(now, batch),

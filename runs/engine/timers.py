@@ -26,6 +26,7 @@ from .. import dispatch
 from ..models import StepRun, Timer, TimerPurpose
 from ..status import StepStatus
 from .advance import run_advance
+from .unservable import unservable_expire
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
         _remind([step for _, purpose, step in claimed if purpose == TimerPurpose.APPROVAL_REMINDER])
+        _end_waits([step for _, purpose, step in claimed if purpose == TimerPurpose.UNSERVABLE])
         _advance(_runs_to_advance(claimed))
         if len(claimed) < batch or time.monotonic() - started >= budget:
             return fired
@@ -95,8 +97,8 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
     )
     runs: dict[Any, None] = {}
     for run_id, purpose, step in claimed:
-        if purpose == TimerPurpose.APPROVAL_REMINDER:
-            continue  # mails only: the run has nothing to plan
+        if purpose in (TimerPurpose.APPROVAL_REMINDER, TimerPurpose.UNSERVABLE):
+            continue  # mails only, or an attempt's wait that advances its run if it fails
         if purpose != TimerPurpose.STEP_DEADLINE or step in still_running:
             runs[run_id] = None
     return list(runs)
@@ -114,6 +116,14 @@ def _remind(step_run_ids: list[int | None]) -> None:
         except DatabaseError:
             # The timer is fired; the reconciler sends a reminder left uncovered.
             logger.exception("timers: reminding approvers of step run %s failed", step_run_id)
+
+
+def _end_waits(step_run_ids: list[int | None]) -> None:
+    """Attempts whose wait for a worker is over fail (and advance their run) or are offered
+    again (see unservable.py)."""
+    waits = [step for step in step_run_ids if step is not None]
+    if waits:
+        unservable_expire(step_run_ids=waits)
 
 
 def _advance(run_ids: list[Any]) -> None:

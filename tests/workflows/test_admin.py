@@ -10,8 +10,10 @@ import pytest
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.contrib.admin.utils import quote
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import escape
 
+from workflows import heartbeats
 from workflows.diff import reading_order
 from workflows.errors import InvalidDocument
 from workflows.models import Workflow, WorkflowVersion
@@ -460,3 +462,51 @@ def test_starter_document_shows_the_shape_of_a_step(admin_client):
     starter = json.loads(textarea_text(admin_client.get(reverse(ADD_URL))))
     assert set(starter) == {"id", "description", "steps"}
     assert set(starter["steps"][0]) == {"id", "kind"}
+
+
+# --- handlers no live worker serves ----------------------------------------------------------
+
+
+def _worker_serving(*handlers: str) -> None:
+    now = timezone.now()
+    heartbeats.heartbeat_record(
+        hostname="w1@test", handlers=handlers, queues=["default"], pid=1, started_at=now
+    )
+
+
+def test_saving_a_document_whose_handler_no_live_worker_serves_warns(admin_client):
+    document = {
+        **SIMPLE,
+        "steps": [*SIMPLE["steps"], {"id": "mail", "kind": "task", "handler": "x"}],
+    }
+    _worker_serving("simple.only")
+    response = post_document(admin_client, reverse(ADD_URL), document, follow=True)
+    assert response.status_code == 200
+    # Saved all the same: the worker that serves it may be deployed later.
+    assert WorkflowVersion.objects.filter(workflow_id="simple").count() == 1
+    warnings = [
+        (m.level_tag, str(m)) for m in response.context["messages"] if "no live worker" in str(m)
+    ]
+    assert warnings == [
+        (
+            "warning",
+            "no live worker serves handler 'x' (step 'mail'); start a worker that imports it "
+            "(WORKFLOW_MODULES)",
+        )
+    ]
+
+
+def test_saving_a_document_every_live_worker_handler_serves_does_not_warn(admin_client):
+    _worker_serving("simple.only")
+    response = post_document(admin_client, reverse(ADD_URL), SIMPLE, follow=True)
+    assert page_messages(response) == ["Saved simple version 1."]
+
+
+def test_the_workers_page_lists_heartbeats_read_only(admin_client):
+    _worker_serving("simple.only", "mail.send")
+    response = admin_client.get(reverse("admin:workflows_workerheartbeat_changelist"))
+    assert response.status_code == 200
+    assert b"w1@test" in response.content
+    row = admin_client.get(reverse("admin:workflows_workerheartbeat_change", args=["w1@test"]))
+    assert b"mail.send" in row.content and b"<form" in row.content
+    assert b'name="_save"' not in row.content

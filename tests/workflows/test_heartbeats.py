@@ -1,0 +1,196 @@
+"""Which handlers live workers serve (``workflows.heartbeats``), and the start check that
+reads it: a run whose handler no live worker serves is refused with 400 naming the step's
+``handler`` field (``START_CHECKS_WORKERS``, on for every test here)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from runs.models import Run
+from workflows import heartbeats, registry
+from workflows.errors import InvalidInput
+from workflows.models import WorkerHeartbeat
+from workflows.sdk import workflow
+from workflows.services import definition_save
+
+pytestmark = [pytest.mark.django_db, pytest.mark.start_checks_workers(True)]
+
+HELLO = {"id": "hello", "steps": [{"id": "greet", "kind": "task"}]}
+NESTED = {
+    "id": "nested",
+    "steps": [
+        {"id": "first", "kind": "task", "handler": "shared.first"},
+        {
+            "id": "fan",
+            "kind": "parallel",
+            "branches": {
+                "left": [{"id": "left_step", "kind": "agent", "queue": "gpu"}],
+                "right": [{"id": "nap", "kind": "sleep", "ms": 10}],
+            },
+        },
+        {
+            "id": "check",
+            "kind": "condition",
+            "if": {"path": "input.x", "op": "eq", "value": 1},
+            "then": [{"id": "then_step", "kind": "task"}],
+        },
+        {
+            "id": "each",
+            "kind": "foreach",
+            "items": "${input.items}",
+            "do": {"id": "item", "kind": "task"},
+        },
+    ],
+}
+
+
+def beat(
+    hostname: str = "w1@test",
+    handlers: list[str] | None = None,
+    queues: list[str] | None = None,
+    seconds_ago: float = 0,
+) -> None:
+    now = timezone.now()
+    heartbeats.heartbeat_record(
+        hostname=hostname,
+        handlers=handlers if handlers is not None else ["hello.greet"],
+        queues=queues if queues is not None else ["default"],
+        pid=1,
+        started_at=now - timedelta(minutes=1),
+        now=now - timedelta(seconds=seconds_ago),
+    )
+
+
+def refused(api, workflow: str = "hello", **body: Any) -> list[dict[str, Any]]:
+    response = api.post("/api/v1/runs", {"workflow": workflow, "input": {}, **body}, format="json")
+    assert response.status_code == 400, response.json()
+    return response.json()["errors"]
+
+
+def test_every_task_and_agent_step_is_found_with_its_field_handler_and_queue() -> None:
+    found = heartbeats.step_handlers(NESTED)
+    assert [(s.field, s.step_id, s.handler, s.queue) for s in found] == [
+        ("steps[0].handler", "first", "shared.first", "default"),
+        ("steps[1].branches.left[0].handler", "left_step", "nested.left_step", "gpu"),
+        ("steps[2].then[0].handler", "then_step", "nested.then_step", "default"),
+        ("steps[3].do.handler", "item", "nested.item", "default"),
+    ]
+
+
+def test_a_start_no_live_worker_serves_is_a_400_naming_the_step_and_the_handler(api) -> None:
+    definition_save(document=HELLO)
+    assert refused(api) == [
+        {
+            "field": "steps[0].handler",
+            "message": "no live worker serves handler 'hello.greet' (step 'greet'); start a "
+            "worker that imports it (WORKFLOW_MODULES)",
+        }
+    ]
+    assert not Run.objects.exists()
+
+
+def test_a_live_worker_that_serves_the_handler_lets_the_run_start(api) -> None:
+    definition_save(document=HELLO)
+    beat()
+    response = api.post("/api/v1/runs", {"workflow": "hello", "input": {}}, format="json")
+    assert response.status_code == 201, response.json()
+
+
+@pytest.mark.parametrize(
+    "worker",
+    [
+        {"seconds_ago": 16},  # three beats of 5 s missed: gone
+        {"handlers": ["hello.other"]},
+        {"handlers": []},
+    ],
+)
+def test_a_stale_worker_or_one_without_the_handler_does_not_serve_it(api, worker) -> None:
+    definition_save(document=HELLO)
+    beat(**worker)
+    assert [e["field"] for e in refused(api)] == ["steps[0].handler"]
+
+
+def test_a_stopped_worker_does_not_serve(api) -> None:
+    definition_save(document=HELLO)
+    beat()
+    heartbeats.heartbeat_stop(hostname="w1@test")
+    assert refused(api)[0]["message"].startswith("no live worker serves handler 'hello.greet'")
+
+
+def test_a_worker_with_the_handler_on_other_queues_is_named_as_such(api) -> None:
+    definition_save(document={**HELLO, "steps": [{"id": "greet", "kind": "task", "queue": "io"}]})
+    beat(queues=["default", "engine"])
+    assert refused(api) == [
+        {
+            "field": "steps[0].handler",
+            "message": "no live worker serves handler 'hello.greet' (step 'greet') on queue 'io'; "
+            "start a worker that imports it and consumes that queue (-Q io)",
+        }
+    ]
+
+
+def test_every_unserved_step_is_named_at_once_with_the_input_errors(api) -> None:
+    definition_save(document={**NESTED, "input_schema": {"type": "object", "required": ["x"]}})
+    beat(handlers=["shared.first", "nested.item"])
+    errors = refused(api, workflow="nested")
+    assert [e["field"] for e in errors] == [
+        "input.x",
+        "steps[1].branches.left[0].handler",
+        "steps[2].then[0].handler",
+    ]
+    assert "on queue 'gpu'" not in errors[1]["message"]  # nobody has it at all
+
+
+@pytest.fixture
+def own_registry():
+    state = registry.snapshot()
+    yield
+    registry.restore(state)
+
+
+def test_the_builder_start_is_refused_too(own_registry) -> None:
+    greeter = workflow("greeter")
+
+    @greeter.step("hi")
+    def hi(ctx: Any, input: Any, prior: Any) -> str:
+        return "hi"
+
+    # Registered in this process, which is no worker: nobody serves it.
+    with pytest.raises(InvalidInput) as raised:
+        greeter.start({})
+    [error] = raised.value.errors
+    assert (error.field, "'greeter.hi'" in error.message) == ("steps[0].handler", True)
+    beat(handlers=["greeter.hi"])
+    assert greeter.start({}).status == "running"
+
+
+@pytest.mark.start_checks_workers(False)
+def test_the_check_is_off_when_the_setting_says_so(api) -> None:
+    definition_save(document=HELLO)
+    response = api.post("/api/v1/runs", {"workflow": "hello", "input": {}}, format="json")
+    assert response.status_code == 201
+
+
+def test_a_heartbeat_again_takes_the_row_over_and_old_rows_are_pruned() -> None:
+    beat(handlers=["a"])
+    heartbeats.heartbeat_stop(hostname="w1@test")
+    beat(handlers=["b"])
+    [row] = WorkerHeartbeat.objects.all()
+    assert (row.handlers, row.stopped_at) == (["b"], None)
+    beat(hostname="old@test", seconds_ago=8 * 86400)
+    assert heartbeats.heartbeat_prune(older_than=timezone.now() - timedelta(days=7)) == 1
+    assert list(WorkerHeartbeat.objects.values_list("hostname", flat=True)) == ["w1@test"]
+
+
+def test_served_since_counts_a_worker_seen_then_stopped() -> None:
+    start = timezone.now()
+    beat()
+    heartbeats.heartbeat_stop(hostname="w1@test")
+    assert not heartbeats.handler_served(handler="hello.greet", queue="default")
+    assert heartbeats.handler_served(handler="hello.greet", queue="default", since=start)
+    later = timezone.now() + timedelta(seconds=1)
+    assert not heartbeats.handler_served(handler="hello.greet", queue="default", since=later)

@@ -1,0 +1,186 @@
+"""Which handlers live workers serve: the heartbeats workers write, and what is asked of
+them ("does a live worker serve handler h on queue q?", "which steps of this document does
+none serve?").
+
+A worker is live while it has not stopped and its last heartbeat is at most
+``WORKER_LIVE_BEATS`` beats old (``WORKER_HEARTBEAT_SECONDS`` each). A step's handler is
+served when a live worker has it in its registry and consumes the step's queue: a worker
+on other queues never receives the step's message.
+
+The table holds one row per worker node, a handful in practice: rows are read whole and
+filtered here, since SQLite (the embedded default) has no JSON containment lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from .errors import FieldError
+from .models import WorkerHeartbeat
+from .registry import handler_key
+from .validation import field_path
+
+# The kinds whose body is a handler a worker must have (runs.engine.plan.WORKER_KINDS).
+HANDLER_KINDS = frozenset({"task", "agent"})
+DEFAULT_QUEUE = "default"
+
+
+@dataclass(frozen=True)
+class StepHandler:
+    """A step that needs a worker: where it is in the document, its handler and queue."""
+
+    field: str
+    step_id: str
+    handler: str
+    queue: str
+
+
+def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
+    """Every ``task`` and ``agent`` step of a valid document, nested ones included, with
+    the handler it is looked up by (its ``handler``, else ``<workflow id>.<step id>``)."""
+    workflow_id = str(document.get("id", ""))
+    found = []
+    for path, step in _walk(document.get("steps", []), ["steps"]):
+        if step.get("kind") in HANDLER_KINDS:
+            found.append(
+                StepHandler(
+                    field=field_path([*path, "handler"]),
+                    step_id=step["id"],
+                    handler=step.get("handler") or handler_key(workflow_id, step["id"]),
+                    queue=step.get("queue") or DEFAULT_QUEUE,
+                )
+            )
+    return found
+
+
+def _walk(steps: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+    if isinstance(steps, Mapping):  # a body of one step: ``"do": {...}``
+        yield from _step_and_inside(steps, path)
+        return
+    if not isinstance(steps, Sequence):
+        return
+    for index, step in enumerate(steps):
+        if isinstance(step, Mapping):
+            yield from _step_and_inside(step, [*path, index])
+
+
+def _step_and_inside(
+    step: Mapping[str, Any], path: list[str | int]
+) -> Iterator[tuple[list[str | int], Any]]:
+    yield path, step
+    for name in ("then", "else", "do"):
+        if name in step:
+            yield from _walk(step[name], [*path, name])
+    branches = step.get("branches")
+    if isinstance(branches, Mapping):
+        for name, body in branches.items():
+            yield from _walk(body, [*path, "branches", name])
+
+
+def live_since(now: datetime) -> datetime:
+    """The oldest ``last_seen`` a live worker may have."""
+    tunables = settings.DJFLOW
+    return now - timedelta(
+        seconds=tunables["WORKER_HEARTBEAT_SECONDS"] * tunables["WORKER_LIVE_BEATS"]
+    )
+
+
+def workers_seen(*, since: datetime) -> list[WorkerHeartbeat]:
+    """Workers whose last heartbeat is at or after ``since`` (stopped ones included: they
+    were serving until then)."""
+    return list(WorkerHeartbeat.objects.filter(last_seen__gte=since))
+
+
+def workers_live(*, now: datetime | None = None) -> list[WorkerHeartbeat]:
+    now = now or timezone.now()
+    return [w for w in workers_seen(since=live_since(now)) if w.stopped_at is None]
+
+
+def serves(worker: WorkerHeartbeat, handler: str, queue: str) -> bool:
+    return handler in worker.handlers and queue in worker.queues
+
+
+def handler_served(
+    *, handler: str, queue: str, since: datetime | None = None, now: datetime | None = None
+) -> bool:
+    """True when a live worker serves ``handler`` on ``queue``; with ``since``, when any
+    worker that serves it was seen at or after ``since``, live now or not."""
+    workers = workers_live(now=now) if since is None else workers_seen(since=since)
+    return any(serves(worker, handler, queue) for worker in workers)
+
+
+def unserved_message(step: StepHandler, workers: list[WorkerHeartbeat]) -> str:
+    """Why no live worker takes the step: nobody has the handler, or nobody who has it
+    consumes the step's queue."""
+    what = f"no live worker serves handler '{step.handler}' (step '{step.step_id}')"
+    if any(step.handler in worker.handlers for worker in workers):
+        return (
+            f"{what} on queue '{step.queue}'; start a worker that imports it and consumes "
+            f"that queue (-Q {step.queue})"
+        )
+    return f"{what}; start a worker that imports it (WORKFLOW_MODULES)"
+
+
+def unserved_steps(
+    *, document: Mapping[str, Any], now: datetime | None = None
+) -> list[tuple[StepHandler, str]]:
+    """The steps of ``document`` no live worker serves, each with why (one query)."""
+    wanted = step_handlers(document)
+    if not wanted:
+        return []
+    workers = workers_live(now=now)
+    return [
+        (step, unserved_message(step, workers))
+        for step in wanted
+        if not any(serves(worker, step.handler, step.queue) for worker in workers)
+    ]
+
+
+def unserved_errors(*, document: Mapping[str, Any]) -> list[FieldError]:
+    """The same, in the contract's error shape: each names the step's ``handler`` field."""
+    return [FieldError(step.field, why) for step, why in unserved_steps(document=document)]
+
+
+# --- writes (the worker's main process, workers.heartbeat) -------------------------------
+
+
+def heartbeat_record(
+    *,
+    hostname: str,
+    handlers: Sequence[str],
+    queues: Sequence[str],
+    pid: int | None,
+    started_at: datetime,
+    now: datetime | None = None,
+) -> None:
+    """Say that ``hostname`` serves ``handlers`` on ``queues`` as of now. One statement,
+    idempotent: a node started again under the same name takes its row over."""
+    WorkerHeartbeat.objects.update_or_create(
+        hostname=hostname,
+        defaults={
+            "handlers": sorted(handlers),
+            "queues": sorted(queues),
+            "pid": pid,
+            "started_at": started_at,
+            "last_seen": now or timezone.now(),
+            "stopped_at": None,
+        },
+    )
+
+
+def heartbeat_stop(*, hostname: str, now: datetime | None = None) -> None:
+    """A clean shutdown: the worker serves nothing from now on. The row is kept (with its
+    last ``last_seen``) so that the unservable window knows it served until then."""
+    now = now or timezone.now()
+    WorkerHeartbeat.objects.filter(hostname=hostname).update(last_seen=now, stopped_at=now)
+
+
+def heartbeat_prune(*, older_than: datetime) -> int:
+    """Forget workers not seen since ``older_than`` (node names with pids pile up)."""
+    return WorkerHeartbeat.objects.filter(last_seen__lt=older_than).delete()[0]
