@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -11,12 +13,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SERVICE_VARS = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "SENTRY_DSN")
+# What the standalone reads for itself: each test sets the ones it means.
+STANDALONE_VARS = ("DJFLOW_ADDR", "SITE_URL", "WORKFLOW_MODULES")
 RUN_TERMINAL = {"completed", "failed", "cancelled", "timed_out"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")]
@@ -27,7 +33,8 @@ def _embedded_env(var_dir: Path) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in SERVICE_VARS and k != "WORKFLOW_MODULES" and not k.startswith("CELERY_")
+        if k not in SERVICE_VARS + STANDALONE_VARS
+        and not k.startswith(("CELERY_", "DJANGO_SUPERUSER_"))
     }
     env.update(DJFLOW_VAR_DIR=str(var_dir), PYTHONUNBUFFERED="1")
     return env
@@ -83,24 +90,88 @@ def _wait_for_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: 
     pytest.fail(f"{url} did not answer within {timeout}s:\n{log.read_text()}")
 
 
-def test_standalone_runs_web_worker_and_beat_and_stops_them_all(tmp_path: Path) -> None:
-    env = _embedded_env(tmp_path / "var")
-    port = _free_port()
+def _wait_for_text(log: Path, text: str, timeout: float) -> float:
+    """Seconds until ``text`` shows in the log."""
+    started = time.monotonic()
+    while text not in log.read_text():
+        if time.monotonic() - started > timeout:
+            pytest.fail(f"{text!r} not in the log within {timeout}s:\n{log.read_text()}")
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+@contextlib.contextmanager
+def _standalone(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A ``manage.py standalone`` with its output in a log file, killed if the test left it
+    running (its children die with it)."""
     log = tmp_path / "standalone.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "manage.py", "standalone", f"--addr=127.0.0.1:{port}"],
+            [sys.executable, "manage.py", "standalone", *args],
             cwd=BASE_DIR,
-            env=env,
+            env=env or _embedded_env(tmp_path / "var"),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     try:
+        yield proc, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _child(proc: subprocess.Popen[bytes], word: bytes) -> int:
+    """The pid of the standalone's child whose command line has ``word``."""
+    return next(
+        pid for pid in _children(proc.pid) if word in Path(f"/proc/{pid}/cmdline").read_bytes()
+    )
+
+
+def _stop_and_check_all_gone(
+    proc: subprocess.Popen[bytes], log: Path, signum: int = signal.SIGTERM
+) -> None:
+    processes = _descendants(proc.pid)
+    proc.send_signal(signum)
+    assert proc.wait(timeout=30) == 0, log.read_text()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in processes if _alive(pid)], log.read_text()
+
+
+def _manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``manage.py <args>`` on the standalone's environment, its output captured."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=BASE_DIR,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _token(env: dict[str, str], username: str = "admin") -> str:
+    token = _manage(env, "drf_create_token", username)
+    assert token.returncode == 0, token.stderr
+    return token.stdout.split()[2]  # "Generated token <key> for user admin"
+
+
+def test_standalone_runs_web_worker_and_beat_and_stops_them_all(tmp_path: Path) -> None:
+    """First start: a superuser with a generated password, shown once; links follow --addr;
+    an idle engine keeps quiet; SIGTERM stops every child."""
+    env = _embedded_env(tmp_path / "var")
+    port = _free_port()
+    with _standalone(tmp_path, f"--addr=127.0.0.1:{port}", env=env) as (proc, log):
         _wait_for_http(f"http://127.0.0.1:{port}/admin/login/", proc, log, timeout=45)
         assert (tmp_path / "var" / "db.sqlite3").exists()  # the embedded default, not Postgres
 
-        # A real round trip from another process: file-system broker → worker → SQLite results.
+        # A real round trip from another process: broker → worker → SQLite results.
         roundtrip = subprocess.run(
             [
                 sys.executable,
@@ -117,59 +188,102 @@ def test_standalone_runs_web_worker_and_beat_and_stops_them_all(tmp_path: Path) 
         assert roundtrip.returncode == 0, roundtrip.stderr + log.read_text()
         assert roundtrip.stdout.strip() == "[4, 2]"
 
-        processes = _descendants(proc.pid)
         commands = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in _children(proc.pid)]
         assert len(commands) == 3, commands
         assert any(b"runserver" in c for c in commands)
         assert any(b"worker" in c for c in commands)
         assert any(b"beat" in c for c in commands)
-        assert "djflow is up" in log.read_text()
 
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, log.read_text()
-        deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in processes if _alive(pid)], log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the children follow it: they die with their parent
-            proc.wait()
+        _wait_for_text(log, "djflow is up", timeout=10)
+        _wait_for_text(log, "    at        ", timeout=5)
+        text = log.read_text()
+        base = f"http://127.0.0.1:{port}"
+        for where in (f"{base}/ ", f"{base}/admin/ ", f"{base}/api/v1/docs/ "):
+            assert where in text, text
+        password = re.search(r"^    password  (\S+)$", text, re.MULTILINE)
+        assert password, text
+        assert re.search(r"^    username  admin$", text, re.MULTILINE), text
+        assert f"    at        {base}/accounts/login/" in text
+        signed_in = _manage(
+            env,
+            "shell",
+            "-c",
+            "from django.contrib.auth import authenticate; "
+            f"u = authenticate(username='admin', password={password[1]!r}); "
+            "print(u is not None and u.is_superuser)",
+        )
+        assert signed_in.stdout.splitlines()[-1] == "True", signed_in.stdout + signed_in.stderr
+
+        # E-mailed links point at this port: the children read SITE_URL from --addr.
+        for word in (b"worker", b"runserver"):
+            environ = Path(f"/proc/{_child(proc, word)}/environ").read_bytes().split(b"\0")
+            assert f"SITE_URL={base}".encode() in environ
+
+        # Idle: 15 s of ticks (and beat's first reconcile) print nothing.
+        quiet_from = len(log.read_text())
+        time.sleep(15)
+        idle = log.read_text()[quiet_from:]
+        assert "runs.fire_timers" not in idle and "runs.reconcile" not in idle, idle
+        assert len(idle.splitlines()) < 5, idle
+
+        _stop_and_check_all_gone(proc, log)
+    assert log.read_text().count(password[1]) == 1  # said once
 
 
-def test_standalone_stops_the_others_and_fails_when_a_child_dies(tmp_path: Path) -> None:
-    env = _embedded_env(tmp_path / "var")
+def test_a_killed_child_is_restarted_and_a_run_started_after_completes(tmp_path: Path) -> None:
+    """SIGKILL the worker, then beat and the web server: each is reported and restarted;
+    a run started afterwards completes and logs its tasks; SIGINT (Ctrl-C) stops it all.
+    The address comes from DJFLOW_ADDR; the supplied password is never printed."""
     port = _free_port()
-    log = tmp_path / "standalone.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "manage.py", "standalone", f"--addr=127.0.0.1:{port}"],
-            cwd=BASE_DIR,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_for_http(f"http://127.0.0.1:{port}/admin/login/", proc, log, timeout=45)
-        processes = _descendants(proc.pid)
-        beat = next(
-            pid
-            for pid in _children(proc.pid)
-            if b"beat" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        )
-        os.kill(beat, signal.SIGKILL)
+    base = f"http://127.0.0.1:{port}"
+    env = _embedded_env(tmp_path / "var")
+    env.update(DJFLOW_ADDR=f"127.0.0.1:{port}", DJANGO_SUPERUSER_PASSWORD="a-long-password-1")
+    with _standalone(tmp_path, env=env) as (proc, log):
+        _wait_for_http(f"{base}/admin/login/", proc, log, timeout=45)
+        key = _token(env)
 
-        assert proc.wait(timeout=30) != 0, log.read_text()
-        assert f"beat (pid {beat}) exited with code -9" in log.read_text()
-        deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in processes) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in processes if _alive(pid)], log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        worker = _child(proc, b"worker")
+        os.kill(worker, signal.SIGKILL)
+        _wait_for_text(log, f"worker (pid {worker}) was killed by SIGKILL (signal 9)", 10)
+        _wait_for_text(log, "restarting worker in 1 s.", 5)
+        restarted = _wait_for_text(log, "Restarted worker (pid ", 10)
+        assert restarted < 3, log.read_text()  # one second of back-off, then a new process
+
+        beat, web = _child(proc, b"beat"), _child(proc, b"runserver")
+        os.kill(beat, signal.SIGKILL)
+        os.kill(web, signal.SIGKILL)
+        _wait_for_text(log, f"beat (pid {beat}) was killed by SIGKILL", 10)
+        _wait_for_text(log, f"web (pid {web}) was killed by SIGKILL", 10)
+        _wait_for_text(log, "Restarted web (pid ", 10)
+        _wait_for_http(f"{base}/admin/login/", proc, log, timeout=30)
+        assert len(_children(proc.pid)) == 3
+
+        tasks_from = len(log.read_text())
+        status, run = _start_run(base, key, {"ticket": "Q: where is my invoice?"})
+        assert status == 201, run
+        run = _wait_for_run(base, key, run, RUN_TERMINAL, log)
+        assert run["status"] == "completed", (run, log.read_text())
+        # The run's own tasks still show in the log (only the clock's are dropped).
+        assert "Task workers.execute_step[" in log.read_text()[tasks_from:], log.read_text()
+
+        _stop_and_check_all_gone(proc, log, signal.SIGINT)
+    text = log.read_text()
+    assert "a-long-password-1" not in text
+    assert "Created superuser 'admin' (password from DJANGO_SUPERUSER_PASSWORD)." in text
+
+
+def test_a_busy_port_is_an_error_before_anything_starts(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        addr = f"127.0.0.1:{taken.getsockname()[1]}"
+        env = _embedded_env(tmp_path / "var")
+        env["DJFLOW_ADDR"] = addr
+        done = _manage(env, "standalone")
+    assert done.returncode != 0
+    assert f"{addr} is already in use: Address already in use" in done.stderr, done.stderr
+    assert "Started" not in done.stdout and "djflow is up" not in done.stdout, done.stdout
+    assert not (tmp_path / "var" / "db.sqlite3").exists()  # not even migrated
 
 
 def _api(method: str, url: str, token: str, body: object = None) -> tuple[int, dict[str, object]]:
@@ -187,56 +301,47 @@ def _api(method: str, url: str, token: str, body: object = None) -> tuple[int, d
         return error.code, json.loads(error.read() or b"{}")
 
 
+def _start_run(base: str, key: str, run_input: dict[str, object]) -> tuple[int, dict[str, Any]]:
+    """Start a support_ticket run; a start refused until the (re)started worker's first
+    heartbeat (400, no live worker serves a handler) is tried again for up to 30 s."""
+    body = {"workflow": "support_ticket", "input": run_input}
+    deadline = time.monotonic() + 30
+    while True:
+        status, run = _api("POST", f"{base}/api/v1/runs", key, body)
+        refused = status == 400 and "worker" in json.dumps(run)
+        if not refused or time.monotonic() > deadline:
+            return status, run
+        time.sleep(0.5)
+
+
+def _wait_for_run(
+    base: str, key: str, run: dict[str, Any], statuses: set[str], log: Path, timeout: float = 30
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while run["status"] not in statuses and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status, run = _api("GET", f"{base}/api/v1/runs/{run['id']}", key)
+        assert status == 200, run
+    return run
+
+
 def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -> None:
     """The README's first command, as a user meets it: nothing configured (SQLite and the
-    file-system broker), the example loaded by default, a question ticket run over HTTP."""
+    embedded broker), the example loaded by default, a question ticket run over HTTP."""
     env = _embedded_env(tmp_path / "var")
     env.update(DJANGO_SUPERUSER_USERNAME="admin", DJANGO_SUPERUSER_PASSWORD="a-long-password-1")
     env.setdefault("DJANGO_SUPERUSER_EMAIL", "admin@example.com")
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "standalone.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "manage.py",
-                "standalone",
-                f"--addr=127.0.0.1:{port}",
-                "--create-superuser",
-            ],
-            cwd=BASE_DIR,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
+    args = (f"--addr=127.0.0.1:{port}", "--create-superuser")
+    with _standalone(tmp_path, *args, env=env) as (proc, log):
         _wait_for_http(f"{base}/admin/login/", proc, log, timeout=45)
         assert "Workflow modules: workflows.examples.support_ticket" in log.read_text()
-        token = subprocess.run(
-            [sys.executable, "manage.py", "drf_create_token", "admin"],
-            cwd=BASE_DIR,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert token.returncode == 0, token.stderr
-        key = token.stdout.split()[2]  # "Generated token <key> for user admin"
+        key = _token(env)
 
-        status, run = _api(
-            "POST",
-            f"{base}/api/v1/runs",
-            key,
-            {"workflow": "support_ticket", "input": {"ticket": "Q: where is my invoice?"}},
-        )
+        status, run = _start_run(base, key, {"ticket": "Q: where is my invoice?"})
         assert status == 201, run
-        deadline = time.monotonic() + 30
-        while run["status"] not in RUN_TERMINAL and time.monotonic() < deadline:
-            time.sleep(0.2)
-            status, run = _api("GET", f"{base}/api/v1/runs/{run['id']}", key)
-            assert status == 200, run
+        run = _wait_for_run(base, key, run, RUN_TERMINAL, log)
         assert run["status"] == "completed", (run, log.read_text())
         assert run["output"] == {"sent": True}
         assert run["error"] is None
@@ -253,17 +358,9 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
         assert float(run["cost_usd"]) == float(draft["cost_usd"])
 
         # A bug waits for its approval event with no process alive, on SQLite too.
-        status, bug = _api(
-            "POST",
-            f"{base}/api/v1/runs",
-            key,
-            {"workflow": "support_ticket", "input": {"ticket": "B: crash"}},
-        )
+        status, bug = _start_run(base, key, {"ticket": "B: crash"})
         assert status == 201, bug
-        deadline = time.monotonic() + 30
-        while bug["status"] != "waiting" and time.monotonic() < deadline:
-            time.sleep(0.2)
-            status, bug = _api("GET", f"{base}/api/v1/runs/{bug['id']}", key)
+        bug = _wait_for_run(base, key, bug, {"waiting"}, log)
         assert bug["status"] == "waiting", (bug, log.read_text())
         status, delivery = _api(
             "POST",
@@ -272,21 +369,16 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
             {"name": "approved", "key": "B: crash", "payload": {"ok": True}},
         )
         assert (status, delivery["matched"]) == (200, 1), delivery
-        deadline = time.monotonic() + 30
-        while bug["status"] not in RUN_TERMINAL and time.monotonic() < deadline:
-            time.sleep(0.2)
-            status, bug = _api("GET", f"{base}/api/v1/runs/{bug['id']}", key)
+        bug = _wait_for_run(base, key, bug, RUN_TERMINAL, log)
         assert bug["status"] == "completed", (bug, log.read_text())
         approval = next(step for step in bug["steps"] if step["step_id"] == "approval")
         assert approval["output"] == {"ok": True}
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
-        assert "database is locked" not in log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    text = log.read_text()
+    assert "database is locked" not in text
+    assert "a-long-password-1" not in text  # a password the user chose is never printed
 
 
 def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatch) -> None:
@@ -316,3 +408,130 @@ def test_named_workflow_modules_replace_the_example(db, monkeypatch, settings) -
     assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == []
     assert "Workflow modules: none" in out.getvalue()
     assert not WorkflowVersion.objects.exists()
+
+
+# --- the pieces, without processes ------------------------------------------------------------
+
+
+def test_the_back_off_doubles_to_its_most_and_starts_over_after_a_steady_run() -> None:
+    from workers.management.commands.standalone import Backoff
+
+    backoff = Backoff()
+    assert [backoff.after_exit(uptime=2) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.crashes == 7
+    assert backoff.after_exit(uptime=60) == 1  # it stayed up a minute: a first crash again
+    assert backoff.after_exit(uptime=0.5) == 2
+
+
+def test_an_exit_is_told_by_code_or_by_signal() -> None:
+    from workers.management.commands.standalone import describe_exit
+
+    assert describe_exit(1) == "exited with code 1"
+    assert describe_exit(0) == "exited with code 0"
+    assert describe_exit(-9) == "was killed by SIGKILL (signal 9)"
+    assert describe_exit(-15) == "was killed by SIGTERM (signal 15)"
+
+
+@pytest.mark.parametrize(
+    ("addr", "listen", "site_url"),
+    [
+        ("8123", "127.0.0.1:8123", "http://127.0.0.1:8123"),
+        ("0.0.0.0:8123", "0.0.0.0:8123", "http://127.0.0.1:8123"),
+        ("0:8123", "0.0.0.0:8123", "http://127.0.0.1:8123"),
+        ("localhost:9000", "localhost:9000", "http://localhost:9000"),
+        ("[::]:8123", "[::]:8123", "http://[::1]:8123"),
+    ],
+)
+def test_links_follow_the_address_unless_site_url_is_set(
+    addr: str, listen: str, site_url: str
+) -> None:
+    from workers.management.commands.standalone import Address, child_env
+
+    address = Address.parse(addr)
+    assert address.listen == listen
+    assert child_env(address, ["m"], {"PATH": "/bin"})["SITE_URL"] == site_url
+    mine = {"SITE_URL": "https://flows.example.com"}
+    assert child_env(address, [], mine)["SITE_URL"] == "https://flows.example.com"
+
+
+def test_a_bad_address_is_refused() -> None:
+    from django.core.management.base import CommandError
+
+    from workers.management.commands.standalone import Address
+
+    with pytest.raises(CommandError, match="--addr must be"):
+        Address.parse("127.0.0.1:http")
+
+
+def test_a_first_start_creates_a_superuser_and_shows_its_password_once(db, monkeypatch) -> None:
+    from io import StringIO
+
+    from django.contrib.auth import authenticate
+
+    from workers.management.commands.standalone import Address, Command
+
+    for name in ("USERNAME", "PASSWORD", "EMAIL"):
+        monkeypatch.delenv(f"DJANGO_SUPERUSER_{name}", raising=False)
+    out = StringIO()
+    command = Command(stdout=out)
+    created = command._ensure_superuser(named=False)
+    assert created is not None and created.username == "admin"
+    password = created.generated_password
+    assert password and len(password) >= 16
+    assert authenticate(username="admin", password=password).is_superuser
+    assert out.getvalue() == ""  # held for the "up" banner
+
+    command._print_new_superuser(Address.parse("127.0.0.1:8123"))
+    command._print_new_superuser(Address.parse("127.0.0.1:8123"))
+    assert out.getvalue().count(password) == 1
+    assert "http://127.0.0.1:8123/accounts/login/" in out.getvalue()
+
+    # Second start: a superuser exists, nothing is created and nothing is said.
+    out.truncate(0)
+    assert Command(stdout=out)._ensure_superuser(named=False) is None
+    assert out.getvalue() == ""
+
+
+def test_a_supplied_password_is_used_and_never_printed(db, monkeypatch) -> None:
+    from io import StringIO
+
+    from django.contrib.auth import authenticate
+
+    from workers.management.commands.standalone import Address, Command
+
+    monkeypatch.setenv("DJANGO_SUPERUSER_USERNAME", "ops")
+    monkeypatch.setenv("DJANGO_SUPERUSER_PASSWORD", "a-long-password-1")
+    out = StringIO()
+    command = Command(stdout=out)
+    command._ensure_superuser(named=False)
+    command._print_new_superuser(Address.parse("8123"))
+    assert authenticate(username="ops", password="a-long-password-1").is_superuser
+    assert "a-long-password-1" not in out.getvalue()
+    assert "Created superuser 'ops'" in out.getvalue()
+
+
+def test_create_superuser_adds_the_named_one_beside_others(db, admin_user, monkeypatch) -> None:
+    from io import StringIO
+
+    from django.contrib.auth import get_user_model
+
+    from workers.management.commands.standalone import Command
+
+    monkeypatch.setenv("DJANGO_SUPERUSER_USERNAME", "ops")
+    monkeypatch.setenv("DJANGO_SUPERUSER_PASSWORD", "a-long-password-1")
+    out = StringIO()
+    assert Command(stdout=out)._ensure_superuser(named=False) is None  # one exists already
+    assert Command(stdout=out)._ensure_superuser(named=True) is not None
+    assert get_user_model().objects.get(username="ops").is_superuser
+    assert Command(stdout=out)._ensure_superuser(named=True) is None
+    assert "Superuser 'ops' exists already." in out.getvalue()
+
+
+def test_a_plain_user_named_admin_is_not_promoted(db, monkeypatch) -> None:
+    from django.contrib.auth import get_user_model
+
+    from workers.management.commands.standalone import superuser_ensure
+
+    get_user_model().objects.create_user(username="admin", password="x")
+    assert superuser_ensure(username="admin", password=None, email="", named=False) is None
+    assert not get_user_model().objects.filter(is_superuser=True).exists()
