@@ -49,8 +49,17 @@ from tests.test_standalone import RUN_TERMINAL, _children, _embedded_env, _free_
 BASE_DIR = Path(__file__).resolve().parent.parent
 EXAMPLE = {"workflow": "support_ticket", "input": {"ticket": "Q: where is my invoice?"}}
 NAMED_BROKERS = ("filesystem", "kombu-filesystem", "sqlalchemy")
-# What the standalone prints when a child died (its supervisor's words, and Celery's).
-CRASH_MARKERS = ("Unrecoverable error", "Restarted ", "restarting ", "exited with code")
+# What the standalone prints when a child died (its supervisor's words), and Celery's words
+# for a dead worker or a lost pool process.
+CRASH_MARKERS = (
+    "Unrecoverable error",
+    "Restarted ",
+    "restarting ",
+    "exited with code",
+    "was killed by",
+    "WorkerLostError",
+    "exited with 'signal",
+)
 USERNAME = "bench"
 # A run started right after the web server answers may find no worker heartbeat yet: the
 # start is refused (400) until the worker's first beat.
