@@ -1,0 +1,206 @@
+"""The README's shell blocks, pasted as written, on a fresh clone and a fresh database.
+
+The README marks each ``sh`` block it promises works here with an HTML comment on the line
+before it: ``<!-- readme-test: background -->`` for a command that keeps running (the first
+one, which installs and starts the engine; the test waits for it to say it is up), and
+``<!-- readme-test: run -->`` for a block pasted into a second terminal afterwards (the
+blocks marked ``run`` run in order, in one shell, so a variable one block sets is there for
+the next). An unmarked block must be one of :data:`NOT_RUN_HERE`, each with its reason, so a
+new block forces a decision.
+
+The clone is the tracked files of this checkout copied to a temporary folder; it gets a new
+``.venv`` exactly as the README says (about 15 s with pip's cache warm). The port is changed
+through ``DJFLOW_ADDR``, which the README's commands honour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+README = BASE_DIR / "README.md"
+BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>\w+) -->\n)?```sh\n(?P<body>.*?)```", re.S)
+# Blocks that cannot run on this machine, by their first line, and why.
+NOT_RUN_HERE = {
+    # The test command itself: this test is part of it.
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest",
+    # Production hosts (db.example.com, redis.example.com) that do not exist here.
+    "export DATABASE_URL=postgres://djflow:secret@db.example.com:5432/djflow",
+    # No Docker engine runs on this machine (its client does, but not `docker compose up`).
+    "SECRET_KEY=$(python3 -c 'import secrets; print(secrets.token_urlsafe(50))') "
+    "docker compose up --build",
+}
+SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DIR")
+
+pytestmark = pytest.mark.slow
+
+
+def readme_blocks() -> list[tuple[str | None, str]]:
+    return [(m["mark"], m["body"]) for m in BLOCK.finditer(README.read_text())]
+
+
+def test_every_block_is_run_or_says_why_not() -> None:
+    blocks = readme_blocks()
+    assert blocks[0][0] == "background", "the README starts with the command that runs it"
+    unmarked = {body.splitlines()[0].rstrip(" \\") for mark, body in blocks if mark is None}
+    assert unmarked <= {line.rstrip(" \\") for line in NOT_RUN_HERE}, unmarked
+    assert {mark for mark, _ in blocks} <= {"background", "run", None}
+
+
+def _fresh_clone(target: Path) -> None:
+    files = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=BASE_DIR, capture_output=True, check=True
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = BASE_DIR / name.decode()
+        if source.is_file():
+            (target / name.decode()).parent.mkdir(parents=True, exist_ok=True)
+            (target / name.decode()).write_bytes(source.read_bytes())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = log.read_text(errors="replace")
+        if text in content:
+            return content
+        if proc.poll() is not None:
+            pytest.fail(f"the first command exited with {proc.returncode}:\n{content}")
+        time.sleep(0.5)
+    pytest.fail(f"no {text!r} within {timeout}s:\n{log.read_text(errors='replace')}")
+
+
+def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
+    clone = tmp_path / "djflow"
+    clone.mkdir()
+    _fresh_clone(clone)
+    port = _free_port()
+    # A user's shell: none of the services pytest-env points the tests at (the README's
+    # first hour is the embedded default), and the port moved by the README's own variable.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in SERVICE_VARS and not k.startswith("CELERY_") and k != "VIRTUAL_ENV"
+    }
+    env.update(DJFLOW_ADDR=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(BASE_DIR))
+    )
+    blocks = readme_blocks()
+    [first] = [body for mark, body in blocks if mark == "background"]
+    pasted = "\n".join(body for mark, body in blocks if mark == "run")
+
+    log = tmp_path / "first-terminal.log"
+    with log.open("wb") as out:
+        first_terminal = subprocess.Popen(
+            ["bash", "-c", first],
+            cwd=clone,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_for_line(log, "djflow is up", first_terminal, timeout=240)
+        # The first start made a superuser and printed its password once: it signs in.
+        started = _wait_for_line(log, "The password is shown this once", first_terminal, 10)
+        password = re.search(r"^\s+password\s+(\S+)$", started, re.M)
+        assert password, started
+        session = _signed_in(f"http://127.0.0.1:{port}", "admin", password.group(1))
+        assert session, "the printed password does not sign in"
+
+        second_terminal = subprocess.run(
+            ["bash", "-e", "-c", pasted],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second_terminal.returncode == 0, second_terminal.stdout + second_terminal.stderr
+        run_id = _started_run(second_terminal.stdout)
+        # The README's hello: saved, then refused at start, naming the handler no worker has.
+        assert '"created":true' in second_terminal.stdout.replace(" ", "")
+        assert "steps[0].handler" in second_terminal.stdout
+        assert "hello.greet" in second_terminal.stdout
+        token = subprocess.run(
+            [".venv/bin/python", "manage.py", "drf_create_token", "admin"],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()[2]
+        run = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{run_id}", token)
+        assert run["status"] == "completed", run
+        assert run["output"] == {"sent": True}
+    finally:
+        os.killpg(first_terminal.pid, signal.SIGINT)
+        try:
+            first_terminal.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(first_terminal.pid, signal.SIGKILL)
+            first_terminal.wait()
+    assert first_terminal.returncode in (0, -signal.SIGINT), log.read_text()
+
+
+def _signed_in(base: str, username: str, password: str) -> bool:
+    """Sign in through the login form, as a person would."""
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+    form = opener.open(f"{base}/accounts/login/").read().decode()
+    csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form)
+    assert csrf, form
+    body = urllib.parse.urlencode(
+        {"username": username, "password": password, "csrfmiddlewaretoken": csrf.group(1)}
+    ).encode()
+    request = urllib.request.Request(
+        f"{base}/accounts/login/", data=body, headers={"Referer": f"{base}/accounts/login/"}
+    )
+    with opener.open(request) as response:
+        return response.url.rstrip("/") == base and "Log out" in response.read().decode()
+
+
+def _started_run(output: str) -> str:
+    """The id of the support_ticket run the pasted blocks started: the first JSON object
+    printed that is a run of it (curl prints bodies with no newline after them)."""
+    decoder, position = json.JSONDecoder(), 0
+    while (start := output.find("{", position)) != -1:
+        try:
+            body, position = decoder.raw_decode(output, start)
+        except ValueError:
+            position = start + 1
+            continue
+        if isinstance(body, dict) and body.get("workflow") == "support_ticket" and "id" in body:
+            return body["id"]
+    raise AssertionError(f"no run in the output:\n{output}")
+
+
+def _wait_for_run(url: str, token: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(url, headers={"Authorization": f"Token {token}"})
+    while True:
+        with urllib.request.urlopen(request) as response:
+            run = json.loads(response.read())
+        if run["status"] in ("completed", "failed", "cancelled", "timed_out"):
+            return run
+        if time.monotonic() > deadline:
+            return run
+        time.sleep(0.5)
