@@ -107,26 +107,8 @@ HANDED_BACK = "unservable"
 
 class HandedBack(Exception):
     """The task's own attempt was handed back: this worker lacks its handler, and the
-    attempt waits for another worker (offered again, or waiting for one to start). The
-    message is done with; ``execute_step`` ends it as REJECTED, not SUCCESS."""
-
-
-def report_handed_back(task: Any, reason: str) -> None:
-    """Tell Flower the task was rejected, as Celery's own reject would.
-
-    Celery has no ending that says so by itself: a task that raises ``Ignore`` sends no
-    event after ``task-started`` (Flower shows it STARTED for ever), and one that raises
-    ``Reject(requeue=False)`` sends ``task-failed`` before ``task-rejected`` (Flower shows
-    FAILURE, and ``task_failure`` fires: an alert for a routine hand-back). So the task
-    raises ``Ignore`` and sends ``task-rejected`` itself, only when the worker sends task
-    events for it (``task_events.HEADER``); publishing is best-effort.
-    """
-    if not getattr(task.request, task_events.HEADER, False):
-        return
-    try:
-        task.send_event("task-rejected", retry=False, requeue=False, reason=reason)
-    except Exception:
-        logger.debug("task-rejected for %s not sent", task.request.id, exc_info=True)
+    attempt waits for another worker (offered again under the same task id, at once or by
+    the reconciler). ``execute_step`` ends as RETRY, not SUCCESS (see there)."""
 
 
 def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str, Held | None]:

@@ -6,7 +6,7 @@ module reports each attempt the carrier runs as a task of its own, named
 ``<workflow>.<step>``: ``task-received`` and ``task-started`` before the body, then
 ``task-succeeded``; ``task-failed``, or ``task-retried`` when a next attempt is already due or
 waits for its back-off; ``task-revoked`` when the attempt was not (or no longer) this
-worker's (claimed by another delivery, given up meanwhile); ``task-rejected`` for any other
+worker's (claimed by another delivery, given up meanwhile); ``task-retried`` for any other
 outcome (handed back: this worker lacks the handler), so a hand-back never shows as SUCCESS.
 
 The first attempt gets its task too, and the carrier keeps its own name
@@ -206,7 +206,10 @@ class StepEvents:
             return kind, {"exception": error, "runtime": runtime}
         if outcome in _NOT_OURS:
             return "task-revoked", {"terminated": False, "expired": False, "runtime": runtime}
-        return "task-rejected", {"requeue": True, "runtime": runtime}
+        # Handed back: offered again (task-rejected would rank below task-started in
+        # Celery's event state, and Flower would show STARTED for ever).
+        handed_back = "handed back: this worker lacks the handler"
+        return "task-retried", {"exception": handed_back, "runtime": runtime}
 
     def _send(self, step: _Step, events: Callable[[], list[tuple[str, dict[str, Any]]]]) -> None:
         """Publish the ``events()`` of ``step`` in one message; a failure (to build them or
