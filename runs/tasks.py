@@ -20,7 +20,10 @@ def advance(run_id: str) -> None:
     run_advance(run_id=run_id)
 
 
-@shared_task(name="runs.fire_timers", ignore_result=True)
+# No task events for the one-second tick: Flower keeps the newest 10,000 tasks, and 86,400
+# ticks a day would push every step out of its list within three hours. A stuck clock shows
+# in the timers' lag (the admin's timer list), not in Flower; the reconciler keeps its events.
+@shared_task(name="runs.fire_timers", ignore_result=True, send_events=False)
 def fire_timers() -> int:
     """The engine's clock tick (beat, every second): fire due timers, advance their runs.
     Said at info only when it fired some: an idle tick is debug (config.logging drops

@@ -231,3 +231,20 @@ def test_task_events_follow_enable_and_disable_events_at_run_time(
     time.sleep(1.0)
     assert flower.tasks(hidden) == []
     assert len(flower.task_events()) == count
+
+
+def test_the_clock_tick_stays_out_of_flowers_list(
+    celery_worker, celery_processes, flower: FlowerView
+) -> None:
+    """Flower keeps the newest 10,000 tasks; a tick every second would push every step out
+    of its list within three hours. The tick sends no events; the reconciler, every 30 s,
+    does. Both go to the timers queue, in order: once the reconciler shows, the tick ran."""
+    celery_worker(workflow_modules=FLOWS, extra_args=["-E"])
+    app.send_task("runs.fire_timers")
+    reconcile = app.send_task("runs.reconcile")
+    wait_for(
+        lambda: (task := flower.task(reconcile.id)) is not None and task.state == states.SUCCESS,
+        timeout=15,
+        message=celery_processes.logs,
+    )
+    assert [e for e in flower.task_events() if e.get("name") == "runs.fire_timers"] == []
