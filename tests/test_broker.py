@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -176,3 +179,38 @@ def test_a_message_that_does_not_decode_is_set_aside_and_the_next_one_delivered(
         f"000000000000000_empty.{QUEUE}.msg"
     ]
     assert "does not decode" in caplog.text
+
+
+# Prints the class of the transport the Celery app's connections use, from a fresh process.
+TRANSPORT_PROBE = """
+from config.celery import app
+transport = type(app.connection().transport)
+print(f"{transport.__module__}:{transport.__qualname__}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "transport"),
+    [
+        (None, OURS),  # the embedded default
+        ("filesystem://", OURS),
+        ("redis://127.0.0.1:6379/8", "kombu.transport.redis:Transport"),
+    ],
+)
+def test_the_file_system_broker_is_config_broker_whether_defaulted_or_named(
+    tmp_path: Path, broker_url: str | None, transport: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_")}
+    env.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path))
+    if broker_url is not None:
+        env["CELERY_BROKER_URL"] = broker_url
+    done = subprocess.run(
+        [sys.executable, "-c", TRANSPORT_PROBE],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == transport
