@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
@@ -535,3 +536,52 @@ def test_a_plain_user_named_admin_is_not_promoted(db, monkeypatch) -> None:
     get_user_model().objects.create_user(username="admin", password="x")
     assert superuser_ensure(username="admin", password=None, email="", named=False) is None
     assert not get_user_model().objects.filter(is_superuser=True).exists()
+
+
+def _supervisor(children: dict[str, list[str]]) -> tuple[Any, StringIO]:
+    """A standalone Command supervising real little processes instead of the engine's."""
+    from workers.management.commands.standalone import Child, Command
+
+    err = StringIO()
+    command = Command(stdout=StringIO(), stderr=err)
+    command._stop_signal, command._announced, command._new_superuser = None, False, None
+    command._env, command._preexec = dict(os.environ), None
+    command._children = {name: Child(name, argv) for name, argv in children.items()}
+    for child in command._children.values():
+        command._spawn(child)
+    return command, err
+
+
+@pytest.mark.parametrize("port_taken", [False, True])
+def test_a_web_server_that_exits_before_it_answered_stops_the_start(port_taken: bool) -> None:
+    from django.core.management.base import CommandError
+
+    from workers.management.commands.standalone import Address
+
+    command, err = _supervisor({"web": [sys.executable, "-c", "raise SystemExit(3)"]})
+    with socket.socket() as taken:
+        if port_taken:  # bound, not listening: nothing answers, as when runserver lost a race
+            taken.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{taken.getsockname()[1] if port_taken else _free_port()}"
+        expected = "is already in use" if port_taken else "exited with code 3 at start"
+        with pytest.raises(CommandError, match=expected):
+            command._supervise(Address.parse(addr), addr)
+    assert (
+        "web (pid " in err.getvalue() and "exited with code 3 before it answered" in err.getvalue()
+    )
+
+
+def test_a_child_that_keeps_crashing_is_retried_at_the_most_back_off_loudly() -> None:
+    from workers.management.commands.standalone import Child, Command
+
+    err = StringIO()
+    command = Command(stdout=StringIO(), stderr=err)
+    child = Child("beat", ["beat"], started_at=100.0)
+    for crash in range(6):
+        command._schedule_restart(child, 4000 + crash, -9, now=100.5)
+    lines = err.getvalue().splitlines()
+    assert lines[0] == "beat (pid 4000) was killed by SIGKILL (signal 9); restarting beat in 1 s."
+    assert "(2 crashes in a row); restarting beat in 2 s." in lines[1]
+    assert "(6 crashes in a row); restarting beat in 30 s." in lines[-2]
+    assert lines[-1].startswith("beat keeps crashing: its output above says why.")
+    assert child.process is None and child.restart_at == 130.5
