@@ -135,6 +135,7 @@ def test_on_error_continue_goes_on_and_a_later_guard_reads_the_status(
     assert run.output == {"saw": {"status": "failed", "class": "fatal"}}
 
 
+@pytest.mark.start_checks_workers(False)  # started before any worker exists, on purpose
 def test_a_duplicate_delivery_runs_the_handler_once(celery_worker, celery_processes) -> None:
     sync_modules(FLOWS)
     run = start("fragile", {})
@@ -251,6 +252,7 @@ def test_retry_from_the_failed_step_keeps_what_succeeded(celery_worker, celery_p
     assert run.generation == 2
 
 
+@pytest.mark.start_checks_workers(False)  # started before a worker that serves it, on purpose
 def test_unservable_is_requeued_for_another_worker_without_using_the_budget(
     celery_worker, celery_beat, celery_processes
 ) -> None:
