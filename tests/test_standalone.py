@@ -201,6 +201,8 @@ def test_standalone_runs_web_worker_and_beat_and_stops_them_all(tmp_path: Path) 
         base = f"http://127.0.0.1:{port}"
         for where in (f"{base}/ ", f"{base}/admin/ ", f"{base}/api/v1/docs/ "):
             assert where in text, text
+        # "Up" waits for the worker (its first heartbeat), so a start made then is served.
+        assert text.index(" ready.") < text.index("djflow is up"), text
         password = re.search(r"^    password  (\S+)$", text, re.MULTILINE)
         assert password, text
         assert re.search(r"^    username  admin$", text, re.MULTILINE), text

@@ -21,6 +21,9 @@ Links: unless ``SITE_URL`` is set, the children get ``SITE_URL=http://<host>:<po
 
 Supervision rules:
 
+- "djflow is up" is said once the web server answers and the worker has sent its first
+  heartbeat (``workflows.heartbeats``), so a run started then is not refused for want of a
+  live worker; after ``WORKER_READY_SECONDS`` without one it is said anyway, with a warning.
 - A busy ``--addr`` is an error before anything starts, and so is a web server that exits
   before it first answered (a port taken in between, or any other start-up failure).
 - A child that exits on its own afterwards (a crash, a SIGKILL, the OOM killer) is reported
@@ -65,10 +68,16 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import transaction
+from django.db import connection, transaction
 from django.urls import reverse
+from django.utils import timezone
+
+from workflows.heartbeats import workers_seen
 
 POLL_SECONDS = 0.2
+# "Up" waits for the worker's first heartbeat (a start before it is refused: no live worker
+# serves the handlers) for at most this long, then says up anyway, with a warning.
+WORKER_READY_SECONDS = 60.0
 DEFAULT_ADDR = "127.0.0.1:8000"
 DEFAULT_SUPERUSER = "admin"
 # Loaded when the user names no modules of their own (WORKFLOW_MODULES unset): the contract's
@@ -408,6 +417,7 @@ class Command(BaseCommand):
             "beat": [*celery, "beat", "-l", "info"],
         }
         self._env = child_env(address, modules, dict(os.environ))
+        self._started_at = timezone.now()
         self._preexec = _die_with_parent()
         children = {name: Child(name, command) for name, command in commands.items()}
         for child in children.values():
@@ -443,9 +453,25 @@ class Command(BaseCommand):
                 if child.name == "web" and not self._announced:
                     self._web_failed_at_start(child.process.pid, code, address, addr)
                 self._schedule_restart(child, child.process.pid, code, now)
-            if not self._announced and address.answers():
+            if not self._announced and address.answers() and self._worker_ready():
                 self._announce(address)
             time.sleep(POLL_SECONDS)
+
+    def _worker_ready(self) -> bool:
+        """The worker child has sent its first heartbeat (or has had long enough)."""
+        worker = self._children.get("worker")
+        if worker is None or worker.process is None:
+            return False
+        pid = worker.process.pid
+        if any(seen.pid == pid for seen in workers_seen(since=self._started_at)):
+            return True
+        if time.monotonic() - worker.started_at < WORKER_READY_SECONDS:
+            return False
+        self.stderr.write(
+            f"The worker (pid {pid}) has sent no heartbeat in {WORKER_READY_SECONDS:g} s: "
+            "runs may be refused until it does; its output above may say why."
+        )
+        return True
 
     def _web_failed_at_start(self, pid: int, code: int, address: Address, addr: str) -> None:
         self.stderr.write(f"web (pid {pid}) {describe_exit(code)} before it answered.")
@@ -475,6 +501,7 @@ class Command(BaseCommand):
 
     def _announce(self, address: Address) -> None:
         self._announced = True
+        connection.close()  # the supervisor reads no more; hold nothing on the database
         base = address.base_url
         self.stdout.write(
             "\n".join(
