@@ -83,9 +83,7 @@ class FanOuts:
         self.offered.append(len(step_runs))
 
         def send() -> None:
-            header = [
-                dispatch._execute_signature(s, workflow_id, ignore_result=False) for s in step_runs
-            ]
+            header = [dispatch._execute_signature(s, ignore_result=False) for s in step_runs]
             if self.body is None:
                 group(header).apply_async()
             else:
