@@ -315,7 +315,14 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "INFO"},
-        **{name: {"filters": ["quiet_clock"]} for name in CELERY_TASK_LOGGERS},
+        # DJFLOW_LOG_CLOCK=true keeps Celery's routine lines about the clock's tasks (beat's
+        # "Sending due task", the worker's received/succeeded): for a clock that seems stuck.
+        **{
+            name: {
+                "filters": [] if env.bool("DJFLOW_LOG_CLOCK", default=False) else ["quiet_clock"]
+            }
+            for name in CELERY_TASK_LOGGERS
+        },
     },
 }
 

@@ -52,7 +52,7 @@ def test_beat_stops_at_once_when_terminated_inside_a_database_call(
     # while beat's pass was in a query, that save waited for the connection's lock, held by
     # the interrupted query, and beat hung until SIGKILL. Hold beat inside a query (each pass
     # reads the schedule-change table, locked here), then terminate it.
-    beat = celery_beat()
+    beat = celery_beat(env={"DJFLOW_LOG_CLOCK": "true"})
     # Past its start-up (the entries are installed): it ticks.
     wait_for(lambda: "Sending due task" in beat.logs(), timeout=10, message=beat.logs)
     table = PeriodicTasks._meta.db_table

@@ -244,7 +244,8 @@ def test_two_beats_fire_each_timer_once_and_each_run_completes_once(
 ) -> None:
     # Small batches: each tick claims a few timers at a time and advances their runs itself,
     # so the two beats' ticks, run side by side by the two pool processes, interleave.
-    small = {"DJFLOW_TIMER_BATCH": "5"}
+    # The clock's routine lines logged: they are what this test counts.
+    small = {"DJFLOW_TIMER_BATCH": "5", "DJFLOW_LOG_CLOCK": "true"}
     worker = celery_worker(workflow_modules=FLOWS, env=small, concurrency=2)
     beats = [celery_beat(env=small), celery_beat(env=small)]
     count = 200
