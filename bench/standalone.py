@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,10 +123,16 @@ def broker_env(broker: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_standalone(
-    var_dir: Path, log: Path, *, broker: str = "filesystem", up_seconds: float = 90
+    var_dir: Path,
+    log: Path,
+    *,
+    broker: str = "filesystem",
+    up_seconds: float = 90,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[Standalone]:
-    """Start ``manage.py standalone`` on the embedded default under ``var_dir``; stop it after."""
-    env = {**_embedded_env(var_dir), **broker_env(broker)}
+    """Start ``manage.py standalone`` on the embedded default under ``var_dir`` (``env`` added
+    to its environment); stop it after."""
+    env = {**_embedded_env(var_dir), **broker_env(broker), **(env or {})}
     port = _free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(

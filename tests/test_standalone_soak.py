@@ -15,15 +15,23 @@ idle) runs in the normal suite, marked ``slow``. ``DJFLOW_SOAK_RUNS``,
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import signal
+import sqlite3
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.standalone import (
     create_token,
+    run_statuses,
     running_standalone,
     start_first_run,
     start_runs,
@@ -90,3 +98,56 @@ def test_the_standalone_survives_a_short_soak(tmp_path: Path) -> None:
         clients=4,
         idle_seconds=float(os.environ.get("DJFLOW_SOAK_CI_IDLE_SECONDS", "20")),
     )
+
+
+def _worker_pid(output: str) -> int:
+    """The pid of the standalone's worker, as it announced it ("Started worker (pid N).")."""
+    [pid] = re.findall(r"Started worker \(pid (\d+)\)", output)
+    return int(pid)
+
+
+def _failed_runs(database: Path) -> list[tuple[str, str]]:
+    """(error class, step) of every failed run, from the standalone's SQLite file."""
+    with contextlib.closing(sqlite3.connect(database, timeout=20)) as db:
+        rows = db.execute("SELECT error FROM runs_run WHERE status = 'failed'").fetchall()
+    return [(error["class"], error["step"]) for error in (json.loads(row[0]) for row in rows)]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_burst_is_restarted_and_every_run_ends(tmp_path: Path) -> None:
+    """kill -9 of the worker (its whole process group: the pool too) while 200 runs are
+    being started: the standalone restarts it, and every run ends. A run whose
+    ``at_most_once`` step (the example's ``send``) was running when the worker died fails
+    with class ``lost`` instead of sending twice; every other run completes. Short leases and
+    reconciler period, so lost work is found in seconds, not the default minute."""
+    quick = {
+        "DJFLOW_LEASE_SECONDS": "3",
+        "DJFLOW_RECONCILE_SECONDS": "3",
+        "DJFLOW_LOST_MESSAGE_SECONDS": "3",
+    }
+    runs = 200
+    with running_standalone(tmp_path / "var", tmp_path / "standalone.log", env=quick) as sa:
+        token = create_token(sa)
+        start_first_run(sa.base_url, token)
+        worker = _worker_pid(sa.output())
+        starts: list[Any] = []
+        starting = threading.Thread(
+            target=lambda: starts.append(start_runs(sa.base_url, token, runs=runs, clients=4))
+        )
+        starting.start()
+        # A quarter of the burst in, the worker is busy: kill it.
+        while sum(run_statuses(sa.database).values()) < 1 + runs // 4:
+            time.sleep(0.05)
+        os.killpg(worker, signal.SIGKILL)
+        starting.join(timeout=120)
+        [started] = starts
+        assert started.errors == [], (started.errors[:5], sa.output()[-5000:])
+
+        statuses = wait_until_terminal(sa.database, total=1 + runs, seconds=120)
+        output = sa.output()
+        assert re.search(rf"worker \(pid {worker}\) was killed by SIGKILL", output), output
+        assert "Restarted worker" in output, output
+        assert set(statuses) <= {"completed", "failed"}, (statuses, output[-5000:])
+        assert statuses["completed"] >= runs - 4, statuses  # at most one lost send per slot
+        assert set(_failed_runs(sa.database)) <= {("lost", "send")}
+        print(f"worker killed a quarter into {runs} runs: {dict(statuses)}")
