@@ -6,10 +6,15 @@ cannot be handled.
   (a 500) somewhere. No workflow document or run input needs more.
 - ``\u0000`` in a string or a key: JSON allows it, Postgres' ``jsonb`` and text do not, so
   storing it would fail after validation. Each place is named (``input.a[0].b``).
+- A lone surrogate (``\ud800`` to ``\udfff`` not part of a pair) in a string or a key: JSON
+  allows it, but it is not text that UTF-8 can carry. Stored (SQLite keeps it), it made every
+  answer that included it a 500 in the renderer, for every user: one run broke the run list.
+  Python's JSON parser joins a valid pair into one character, so any surrogate left is lone.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from rest_framework import parsers
@@ -19,25 +24,35 @@ from workflows.errors import FieldError, InvalidInput
 from workflows.validation import field_path
 
 MAX_JSON_DEPTH = 100
-NUL = "the character \\u0000"
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
-def nul_problems(value: Any) -> list[FieldError]:
-    """Every place in ``value`` holding ``\u0000``; a key's problem is named at its object."""
+def _unstorable(text: str) -> str | None:
+    """What in ``text`` cannot be stored, or None."""
+    found = UNSTORABLE.search(text)
+    if found is None:
+        return None
+    if found.group() == "\x00":
+        return "the character \\u0000"
+    return f"a lone surrogate (\\u{ord(found.group()):04x})"
+
+
+def text_problems(value: Any) -> list[FieldError]:
+    """Every place in ``value`` holding ``\u0000`` or a lone surrogate; a key's problem is
+    named at its object."""
     problems: list[FieldError] = []
     stack: list[tuple[Any, list[str | int]]] = [(value, [])]
     while stack:
         item, path = stack.pop()
         where = field_path(path) or "body"
         if isinstance(item, str):
-            if "\x00" in item:
-                problems.append(FieldError(where, f"a string may not contain {NUL}"))
+            if (what := _unstorable(item)) is not None:
+                problems.append(FieldError(where, f"a string may not contain {what}"))
         elif isinstance(item, dict):
             for key, child in item.items():
-                if "\x00" in key:
-                    problems.append(
-                        FieldError(where, "a key may not contain the character \\u0000")
-                    )
+                if (what := _unstorable(key)) is not None:
+                    problems.append(FieldError(where, f"a key may not contain {what}"))
+                    continue  # its path cannot be named in text either
                 stack.append((child, [*path, key]))
         elif isinstance(item, list):
             stack.extend((child, [*path, index]) for index, child in enumerate(item))
@@ -66,7 +81,7 @@ class JSONParser(parsers.JSONParser):
             raise ParseError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
         if json_depth(data) > MAX_JSON_DEPTH:
             raise ParseError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
-        problems = nul_problems(data)
+        problems = text_problems(data)
         if problems:
             raise InvalidInput(errors=problems)
         return data

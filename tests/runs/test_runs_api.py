@@ -240,6 +240,11 @@ def test_input_failing_the_input_schema_is_a_400_naming_the_field(
         (b'{"workflow": "a\\u0000b"}', "workflow"),
         (b'{"workflow": "support_ticket", "input": {"a\\u0000": [{"b": "\\u0000"}]}}', "input"),
         (b'{"workflow": "support_ticket", "input": {"a": [{"b": "\\u0000"}]}}', "input.a[0].b"),
+        # Lone surrogates: stored, they made every answer holding them a 500, for everyone.
+        (b'{"workflow": "support_ticket", "input": {"ticket": "Q: \\ud800 x"}}', "input.ticket"),
+        (b'{"workflow": "support_ticket", "input": {"t": "\\udfff"}}', "input.t"),
+        (b'{"workflow": "support_ticket", "input": {"k\\ud800": {"x": "\\udc00"}}}', "input"),
+        (b'{"workflow": "support_ticket", "correlation": "\\ud83d"}', "correlation"),
     ],
 )
 def test_bad_bodies_are_a_400_naming_the_field(
@@ -624,3 +629,32 @@ def test_times_are_iso_8601(api: APIClient) -> None:
     body = api.get(f"/api/v1/runs/{run.id}").json()
     assert body["finished_at"].endswith("Z") or "+" in body["finished_at"]
     assert run.finished_at - run.created_at == timedelta(seconds=1)
+
+
+def test_a_valid_surrogate_pair_is_text_and_is_kept(api: APIClient, version) -> None:
+    body = b'{"workflow": "support_ticket", "input": {"ticket": "Q: \\ud83d\\ude00 ok"}}'
+    response = api.generic("POST", "/api/v1/runs", body, content_type="application/json")
+    assert response.status_code == 201, response.content
+    assert Run.objects.get().input == {"ticket": "Q: \N{GRINNING FACE} ok"}
+    assert api.get("/api/v1/runs").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("url", "raw", "field"),
+    [
+        ("/api/v1/events", b'{"name": "n", "key": "k", "payload": {"x": "\\ud800"}}', "payload.x"),
+        ("/api/v1/events", b'{"name": "\\udfff", "key": "k"}', "name"),
+        (
+            "/api/v1/definitions",
+            b'{"id": "s", "description": "\\ud800", "steps": []}',
+            "description",
+        ),
+    ],
+)
+def test_lone_surrogates_are_a_400_on_every_body(
+    api: APIClient, url: str, raw: bytes, field: str
+) -> None:
+    response = api.generic("POST", url, raw, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert field in _fields(response), response.json()
+    assert "lone surrogate" in json.dumps(response.json())
