@@ -42,13 +42,18 @@ class ContractCursorPagination(CursorPagination):
         return size
 
     def decode_cursor(self, request: Any) -> Any:
+        bad = InvalidInput(errors=[FieldError("cursor", "is not a cursor this API gave out")])
         try:
-            return super().decode_cursor(request)
+            cursor = super().decode_cursor(request)
         except NotFound:
             # DRF answers 404 for a cursor it cannot read; it is the client's bad input.
-            raise InvalidInput(
-                errors=[FieldError("cursor", "is not a cursor this API gave out")]
-            ) from None
+            raise bad from None
+        # DRF reads any base64 (or an empty value) without a position or an offset as the
+        # first page; every cursor this API gives out has one, so such a value is a mistake
+        # to name, not to answer with page one.
+        if cursor is not None and not (cursor.position or cursor.offset or cursor.reverse):
+            raise bad
+        return cursor
 
     def next_cursor(self) -> str | None:
         link = self.get_next_link()

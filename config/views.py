@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 from django.views import defaults
@@ -26,6 +28,10 @@ def server_error(request: HttpRequest) -> HttpResponse:
 
 def bad_request(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     if request.path.startswith("/api/"):
+        if isinstance(exception, RequestDataTooBig):
+            limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+            message = f"is larger than {limit} bytes (DJFLOW_MAX_DOCUMENT_BYTES)"
+            return JsonResponse({"errors": [{"field": "body", "message": message}]}, status=413)
         return JsonResponse({"errors": [{"message": "bad request"}]}, status=400)
     return defaults.bad_request(request, exception)
 

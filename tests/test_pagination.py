@@ -28,3 +28,14 @@ def test_a_limit_in_range_is_taken(api: APIClient, url: str, limit: str) -> None
     response = api.get(url, {"limit": limit})
     assert response.status_code == 200, response.content
     assert response.json()["next"] is None
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("url", LISTS)
+@pytest.mark.parametrize("cursor", ["AAAA", "!!!!", "", "bz0w", "cT1h"])
+def test_a_cursor_this_api_did_not_give_out_is_a_400(api: APIClient, url: str, cursor: str) -> None:
+    """``AAAA`` and ``bz0w`` (``o=0``) decode to no position, ``cT1h`` to ``q=a``: DRF would
+    answer each with the first page."""
+    response = api.get(url, {"cursor": cursor})
+    assert response.status_code == 400, response.content
+    assert [e["field"] for e in response.json()["errors"]] == ["cursor"]
