@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -587,3 +588,22 @@ def test_a_child_that_keeps_crashing_is_retried_at_the_most_back_off_loudly() ->
     assert "(6 crashes in a row); restarting beat in 30 s." in lines[-2]
     assert lines[-1].startswith("beat keeps crashing: its output above says why.")
     assert child.process is None and child.restart_at == 130.5
+
+
+def test_a_second_standalone_on_the_same_var_dir_is_refused(tmp_path: Path) -> None:
+    """One standalone per var dir on the embedded default: the lock is held here as a
+    running standalone holds it, and a second one on another port stops before it
+    migrates or starts anything, naming the holder."""
+    var = tmp_path / "var"
+    var.mkdir()
+    with (var / "standalone.lock").open("a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242")
+        held.flush()
+        env = _embedded_env(var)
+        env["DJFLOW_ADDR"] = f"127.0.0.1:{_free_port()}"
+        done = _manage(env, "standalone")
+    assert done.returncode != 0
+    assert f"another standalone (pid 4242) runs on {var}" in done.stderr, done.stderr
+    assert "Started" not in done.stdout, done.stdout
+    assert not (var / "db.sqlite3").exists()  # not even migrated

@@ -51,6 +51,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import secrets
 import signal
@@ -62,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import IO, Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -290,6 +291,7 @@ class Command(BaseCommand):
         # start a worker and beat, and print "up" before its web server fails.
         if (error := address.bind_error()) is not None:
             raise CommandError(cannot_listen(addr, error))
+        self._var_dir_lock = self._claim_var_dir()
         self._stop_signal: int | None = None
         self._children: dict[str, Child] = {}
         self._announced = False
@@ -321,6 +323,33 @@ class Command(BaseCommand):
                 if child.process is not None and child.process.poll() is None:
                     child.process.send_signal(signum)
         self._stop_signal = signum
+
+    def _claim_var_dir(self) -> IO[str] | None:
+        """On the embedded default, one standalone per var dir: a second one (another port,
+        the same folder) would start a second worker and beat on the same SQLite file and
+        broker folders, and both workers are named after the host, so the Worker heartbeats
+        page would show one. An advisory lock held for this process's life says who has it;
+        the kernel drops it when this process dies, however it dies."""
+        if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3":
+            return None  # a shared server database: more standalones are more workers
+        path = Path(settings.VAR_DIR) / "standalone.lock"
+        lock = path.open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise CommandError(
+                f"another standalone (pid {holder}) runs on {settings.VAR_DIR}: two would share "
+                "one SQLite database and broker. Stop it, or give this one a folder of its own "
+                "with DJFLOW_VAR_DIR."
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        return lock
 
     def _make_var_dirs(self) -> None:
         """The folders the embedded default writes to; settings create only the var dir."""
@@ -477,6 +506,7 @@ class Command(BaseCommand):
         self.stderr.write(f"web (pid {pid}) {describe_exit(code)} before it answered.")
         if (error := address.bind_error()) is not None:
             raise CommandError(cannot_listen(addr, error))
+        self._var_dir_lock = self._claim_var_dir()
         raise CommandError(
             f"the web server {describe_exit(code)} at start; its output above says why"
         )
