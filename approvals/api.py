@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs.views import RunPagination
-from workflows.errors import FieldError, NotFound
+from workflows.errors import FieldError, NotFound, echo
 from workflows.views import ERRORS
 
 from . import selectors
@@ -51,14 +51,14 @@ def _approval_id(raw: str) -> uuid.UUID:
     try:
         return uuid.UUID(raw)
     except ValueError:
-        raise NotFound(errors=[FieldError("id", f"no approval {raw}")]) from None
+        raise NotFound(errors=[FieldError("id", f"no approval {echo(raw)}")]) from None
 
 
 def _readable(raw: str, user: Any) -> ApprovalRequest:
     """The approval, for one of its approvers; 404 when unknown, 403 for anyone else."""
     approval = _with_rows(ApprovalRequest.objects.filter(id=_approval_id(raw))).first()
     if approval is None:
-        raise NotFound(errors=[FieldError("id", f"no approval {raw}")])
+        raise NotFound(errors=[FieldError("id", f"no approval {echo(raw)}")])
     if approver_for(approval, user) is None:
         raise NotApprover(errors=[FieldError(None, "you are not among this approval's approvers")])
     return approval

@@ -15,6 +15,7 @@ cannot be handled.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 from rest_framework import parsers
@@ -79,6 +80,15 @@ class JSONParser(parsers.JSONParser):
             data = super().parse(stream, media_type, parser_context)
         except RecursionError:
             raise ParseError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep") from None
+        except ParseError as error:
+            # Python refuses integers of more than 4,300 digits (CVE-2020-10735) and says so
+            # with advice for Python programmers; a client needs only the limit.
+            if "int_max_str_digits" in str(error.detail):
+                raise ParseError(
+                    f"JSON parse error: a number has more than {sys.get_int_max_str_digits()} "
+                    "digits"
+                ) from None
+            raise
         if json_depth(data) > MAX_JSON_DEPTH:
             raise ParseError(f"JSON nested more than {MAX_JSON_DEPTH} levels deep")
         problems = text_problems(data)

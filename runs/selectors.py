@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import Prefetch, QuerySet
 
-from workflows.errors import FieldError, NotFound
+from workflows.errors import FieldError, NotFound, echo
 
 from .models import Run, StepRun
 
@@ -44,7 +44,7 @@ def run_get(*, run_id: Any) -> Run:
     try:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
-        raise NotFound(errors=[FieldError("id", f"'{run_id}' is not a run id")]) from None
+        raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
     run = run_detail_queryset().filter(id=key).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])

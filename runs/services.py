@@ -14,7 +14,7 @@ from django.utils import timezone
 from jsonschema import Draft202012Validator
 
 from workflows import heartbeats
-from workflows.errors import FieldError, InvalidInput, NotFound
+from workflows.errors import FieldError, InvalidInput, NotFound, echo
 from workflows.models import WorkflowVersion
 from workflows.validation import field_path
 
@@ -123,7 +123,7 @@ def _locked(run_id: Any) -> Run:
     try:
         run_id = uuid.UUID(str(run_id))
     except ValueError:
-        raise NotFound(errors=[FieldError("id", f"'{run_id}' is not a run id")]) from None
+        raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
     run = Run.objects.select_for_update().filter(id=run_id).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])

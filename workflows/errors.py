@@ -37,6 +37,13 @@ class EngineError(Exception):
         return {"errors": [e.as_dict() for e in self.errors]}
 
 
+def echo(value: object, limit: int = 64) -> str:
+    """A client's value as an error message repeats it: at most ``limit`` characters, so a
+    3,000-character id in a path is not sent back whole."""
+    text = str(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _describe(error: FieldError) -> str:
     return f"{error.field}: {error.message}" if error.field else error.message
 

@@ -658,3 +658,15 @@ def test_lone_surrogates_are_a_400_on_every_body(
     assert response.status_code == 400, response.content
     assert field in _fields(response), response.json()
     assert "lone surrogate" in json.dumps(response.json())
+
+
+def test_a_huge_number_or_id_is_refused_in_a_few_words(api: APIClient, version) -> None:
+    body = b'{"workflow": "support_ticket", "input": {"n": %s}}' % (b"9" * 5000)
+    response = api.generic("POST", "/api/v1/runs", body, content_type="application/json")
+    assert response.status_code == 400, response.content
+    assert "a number has more than 4300 digits" in response.content.decode()
+    assert "sys." not in response.content.decode()
+    long_id = "x" * 3000
+    response = api.get(f"/api/v1/runs/{long_id}")
+    assert response.status_code == 404
+    assert len(response.content) < 300, response.content
