@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +42,9 @@ def configure() -> None:
         DJANGO_SETTINGS_MODULE="config.settings",
     )
     os.environ.pop("SENTRY_DSN", None)
+    # Off the embedded default the settings refuse a missing or weak key; the bench's worker
+    # processes inherit this one.
+    os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))
     create_database(DATABASE_URL)
     django.setup()
 

@@ -9,6 +9,7 @@ Postgres and Redis, the production and test path.
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
 from config.logging import CELERY_TASK_LOGGERS
@@ -21,14 +22,49 @@ VAR_DIR = Path(env("DJFLOW_VAR_DIR", default=str(BASE_DIR / "var")))
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 DEBUG = env.bool("DEBUG", default=False)
-SECRET_KEY = env(
-    "SECRET_KEY",
-    # Only the embedded default may run on this key; set SECRET_KEY anywhere else.
-    default="django-insecure-embedded-default-change-me",
-)
+# Only the embedded default may run on this key; set SECRET_KEY anywhere else.
+_DEVELOPMENT_SECRET_KEY = "django-insecure-embedded-default-change-me"
+SECRET_KEY = env("SECRET_KEY", default=_DEVELOPMENT_SECRET_KEY)
+# The embedded default: SQLite and the file-system broker, both under VAR_DIR.
+EMBEDDED = env("DATABASE_URL", default="sqlite:").startswith("sqlite:") and env(
+    "CELERY_BROKER_URL", default="filesystem://"
+).startswith("filesystem://")
+
+
+def _insecure_key(key: str) -> bool:
+    """What Django's `check --deploy` (security.W009) calls insecure, or the development key:
+    anyone who knows a key can forge sessions and approval links."""
+    return (
+        key == _DEVELOPMENT_SECRET_KEY
+        or len(key) < 50
+        or len(set(key)) < 5
+        or key.startswith("django-insecure-")
+    )
+
+
+if not EMBEDDED and _insecure_key(SECRET_KEY):
+    raise ImproperlyConfigured(
+        "SECRET_KEY is missing or insecure (it must be at least 50 characters, 5 of them "
+        "different, and not start with 'django-insecure-'), and DATABASE_URL or "
+        "CELERY_BROKER_URL is not the embedded default. Generate one with: python3 -c "
+        "'import secrets; print(secrets.token_urlsafe(50))'"
+    )
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 SITE_URL = env("SITE_URL", default="http://127.0.0.1:8000")
+
+# Served over HTTPS (SITE_URL says so): cookies only over HTTPS, HSTS and the redirect to
+# HTTPS on, so `manage.py check --deploy` is clean. Behind a proxy that ends TLS, name the
+# header it sets (DJFLOW_PROXY_SSL_HEADER=HTTP_X_FORWARDED_PROTO) so Django sees the request
+# as secure, and only set it when the proxy overwrites that header from clients.
+_HTTPS = SITE_URL.startswith("https://")
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = _HTTPS
+SECURE_SSL_REDIRECT = env.bool("DJFLOW_SSL_REDIRECT", default=_HTTPS)
+SECURE_HSTS_SECONDS = env.int("DJFLOW_HSTS_SECONDS", default=31_536_000 if _HTTPS else 0)
+# check --deploy asks for both with HSTS on; DJFLOW_HSTS_SECONDS=0 turns all three off.
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
+if _proxy_header := env("DJFLOW_PROXY_SSL_HEADER", default=""):
+    SECURE_PROXY_SSL_HEADER = (_proxy_header, "https")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -53,6 +89,10 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
+    # gunicorn serves none itself. Files it has not collected fall through to the next
+    # handler, so `runserver --insecure` (the standalone) still serves them from the apps.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -112,6 +152,8 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+# WhiteNoise warns at every start about a STATIC_ROOT that does not exist.
+STATIC_ROOT.mkdir(exist_ok=True)
 
 # The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
 # approval link works without signing in.

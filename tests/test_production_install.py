@@ -1,0 +1,241 @@
+"""A production install starts: ``pip install .`` (no extras) in a fresh venv runs a worker on
+Redis and Postgres, gunicorn serves the API and static files, and ``check --deploy`` is clean.
+
+The test extras bring packages the base install lacked (``packaging``, which kombu's Redis
+transport imports), so only a venv without them shows a missing runtime dependency.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import venv
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import database_url, wait_for
+from tests.test_settings import CONFIG_VARS
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+# Variables of this process the installed venv's processes must not see: the services, the
+# test key and the checkout on the path.
+_DROPPED = (*CONFIG_VARS, "SECRET_KEY", "PYTHONPATH", "DJANGO_SETTINGS_MODULE", "VIRTUAL_ENV")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _DROPPED and not k.startswith("DJFLOW")}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def test_settings_refuse_an_insecure_secret_key_outside_the_embedded_default(
+    tmp_path: Path,
+) -> None:
+    setup = [sys.executable, "-c", "import django; django.setup()"]
+    base = _clean_env(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path))
+    postgres = "postgres://flows:secret@db.example:5432/flows"
+    for key in (
+        None,
+        "django-insecure-embedded-default-change-me",
+        "short",
+        "a" * 60,
+        "django-insecure-" + secrets.token_urlsafe(50),
+    ):
+        env = {**base, "DATABASE_URL": postgres, **({"SECRET_KEY": key} if key else {})}
+        done = subprocess.run(setup, cwd=BASE_DIR, env=env, capture_output=True, text=True)
+        assert done.returncode != 0, key
+        assert "ImproperlyConfigured" in done.stderr, done.stderr
+        assert "secrets.token_urlsafe(50)" in done.stderr
+    # A Redis broker alone leaves the embedded default too.
+    env = {**base, "CELERY_BROKER_URL": "redis://127.0.0.1:6379/0"}
+    done = subprocess.run(setup, cwd=BASE_DIR, env=env, capture_output=True, text=True)
+    assert "ImproperlyConfigured" in done.stderr
+
+    # Nothing set: the embedded default runs on its development key.
+    done = subprocess.run(setup, cwd=BASE_DIR, env=base, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    # A real key on Postgres is accepted.
+    env = {**base, "DATABASE_URL": postgres, "SECRET_KEY": secrets.token_urlsafe(50)}
+    done = subprocess.run(setup, cwd=BASE_DIR, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+# --- The installed package -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The python of a fresh venv with this checkout installed: not editable, no extras."""
+    root = tmp_path_factory.mktemp("prod-venv")
+    venv.create(root / "venv", with_pip=True)
+    python = root / "venv" / "bin" / "python"
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", str(BASE_DIR)],
+        cwd=root,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(f"pip install . took {time.monotonic() - started:.1f}s")
+    return python
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except OSError:
+        return 0, b""
+
+
+@pytest.fixture
+def production_env(transactional_db: None, tmp_path: Path) -> dict[str, str]:
+    from django.db import connection
+
+    return _clean_env(
+        DJANGO_SETTINGS_MODULE="config.settings",
+        DATABASE_URL=database_url(connection.settings_dict),
+        CELERY_BROKER_URL="redis://127.0.0.1:6379/3",
+        CELERY_RESULT_BACKEND="redis://127.0.0.1:6379/4",
+        SECRET_KEY=secrets.token_urlsafe(50),
+        SITE_URL="https://flows.example.com",
+        ALLOWED_HOSTS="flows.example.com,127.0.0.1",
+        DEBUG="false",
+        DJFLOW_PROXY_SSL_HEADER="HTTP_X_FORWARDED_PROTO",
+        DJFLOW_VAR_DIR=str(tmp_path / "var"),
+    )
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator:
+    """Start a process in a session of its own, in a directory that is not the checkout."""
+    started: list[subprocess.Popen[bytes]] = []
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+
+    def start(argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen[bytes]:
+        log = open(tmp_path / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        proc = subprocess.Popen(
+            argv,
+            cwd=workdir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _run(python: Path, env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.slow
+def test_a_plain_install_runs_worker_and_gunicorn_with_a_clean_deploy_check(
+    installed: Path, production_env: dict[str, str], spawn, tmp_path: Path
+) -> None:
+    cwd = tmp_path / "cwd"
+    env = production_env
+
+    # The installed package, not the checkout, answers.
+    where = _run(installed, env, cwd, "-c", "import config; print(config.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert not Path(where.stdout.strip()).is_relative_to(BASE_DIR)
+
+    check = _run(installed, env, cwd, "-m", "django", "check", "--deploy")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "System check identified no issues" in check.stdout + check.stderr, check.stderr
+    assert "WARNINGS" not in check.stdout + check.stderr
+
+    worker = spawn(
+        [
+            str(installed),
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "worker",
+            "-l",
+            "info",
+            "-c",
+            "1",
+            "-n",
+            f"prod-{os.getpid()}@%h",
+        ],
+        env,
+        "worker",
+    )
+    ping = [
+        str(installed),
+        "-m",
+        "celery",
+        "-A",
+        "config",
+        "inspect",
+        "ping",
+        "-d",
+        f"prod-{os.getpid()}@{socket.gethostname()}",
+        "--timeout",
+        "2",
+    ]
+
+    def answers() -> bool:
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+        done = subprocess.run(ping, cwd=cwd, env=env, capture_output=True, text=True)
+        return done.returncode == 0 and "pong" in done.stdout
+
+    wait_for(answers, timeout=90, interval=1, message=lambda: (tmp_path / "worker.log").read_text())
+
+    collect = _run(installed, env, cwd, "-m", "django", "collectstatic", "--noinput")
+    assert collect.returncode == 0, collect.stderr
+    port = _free_port()
+    gunicorn = installed.parent / "gunicorn"
+    web = spawn(
+        [str(gunicorn), "config.wsgi:application", "--bind", f"127.0.0.1:{port}", "--workers", "1"],
+        # Plain HTTP on loopback: the proxy that ends TLS is not here.
+        {**env, "DJFLOW_SSL_REDIRECT": "false"},
+        "gunicorn",
+    )
+    base = f"http://127.0.0.1:{port}"
+
+    def schema() -> tuple[int, bytes] | None:
+        assert web.poll() is None, (tmp_path / "gunicorn.log").read_text()
+        status, body = _get(f"{base}/api/v1/definition.schema.json")
+        return (status, body) if status else None
+
+    status, body = wait_for(schema, timeout=60, interval=0.5)
+    assert status == 200, body[:500]
+    status, css = _get(f"{base}/static/admin/css/base.css")
+    assert status == 200
+    assert b"body" in css
