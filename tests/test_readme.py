@@ -40,6 +40,10 @@ NOT_RUN_HERE = {
     # No Docker engine runs on this machine (its client does, but not `docker compose up`).
     "SECRET_KEY=$(python3 -c 'import secrets; print(secrets.token_urlsafe(50))') "
     "docker compose up --build",
+    # The same, with every secret docker-compose.yml requires written to .env (compose reads
+    # it for every command); the line above goes once the README shows this one.
+    "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\"SECRET_KEY={t(50)}\\n"
+    "REDIS_PASSWORD={t(24)}\\nFLOWER_USER=admin\\nFLOWER_PASSWORD={t(24)}\")' > .env",
 }
 SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DIR")
 
