@@ -26,8 +26,9 @@ Semantics
   (code point order); booleans are not numbers. Any other pairing is false.
 * ``in``: when ``value`` is an array, the actual value equals one of its elements; when
   ``value`` is a string, the actual value is a string contained in it.
-* ``matches``: ``value`` is a regular expression searched (``re.search``) in the actual value,
-  which must be a string.
+* ``matches``: ``value`` is a regular expression searched in the actual value, which must be
+  a string. It runs on RE2 (``workflows.regex``), in time linear in the value: no
+  backreferences, no lookarounds.
 
 Invariants
 ----------
@@ -41,11 +42,10 @@ Invariants
 from __future__ import annotations
 
 import difflib
-import functools
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
+from workflows.regex import compile_linear, linear_pattern_error
 from workflows.templates import MISSING, join_location, lookup_or_missing, split_path
 
 __all__ = [
@@ -75,22 +75,13 @@ _SHAPE = (
 
 
 def pattern_error(pattern: str) -> str | None:
-    """Why ``pattern`` is not a valid regular expression, or ``None`` when it is."""
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        return str(exc)
-    except (OverflowError, RecursionError, ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    """Why ``pattern`` is not a regular expression RE2 can run, or ``None`` when it is."""
+    return linear_pattern_error(pattern)
 
 
-@functools.lru_cache(maxsize=256)
-def compile_pattern(pattern: str) -> re.Pattern[str] | None:
-    """The compiled ``matches`` pattern, or ``None`` when it is not a valid regular expression."""
-    if not isinstance(pattern, str) or pattern_error(pattern) is not None:
-        return None
-    return re.compile(pattern)
+def compile_pattern(pattern: str) -> Any | None:
+    """The compiled ``matches`` pattern, or ``None`` when RE2 cannot compile it."""
+    return compile_linear(pattern) if isinstance(pattern, str) else None
 
 
 def _is_number(value: Any) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,6 +30,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError
 
 from .errors import FieldError, InvalidDocument
+from .guards import pattern_error
 from .schema import DEFAULT_RUN_TIMEOUT_MS, MAX_DURATION_MS, schema_validator
 from .templates import (
     REFERENCE,
@@ -422,10 +422,9 @@ class _Checker:
         if message:
             self.fail(f"{where}.path", message)
         if guard["op"] == "matches":
-            try:
-                re.compile(guard["value"])
-            except re.error as exc:
-                self.fail(f"{where}.value", f"is not a valid regular expression: {exc}")
+            problem = pattern_error(guard["value"])
+            if problem is not None:
+                self.fail(f"{where}.value", f"is not a valid regular expression: {problem}")
 
     def _path_problem(self, path: str, scope: _Scope) -> str | None:
         """Why ``path`` cannot be read at this point, or None when it can."""

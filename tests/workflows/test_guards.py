@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -325,6 +326,24 @@ def test_regex_helpers() -> None:
     pattern = compile_pattern("^a+$")
     assert pattern is not None and pattern.search("aaa")
     assert compile_pattern("(") is None
+
+
+def test_matches_runs_in_linear_time() -> None:
+    # On Python's backtracking ``re`` this search doubles with each "a": 0.4 s at 24, hours at 40.
+    guard = {"path": "input.s", "op": "matches", "value": "^(a+)+$"}
+    started = time.monotonic()
+    assert evaluate(guard, {"input": {"s": "a" * 40 + "!"}}) is False
+    assert time.monotonic() - started < 1.0
+    assert evaluate(guard, {"input": {"s": "a" * 40}}) is True
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", "(?=a)a", "(?<!a)b"])
+def test_patterns_re2_cannot_run_are_refused(pattern: str) -> None:
+    assert "RE2" in (pattern_error(pattern) or "")
+    assert compile_pattern(pattern) is None
+    guard = {"path": "input.s", "op": "matches", "value": pattern}
+    assert [location for location, _ in guard_errors(guard)] == ["value"]
+    assert evaluate(guard, {"input": {"s": "aa"}}) is False
 
 
 @pytest.mark.parametrize(

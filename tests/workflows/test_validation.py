@@ -355,6 +355,20 @@ CASES: list[tuple[str, Callable[[], Doc], Callable[[Doc], None], str, list[str]]
         "steps[2].when.value",
         ["regular expression"],
     ),
+    (
+        "a backreference RE2 cannot run",
+        support_ticket,
+        _set(["steps", 2, "when"], {"path": "input.ticket", "op": "matches", "value": r"(a)\1"}),
+        "steps[2].when.value",
+        ["regular expression", "RE2"],
+    ),
+    (
+        "a lookahead RE2 cannot run",
+        support_ticket,
+        _set(["steps", 2, "when"], {"path": "input.ticket", "op": "matches", "value": "(?=a)a"}),
+        "steps[2].when.value",
+        ["regular expression", "RE2"],
+    ),
     # foreach.items must be a path
     (
         "foreach items not a path",
