@@ -11,10 +11,11 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from jsonschema import Draft202012Validator
+from referencing.exceptions import Unresolvable
 
 from workflows import heartbeats
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
+from workflows.input_schema import input_validator
 from workflows.models import WorkflowVersion
 from workflows.validation import field_path
 
@@ -53,9 +54,15 @@ def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
     schema = version.document.get("input_schema")
     if schema is None:
         return []
-    validator = Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+    validator = input_validator(schema)
+    try:
+        found = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
+    except Unresolvable as exc:
+        # Only a document stored before remote $refs were refused at save gets here; the
+        # registry fetched nothing.
+        return [FieldError("input", f"input_schema has a reference that is not local: {exc}")]
     errors = []
-    for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+    for error in found:
         path = field_path(["input", *error.absolute_path])
         if error.validator == "required":
             for name in error.validator_value:

@@ -31,6 +31,8 @@ from jsonschema.exceptions import SchemaError, ValidationError
 
 from .errors import FieldError, InvalidDocument
 from .guards import pattern_error
+from .input_schema import remote_refs, schema_format_checker
+from .regex import linear_pattern_error
 from .schema import DEFAULT_RUN_TIMEOUT_MS, MAX_DURATION_MS, schema_validator
 from .templates import (
     REFERENCE,
@@ -391,11 +393,22 @@ class _Checker:
     def _check_input_schema(self) -> None:
         if "input_schema" not in self.document:
             return
+        schema = self.document["input_schema"]
         try:
-            Draft202012Validator.check_schema(self.document["input_schema"])
+            Draft202012Validator.check_schema(schema, format_checker=schema_format_checker())
         except SchemaError as exc:
             where = field_path(["input_schema", *exc.absolute_path])
-            self.fail(where, f"is not a valid JSON Schema: {exc.message}")
+            message = exc.message
+            if exc.validator == "format" and exc.validator_value == "regex":
+                message = f"{exc.instance!r} is not a regular expression: "
+                message += linear_pattern_error(exc.instance) or "invalid"
+            self.fail(where, f"is not a valid JSON Schema: {message}")
+        for where, ref in remote_refs(schema, ["input_schema"]):
+            self.fail(
+                field_path(where),
+                f"{_short(ref)} is not a local reference: only $refs starting with # are "
+                "allowed (the server fetches nothing)",
+            )
 
     # templates and guards
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import uuid
 from datetime import timedelta
 from decimal import Decimal
@@ -21,6 +22,7 @@ from rest_framework.test import APIClient
 from runs.models import Run, StepRun
 from runs.status import RunStatus, StepStatus
 
+from ..listening import never_contacted
 from .factories import RunFactory, StepRunFactory, WorkflowVersionFactory, support_ticket_document
 
 pytestmark = pytest.mark.django_db
@@ -670,3 +672,38 @@ def test_a_huge_number_or_id_is_refused_in_a_few_words(api: APIClient, version) 
     response = api.get(f"/api/v1/runs/{long_id}")
     assert response.status_code == 404
     assert len(response.content) < 300, response.content
+
+
+def test_a_redos_pattern_in_input_schema_answers_within_a_second(api: APIClient) -> None:
+    schema = {
+        "type": "object",
+        "required": ["ticket"],
+        "properties": {"ticket": {"type": "string", "pattern": "^(a+)+$"}},
+    }
+    WorkflowVersionFactory(document=support_ticket_document(input_schema=schema))
+    started = time.monotonic()
+    response = api.post(
+        "/api/v1/runs",
+        {"workflow": "support_ticket", "input": {"ticket": "a" * 40 + "!"}},
+        format="json",
+    )
+    assert time.monotonic() - started < 1.0
+    assert response.status_code == 400
+    assert _fields(response) == ["input.ticket"]
+    assert not Run.objects.exists()
+
+
+def test_a_stored_remote_ref_is_never_fetched_at_start(api: APIClient) -> None:
+    """A document saved before remote ``$ref``s were refused still makes no request."""
+    version = WorkflowVersionFactory()
+    document = version.document
+    with never_contacted() as ref:
+        document["input_schema"]["properties"]["ticket"] = {"$ref": ref}
+        type(version).objects.filter(pk=version.pk).update(document=document)
+        response = api.post(
+            "/api/v1/runs", {"workflow": "support_ticket", "input": {"ticket": "t"}}, format="json"
+        )
+    assert response.status_code == 400
+    assert _fields(response) == ["input"]
+    assert "not local" in response.json()["errors"][0]["message"]
+    assert not Run.objects.exists()

@@ -13,6 +13,7 @@ from workflows.models import Workflow, WorkflowVersion
 from workflows.schema import MAX_DURATION_MS, load_schema
 from workflows.services import definition_save
 
+from ..listening import never_contacted
 from .documents import every_kind, support_ticket
 from .test_validation import CASES
 
@@ -354,3 +355,13 @@ def test_a_nul_character_is_a_400_naming_its_place(api: APIClient) -> None:
         {"field": "steps[0].input", "message": "a key may not contain the character \\u0000"},
     ]
     assert not Workflow.objects.exists()
+
+
+def test_a_remote_ref_in_input_schema_is_a_400_and_never_fetched(api: APIClient) -> None:
+    document = support_ticket()
+    with never_contacted() as ref:
+        document["input_schema"]["properties"]["x"] = {"$ref": ref}
+        response = api.post("/api/v1/definitions", document, format="json")
+    assert response.status_code == 400
+    assert [e["field"] for e in response.json()["errors"]] == ["input_schema.properties.x.$ref"]
+    assert not WorkflowVersion.objects.exists()

@@ -450,6 +450,27 @@ CASES: list[tuple[str, Callable[[], Doc], Callable[[Doc], None], str, list[str]]
     ),
     # input_schema must be JSON Schema
     (
+        "input_schema with a remote $ref",
+        support_ticket,
+        _set(["input_schema", "properties", "x"], {"$ref": "http://127.0.0.1:9/x.json"}),
+        "input_schema.properties.x.$ref",
+        ["not a local reference", "http://127.0.0.1:9/x.json"],
+    ),
+    (
+        "input_schema with a relative $ref deep inside",
+        support_ticket,
+        _set(["input_schema", "$defs"], {"a": {"anyOf": [{"$ref": "other.json#/a"}]}}),
+        "input_schema.$defs.a.anyOf[0].$ref",
+        ["not a local reference"],
+    ),
+    (
+        "input_schema pattern RE2 cannot run",
+        support_ticket,
+        _set(["input_schema", "properties", "ticket", "pattern"], r"(a)\1"),
+        "input_schema.properties.ticket.pattern",
+        ["regular expression", "RE2"],
+    ),
+    (
         "input_schema not a schema",
         support_ticket,
         _set(["input_schema"], {"type": "strnig"}),

@@ -1,0 +1,140 @@
+"""Checking run input against a version's ``input_schema`` (contract sections 4 and 9).
+
+Two bounds on what a schema may make the server do:
+
+* Its ``pattern``s and ``patternProperties`` run on RE2 (``workflows.regex``), in time linear
+  in the input; a pattern RE2 cannot compile is refused at save.
+* Its ``$ref``s are local (``#...``). At save any other ``$ref`` is refused; at validation the
+  registry retrieves nothing, so even a document stored before that rule cannot make the
+  server fetch a URL: such a reference is unresolvable, never fetched.
+
+Pure Python, no Django.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jsonschema import Draft202012Validator, FormatChecker, validators
+from jsonschema.exceptions import ValidationError
+from referencing import Registry, Resource
+from referencing.exceptions import NoSuchResource
+
+from .regex import compile_linear, linear_pattern_error
+
+__all__ = ["input_validator", "remote_refs", "schema_format_checker"]
+
+_REF_KEYWORDS = frozenset({"$ref", "$dynamicRef"})
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_NAMED_SUBSCHEMAS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+
+
+def _refuse_remote(uri: str) -> Resource[Any]:
+    """Retrieval for the registry: nothing outside the schema itself is ever fetched."""
+    raise NoSuchResource(ref=uri)
+
+
+_LOCAL_ONLY: Registry[Any] = Registry(retrieve=_refuse_remote)
+
+
+def _search(pattern: str, text: str) -> bool:
+    compiled = compile_linear(pattern)
+    # A pattern RE2 cannot run was refused at save; an older stored one matches nothing.
+    return compiled is not None and compiled.search(text) is not None
+
+
+def _pattern(
+    validator: Any, pattern: str, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _pattern_properties(
+    validator: Any, patterns: dict[str, Any], instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties(
+    validator: Any, additional: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    """jsonschema's own, with ``patternProperties`` matched on RE2."""
+    if not validator.is_type(instance, "object"):
+        return
+    properties = schema.get("properties", {})
+    patterns = list(schema.get("patternProperties", {}))
+    extras = [
+        key
+        for key in instance
+        if key not in properties and not any(_search(pattern, key) for pattern in patterns)
+    ]
+    if validator.is_type(additional, "object"):
+        for extra in extras:
+            yield from validator.descend(instance[extra], additional, path=extra)
+    elif additional is False and extras:
+        unexpected = ", ".join(repr(extra) for extra in sorted(extras))
+        yield ValidationError(f"Additional properties are not allowed ({unexpected} unexpected)")
+
+
+_LinearValidator = validators.extend(
+    Draft202012Validator,
+    {
+        "pattern": _pattern,
+        "patternProperties": _pattern_properties,
+        "additionalProperties": _additional_properties,
+    },
+)
+
+
+def _is_linear_regex(instance: object) -> bool:
+    return not isinstance(instance, str) or linear_pattern_error(instance) is None
+
+
+def schema_format_checker() -> FormatChecker:
+    """The format checker for ``check_schema``: ``format: regex`` (every ``pattern`` and
+    ``patternProperties`` key) means a pattern RE2 can compile."""
+    checker = FormatChecker()
+    checker.checkers = dict(Draft202012Validator.FORMAT_CHECKER.checkers)
+    checker.checkers["regex"] = (_is_linear_regex, ())
+    return checker
+
+
+def input_validator(schema: Any) -> Any:
+    """A Draft 2020-12 validator for ``schema`` with RE2 patterns and local references only."""
+    return _LinearValidator(
+        schema, registry=_LOCAL_ONLY, format_checker=Draft202012Validator.FORMAT_CHECKER
+    )
+
+
+def remote_refs(schema: Any, where: list[str | int]) -> Iterator[tuple[list[str | int], str]]:
+    """Every ``$ref``/``$dynamicRef`` in ``schema`` that is not local (does not start with
+    ``#``), as ``(path to it, value)``; nested anywhere in subschemas. Values that are data, not
+    schemas (``const``, ``enum``, ``default``, ``examples``) are not searched, and the names in
+    ``properties`` and the like are names, not keywords. Iterative, so depth cannot exhaust the
+    stack."""
+    # (path, node, whether node maps names to subschemas)
+    stack: list[tuple[list[str | int], Any, bool]] = [(where, schema, False)]
+    while stack:
+        path, node, named = stack.pop()
+        if isinstance(node, list):
+            stack.extend(([*path, index], item, False) for index, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if named:
+                stack.append(([*path, key], value, False))
+            elif key in _REF_KEYWORDS:
+                if not (isinstance(value, str) and value.startswith("#")):
+                    yield [*path, key], value
+            elif key not in _DATA_KEYWORDS:
+                stack.append(([*path, key], value, key in _NAMED_SUBSCHEMAS))
