@@ -419,3 +419,37 @@ def test_the_reconciler_advances_a_run_whose_advance_request_went_unanswered(set
     assert request_advance(run.id) is False  # one pending request per run
     assert reconcile()["requested"] == 1
     assert not AdvanceRequest.objects.filter(run=run).exists()
+
+
+@pytest.mark.parametrize(
+    "until",
+    [
+        "2030-01-01T00:00:00+99:00",
+        "2030-01-01T00:00:00+20:00",
+        "2030-01-01T00:00:00-16:00",
+        "9999-12-31T23:59:59-10:00",
+        "0001-01-01T00:00:00+05:00",
+        "10000-01-01T00:00:00Z",
+        10**20,
+        253402300800000,
+        "99999999999999999999",
+    ],
+)
+def test_a_sleep_until_beyond_what_can_be_represented_fails_once(until: Any) -> None:
+    save({"id": "nap", "kind": "sleep_until", "until": "${input.at}"})
+    run = fresh(start(at=until))
+    assert (run.status, run.error["class"], run.error["step"]) == ("failed", "invalid_input", "nap")
+    assert "until" in run.error["message"] and str(until) in run.error["message"]
+    assert StepRun.objects.filter(run=run).count() == 1
+    reconcile()
+    assert fresh(run).status == "failed"
+    assert StepRun.objects.filter(run=run).count() == 1
+
+
+def test_a_sleep_until_the_last_representable_moment_waits() -> None:
+    save({"id": "nap", "kind": "sleep_until", "until": "${input.at}"})
+    run = start(at="9999-12-31T23:59:59.999+00:00")
+    reconcile()
+    assert fresh(run).status == "waiting"
+    timer = Timer.objects.get(run=run, purpose="sleep")
+    assert timer.fire_at.year == 9999

@@ -608,7 +608,31 @@ def test_sleep_until_reads_iso_8601_and_epoch_ms(until: Any, due: datetime) -> N
         assert (opened.status, opened.not_before) == ("waiting", due)
 
 
-@pytest.mark.parametrize("until", ["next tuesday", None, True, {"at": 1}, 10**30, "2026-13-01"])
+@pytest.mark.parametrize(
+    "until",
+    [
+        "next tuesday",
+        None,
+        True,
+        {"at": 1},
+        10**30,
+        "2026-13-01",
+        # Beyond what the database can store: each of these raised there, or in the
+        # reconciler on every pass, instead of failing the step once.
+        "2030-01-01T00:00:00+99:00",
+        "2030-01-01T00:00:00+16:00",
+        "2030-01-01T00:00:00-23:59",
+        "9999-12-31T23:59:59-10:00",
+        "0001-01-01T00:00:00+05:00",
+        "10000-01-01T00:00:00Z",
+        253402300800000,
+        -62135596800001,
+        "99999999999999999999",
+        1e300,
+        float("nan"),
+        float("inf"),
+    ],
+)
 def test_a_sleep_until_that_is_not_a_time_fails_the_step_as_invalid_input(until: Any) -> None:
     out = plan(
         doc({"id": "nap", "kind": "sleep_until", "until": "${input.at}"}, task("b")),
@@ -736,3 +760,13 @@ def test_key_text_and_parse_until_edges() -> None:
     assert parse_until("2026-01-01T12:00:00.250+00:00") == T0 + timedelta(milliseconds=250)
     with pytest.raises(ValueError, match="out of range"):
         parse_until(-(10**20))
+    with pytest.raises(ValueError, match=r"'2030-01-01T00:00:00\+16:00' has an offset beyond"):
+        parse_until("2030-01-01T00:00:00+16:00")
+    with pytest.raises(ValueError, match=r"9999-12-31T23:59:59-10:00.* out of range"):
+        parse_until("9999-12-31T23:59:59-10:00")
+    # The edges that can be stored, all in UTC.
+    assert parse_until("2030-01-01T15:59:00+15:59") == datetime(2030, 1, 1, tzinfo=UTC)
+    assert parse_until("2029-12-31T08:01:00-15:59") == datetime(2030, 1, 1, tzinfo=UTC)
+    assert parse_until(253402300799999) == datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)
+    assert parse_until(-62135596800000) == datetime(1, 1, 1, tzinfo=UTC)
+    assert parse_until("2026-01-01T13:00:00+01:00").utcoffset() == timedelta(0)
