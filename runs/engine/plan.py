@@ -1195,17 +1195,3 @@ def parse_until(value: Any) -> datetime:
                 f"{value!r} is out of range: in UTC it is not in years 1 to 9999"
             ) from None
     raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value.strip())
-    if isinstance(value, int | float):
-        try:
-            return datetime.fromtimestamp(value / 1000, UTC)
-        except (OverflowError, OSError, ValueError):
-            raise ValueError(f"epoch milliseconds {value!r} are out of range") from None
-    if isinstance(value, str):
-        try:
-            parsed = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds") from None
-        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
-    raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")
