@@ -412,9 +412,7 @@ class WorkerHeartbeatAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
     @admin.display(boolean=True)
     def live(self, worker: WorkerHeartbeat) -> bool:
-        return worker.stopped_at is None and worker.last_seen >= heartbeats.live_since(
-            timezone.now()
-        )
+        return heartbeats.is_live(worker, timezone.now())
 
     @admin.display(description="queues")
     def queue_list(self, worker: WorkerHeartbeat) -> str:

@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from .errors import FieldError
 from .models import WorkerHeartbeat
-from .registry import handler_key
+from .registry import step_handler
 from .validation import field_path
 
 # The kinds whose body is a handler a worker must have (runs.engine.plan.WORKER_KINDS).
@@ -52,7 +52,7 @@ def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
                 StepHandler(
                     field=field_path([*path, "handler"]),
                     step_id=step["id"],
-                    handler=step.get("handler") or handler_key(workflow_id, step["id"]),
+                    handler=step_handler(workflow_id, step["id"], step.get("handler")),
                     queue=step.get("queue") or DEFAULT_QUEUE,
                 )
             )
@@ -97,9 +97,14 @@ def workers_seen(*, since: datetime) -> list[WorkerHeartbeat]:
     return list(WorkerHeartbeat.objects.filter(last_seen__gte=since))
 
 
+def is_live(worker: WorkerHeartbeat, now: datetime) -> bool:
+    """Not stopped, and seen within ``WORKER_LIVE_BEATS`` beats of ``now``."""
+    return worker.stopped_at is None and worker.last_seen >= live_since(now)
+
+
 def workers_live(*, now: datetime | None = None) -> list[WorkerHeartbeat]:
     now = now or timezone.now()
-    return [w for w in workers_seen(since=live_since(now)) if w.stopped_at is None]
+    return [w for w in workers_seen(since=live_since(now)) if is_live(w, now)]
 
 
 def serves(worker: WorkerHeartbeat, handler: str, queue: str) -> bool:

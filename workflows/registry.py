@@ -39,6 +39,13 @@ def handler_key(workflow_id: str, step_id: str) -> str:
     return f"{workflow_id}.{step_id}"
 
 
+def step_handler(workflow_id: str, step_id: str, handler_name: str | None = None) -> str:
+    """The handler a step runs: its ``handler`` name when it gives one (only that name:
+    falling back would run a function the document did not ask for), else
+    ``<workflow>.<step>``. Workers, the start check and the unservable wait all ask here."""
+    return handler_name if handler_name else handler_key(workflow_id, step_id)
+
+
 def _identity(fn: object) -> tuple[str | None, str | None]:
     return getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
 
@@ -93,7 +100,7 @@ def lookup(workflow_id: str, step_id: str, handler_name: str | None = None) -> H
     back to ``<workflow>.<step>`` would run a function the document did not ask for; a
     worker without the named handler answers ``unservable`` so another worker can take it.
     """
-    key = handler_name if handler_name else handler_key(workflow_id, step_id)
+    key = step_handler(workflow_id, step_id, handler_name)
     with _lock:
         return _handlers.get(key)
 

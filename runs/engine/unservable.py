@@ -37,7 +37,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from workflows import heartbeats
-from workflows.registry import handler_key
+from workflows.registry import step_handler
 
 from .. import dispatch
 from ..models import StepRun, Timer, TimerPurpose
@@ -51,12 +51,15 @@ logger = logging.getLogger(__name__)
 UNSERVABLE = "unservable"
 
 
+@transaction.atomic
 def unservable_arm(
     *, step_run_id: int, run_id: Any, handler: str, queue: str, now: datetime
 ) -> bool:
     """Start the attempt's wait for a worker if no live worker serves ``handler`` on
     ``queue``; True when the attempt waits (started now or earlier), False when a live
-    worker serves it (it only needs offering again)."""
+    worker serves it (it only needs offering again). The wait and its timer are written
+    together: a wait without its timer would never end (the reconciler skips attempts
+    already waiting)."""
     if heartbeats.handler_served(handler=handler, queue=queue, now=now):
         return False
     started = StepRun.objects.filter(
@@ -169,7 +172,7 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
 def handler_of(workflow_id: str, version_id: int, step_id: str) -> str:
     """The handler a step is looked up by (``workflows.registry.lookup``)."""
     step = journal.steps_of(version_id).get(step_id, {})
-    return step.get("handler") or handler_key(workflow_id, step_id)
+    return step_handler(workflow_id, step_id, step.get("handler"))
 
 
 def waiting_reason(step_run: StepRun) -> str | None:

@@ -510,3 +510,29 @@ def test_the_workers_page_lists_heartbeats_read_only(admin_client):
     row = admin_client.get(reverse("admin:workflows_workerheartbeat_change", args=["w1@test"]))
     assert b"mail.send" in row.content and b"<form" in row.content
     assert b'name="_save"' not in row.content
+
+
+@pytest.mark.parametrize(
+    ("staff", "perms", "list_code"),
+    [
+        (False, (), 302),  # not staff: the admin's sign-in page
+        (True, (), 403),  # staff without the view permission
+        (True, ("view_workerheartbeat",), 200),
+    ],
+)
+def test_the_workers_page_answers_only_to_who_may_view_it(
+    client, django_user_model, staff, perms, list_code
+):
+    from django.contrib.auth.models import Permission
+
+    _worker_serving("simple.only")
+    person = django_user_model.objects.create_user("pat", password="a-long-password-1")
+    person.is_staff = staff
+    person.save()
+    person.user_permissions.add(*Permission.objects.filter(codename__in=perms))
+    client.force_login(person)
+    listing = client.get(reverse("admin:workflows_workerheartbeat_changelist"))
+    assert listing.status_code == list_code
+    row = client.get(reverse("admin:workflows_workerheartbeat_change", args=["w1@test"]))
+    assert row.status_code == list_code
+    assert (b"simple.only" in row.content) == (list_code == 200)
