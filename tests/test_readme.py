@@ -37,11 +37,8 @@ NOT_RUN_HERE = {
     "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && .venv/bin/pytest",
     # Production hosts (db.example.com, redis.example.com) that do not exist here.
     "export DATABASE_URL=postgres://djflow:secret@db.example.com:5432/djflow",
-    # No Docker engine runs on this machine (its client does, but not `docker compose up`).
-    "SECRET_KEY=$(python3 -c 'import secrets; print(secrets.token_urlsafe(50))') "
-    "docker compose up --build",
-    # The same, with every secret docker-compose.yml requires written to .env (compose reads
-    # it for every command); the line above goes once the README shows this one.
+    # No Docker engine runs on this machine (its client does, but not `docker compose up`);
+    # the block starts by writing the secrets docker-compose.yml requires to .env.
     "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\"SECRET_KEY={t(50)}\\n"
     "REDIS_PASSWORD={t(24)}\\nFLOWER_USER=admin\\nFLOWER_PASSWORD={t(24)}\")' > .env",
 }
