@@ -239,3 +239,7 @@ def test_a_plain_install_runs_worker_and_gunicorn_with_a_clean_deploy_check(
     status, css = _get(f"{base}/static/admin/css/base.css")
     assert status == 200
     assert b"body" in css
+    # The project's own pages and e-mails: their templates ship in the package.
+    status, page = _get(f"{base}/accounts/login/")
+    assert status == 200, page[:500]
+    assert b'name="password"' in page

@@ -703,7 +703,7 @@ def test_an_unknown_group_with_continue_goes_on(people) -> None:
 
 # --- the outbox -------------------------------------------------------------------------------
 
-TEMPLATES = Path(django_settings.BASE_DIR) / "templates" / "emails"
+TEMPLATES = Path(django_settings.BASE_DIR) / "config" / "templates" / "emails"
 
 
 def test_deliver_sends_a_mail_once(people, settings) -> None:
