@@ -81,6 +81,8 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_celery_beat",
     "django_json_widget",
+    # Object permissions: the per-workflow roles of CONTRACT section 8 (workflows/access.py).
+    "guardian",
     "workflows",
     "runs",
     "approvals",
@@ -175,6 +177,17 @@ DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="workflows@localhost")
 EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=30)
 
 # --- REST API -----------------------------------------------------------------------------
+# Django's own global permissions, then django-guardian's per-object ones (a role on one
+# workflow is an object permission on its Workflow row).
+AUTHENTICATION_BACKENDS = [
+    "django.contrib.auth.backends.ModelBackend",
+    "guardian.backends.ObjectPermissionBackend",
+]
+# No anonymous user row: the API and the pages require a signed-in user, and the approval
+# links of e-mail approvers carry their own token.
+ANONYMOUS_USER_NAME = None
+GUARDIAN_MONKEY_PATCH_USER = False
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.TokenAuthentication",

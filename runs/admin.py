@@ -19,10 +19,11 @@ from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from config.admin_mixins import ReadOnlyMixin
+from workflows import access
 from workflows.errors import EngineError
 
 from .engine import unservable
-from .models import Event, Run, StepRun, Timer
+from .models import Event, Run, RunAction, StepRun, Timer
 from .services import run_cancel, run_retry
 from .status import StepStatus
 
@@ -32,6 +33,12 @@ def _pretty_json(value: Any) -> str:
         return "—"
     text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
     return format_html('<pre class="djflow-json">{}</pre>', text)
+
+
+def _without_traceback(error: Any) -> Any:
+    if isinstance(error, dict) and "traceback" in error:
+        return {key: value for key, value in error.items() if key != "traceback"}
+    return error
 
 
 def _run_link(run_id: Any, text: str | None = None) -> str:
@@ -70,8 +77,46 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
         return str(step.error.get("message", "")) if isinstance(step.error, dict) else ""
 
 
+class RunActionInline(ReadOnlyMixin, admin.TabularInline):
+    """Who cancelled, paused, resumed, retried the run or sent it an event, and when."""
+
+    model = RunAction
+    fields = ("action", "actor_name", "created_at", "detail")
+    readonly_fields = fields
+    ordering = ("created_at", "id")
+    extra = 0
+    verbose_name_plural = "operator actions"
+
+
+class RunScopedAdmin(ReadOnlyMixin, admin.ModelAdmin):
+    """Rows of runs, shown to whoever may read the run (workflows.access, CONTRACT section 8):
+    a user with a role on some workflows sees those runs here as in the API, and nothing
+    else; rows of other runs are 404s."""
+
+    run_prefix = ""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        queryset = super().get_queryset(request)
+        readable = access.run_filter(request.user, self.run_prefix)
+        return queryset if readable is None else queryset.filter(readable)
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        return (
+            request.user.is_active and request.user.is_staff and access.has_any_role(request.user)
+        )
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            return self.has_module_permission(request)
+        run = obj if isinstance(obj, Run) else obj.run
+        return access.may_view_run(request.user, run.workflow_id, run.created_by_id)
+
+    def tracebacks(self, request: HttpRequest, run: Run) -> bool:
+        return access.may_see_tracebacks(request.user, run.workflow_id)
+
+
 @admin.register(Run)
-class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class RunAdmin(RunScopedAdmin):
     list_display = (
         "id",
         "workflow",
@@ -107,17 +152,17 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "pretty_error",
     )
     readonly_fields = fields
-    inlines = (StepRunInline,)
+    inlines = (RunActionInline, StepRunInline)
     actions = ("cancel_runs", "retry_runs")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Run]:
         return super().get_queryset(request).select_related("version", "parent_step_run")
 
     def has_operate_permission(self, request: HttpRequest) -> bool:
-        """Cancelling or retrying changes a run: it takes the model's change permission, which
-        Django grants although nothing here edits a run's fields."""
-        opts = self.opts
-        return request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}")
+        """The actions are offered to whoever may operate some runs; the service checks each
+        selected run (a starter operates only the runs they started)."""
+        held = access.global_roles(request.user)
+        return bool({access.OPERATOR, access.STARTER} & held) or access.has_any_role(request.user)
 
     @admin.display(description="waiting")
     def reason(self, run: Run) -> str:
@@ -183,7 +228,7 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
         """Call ``service`` for each run, each in its own transaction, and report each."""
         for run_id in queryset.order_by("created_at", "id").values_list("id", flat=True):
             try:
-                service(run_id=run_id)
+                service(run_id=run_id, user=request.user)
             except EngineError as exc:
                 self.message_user(request, f"Run {run_id}: {exc}", messages.ERROR)
             else:
@@ -191,7 +236,9 @@ class RunAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(StepRun)
-class StepRunAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class StepRunAdmin(RunScopedAdmin):
+    run_prefix = "run__"
+
     list_display = (
         "__str__",
         "run_link",
@@ -248,7 +295,21 @@ class StepRunAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
     @admin.display(description="error")
     def pretty_error(self, step: StepRun) -> str:
-        return _pretty_json(step.error)
+        return _pretty_json(_without_traceback(step.error))
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # Tracebacks are for the run's operators (CONTRACT section 8).
+        if obj is not None and self.tracebacks(request, obj.run):
+            return (*self.readonly_fields, "pretty_traceback")
+        return self.readonly_fields
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return self.get_readonly_fields(request, obj)
+
+    @admin.display(description="traceback")
+    def pretty_traceback(self, step: StepRun) -> str:
+        traceback = step.error.get("traceback") if isinstance(step.error, dict) else None
+        return format_html('<pre class="djflow-json">{}</pre>', traceback) if traceback else "—"
 
     @admin.display(description="usage")
     def pretty_usage(self, step: StepRun) -> str:
@@ -282,7 +343,9 @@ class EventAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(Timer)
-class TimerAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class TimerAdmin(RunScopedAdmin):
+    run_prefix = "run__"
+
     list_display = ("id", "purpose", "run_link", "fire_at", "fired_at")
     list_filter = ("purpose", ("fired_at", admin.EmptyFieldListFilter))
     list_select_related = ("run",)

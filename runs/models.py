@@ -86,10 +86,19 @@ class Run(models.Model):
             ),
         ]
         constraints = [
+            # Idempotency keys are scoped to (workflow, caller) (CONTRACT section 8): one
+            # user's key can neither find nor block another's run. Two partial constraints,
+            # because NULLs are distinct in a unique index (and SQLite has no NULLS NOT
+            # DISTINCT): starts by trusted code (no user) share one scope.
+            models.UniqueConstraint(
+                fields=["workflow", "created_by", "idempotency_key"],
+                condition=Q(idempotency_key__isnull=False, created_by__isnull=False),
+                name="run_idempotency_key_per_user",
+            ),
             models.UniqueConstraint(
                 fields=["workflow", "idempotency_key"],
-                condition=Q(idempotency_key__isnull=False),
-                name="run_idempotency_key_unique",
+                condition=Q(idempotency_key__isnull=False, created_by__isnull=True),
+                name="run_idempotency_key_no_user",
             ),
         ]
 
@@ -254,6 +263,10 @@ class Event(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     created_at = models.DateTimeField(default=timezone.now)
+    # An event from a caller who operates only some workflows resumes only waits of those
+    # (CONTRACT section 8), now and later: its EventScope rows name them. Unscoped events
+    # (from trusted code or a global operator) may resume any wait.
+    scoped = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -273,3 +286,41 @@ class AdvanceRequest(models.Model):
 
     def __str__(self) -> str:
         return f"advance of run {self.run_id} requested at {self.requested_at}"
+
+
+class EventScope(models.Model):
+    """A workflow whose runs a scoped event may resume."""
+
+    event = models.ForeignKey(Event, on_delete=models.CASCADE, related_name="scope")
+    workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="+")
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["event", "workflow"], name="event_scope_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"event {self.event_id} may resume runs of {self.workflow_id}"
+
+
+class RunAction(models.Model):
+    """Who did what to a run, and when (CONTRACT section 8): every operator action (cancel,
+    pause, resume, retry) and every event that resumed one of its waits. Append-only."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="actions")
+    action = models.CharField(max_length=20)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    # The actor's name when it acted: kept should the user be deleted. Empty for trusted
+    # code acting for no one (the engine, a management command without --user).
+    actor_name = models.CharField(max_length=150, blank=True, default="")
+    detail = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["run", "created_at", "id"]
+        indexes = [models.Index(fields=["run", "created_at"], name="run_action_run")]
+
+    def __str__(self) -> str:
+        return f"{self.action} of run {self.run_id} by {self.actor_name or 'the system'}"

@@ -7,13 +7,17 @@ from typing import Any
 
 from django.db.models import Prefetch, QuerySet
 
+from workflows import access
 from workflows.errors import FieldError, NotFound, echo
 
-from .models import Run, StepRun
+from .models import Run, RunAction, StepRun
 
 
-def run_list(*, workflow: str | None = None, status: str | None = None) -> QuerySet[Run]:
-    """Runs, newest first, optionally of one workflow and in one status.
+def run_list(
+    *, workflow: str | None = None, status: str | None = None, user: Any = None
+) -> QuerySet[Run]:
+    """Runs, newest first, optionally of one workflow and in one status, narrowed to those
+    ``user`` may read (``None``: every run).
 
     Rows carry what a list shows (the version number, the parent's step id), not the journal
     or the children: those are for :func:`run_get`.
@@ -23,6 +27,9 @@ def run_list(*, workflow: str | None = None, status: str | None = None) -> Query
         runs = runs.filter(workflow_id=workflow)
     if status is not None:
         runs = runs.filter(status=status)
+    readable = access.run_filter(user)
+    if readable is not None:
+        runs = runs.filter(readable)
     return runs
 
 
@@ -30,6 +37,7 @@ def run_detail_queryset() -> QuerySet[Run]:
     """Runs with their journal (every attempt, in the order it was written) and children."""
     return Run.objects.select_related("version", "parent_step_run").prefetch_related(
         Prefetch("steps", queryset=StepRun.objects.order_by("id")),
+        Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
         Prefetch(
             "children",
             queryset=Run.objects.order_by("created_at", "id").only(
@@ -39,8 +47,9 @@ def run_detail_queryset() -> QuerySet[Run]:
     )
 
 
-def run_get(*, run_id: Any) -> Run:
-    """The run with its journal and children; a malformed or unknown id is a 404 naming ``id``."""
+def run_get(*, run_id: Any, user: Any = None) -> Run:
+    """The run with its journal and children; a malformed or unknown id, or a run ``user`` may
+    not read, is a 404 naming ``id``."""
     try:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
@@ -48,4 +57,5 @@ def run_get(*, run_id: Any) -> Run:
     run = run_detail_queryset().filter(id=key).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    access.require_view_run(user, run)
     return run

@@ -14,7 +14,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from .engine import unservable
-from .models import Run, StepRun
+from .models import Run, RunAction, StepRun
 from .status import RunStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -199,7 +199,13 @@ class StepRunSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(STEP_ERROR_SCHEMA)
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
-        return step.error or None
+        if not step.error:
+            return None
+        if self.context.get("tracebacks", False) or "traceback" not in step.error:
+            return step.error
+        # Tracebacks are for the workflow's operators (CONTRACT section 8): they show code,
+        # paths and values that a starter or a viewer has no business reading.
+        return {key: value for key, value in step.error.items() if key != "traceback"}
 
 
 class RunChildSerializer(serializers.ModelSerializer):
@@ -265,18 +271,37 @@ class RunListSerializer(serializers.ModelSerializer):
         return {"run": str(run.parent_run_id), "step": step.step_id if step else None}
 
 
+class RunActionSerializer(serializers.ModelSerializer):
+    by = serializers.SerializerMethodField(help_text="who acted; null for the system")
+    at = serializers.DateTimeField(source="created_at", read_only=True)
+
+    class Meta:
+        model = RunAction
+        fields = ["action", "by", "at", "detail"]
+        read_only_fields = fields
+
+    def get_by(self, action: RunAction) -> str | None:
+        return action.actor_name or None
+
+
 class RunSerializer(RunListSerializer):
-    """A run with its children and its journal: every attempt, in the order it was written."""
+    """A run with its children and its journal: every attempt, in the order it was written.
+    Pass ``context={"tracebacks": True}`` to show step tracebacks (operators only)."""
 
     children = RunChildSerializer(many=True, read_only=True)
     steps = StepRunSerializer(many=True, read_only=True)
+    actions = RunActionSerializer(
+        many=True,
+        read_only=True,
+        help_text="who cancelled, paused, resumed, retried or sent events",
+    )
     reason = serializers.SerializerMethodField(
         help_text="null, or why the run does not move on (a step waits for a worker that "
         "serves its handler, and when it fails if none comes)"
     )
 
     class Meta(RunListSerializer.Meta):
-        fields = [*RunListSerializer.Meta.fields, "reason", "children", "steps"]
+        fields = [*RunListSerializer.Meta.fields, "reason", "actions", "children", "steps"]
         read_only_fields = fields
 
     def get_reason(self, run: Run) -> str | None:

@@ -13,7 +13,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from referencing.exceptions import Unresolvable
 
-from workflows import heartbeats
+from workflows import access, heartbeats
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
 from workflows.input_schema import input_validator
 from workflows.models import WorkflowVersion
@@ -23,7 +23,7 @@ from . import dispatch
 from .engine import events
 from .engine.advance import advance_locked
 from .engine.store import request_advance
-from .models import Event, Run, StepRun, Timer
+from .models import Event, Run, RunAction, StepRun, Timer
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
 
 
@@ -86,15 +86,22 @@ def run_start(
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
 
-    The same ``idempotency_key`` for the same workflow returns the run it started first
-    (``created`` false), whatever the rest of the call says. An input that fails the
-    version's ``input_schema``, or a ``task``/``agent`` handler no live worker serves (when
+    ``user`` must be a starter of the workflow (404 when they may not see it, 403 when they
+    may but not start it). The same ``idempotency_key`` for the same workflow and caller
+    returns the run it started first (``created`` false), whatever the rest of the call says.
+    An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no live worker serves (when
     ``START_CHECKS_WORKERS``), is refused, every problem named at once. The run is created
     and its first step planned in one transaction; the attempt is offered to a worker after
     commit (and offered again by the reconciler should that message be lost).
     """
+    access.require_start(user, workflow)
+    person = user if user is not None and user.is_authenticated else None
+    # Keys are scoped to (workflow, caller): another user's key finds nothing here.
+    same_key = Run.objects.filter(
+        workflow_id=workflow, idempotency_key=idempotency_key, created_by=person
+    )
     if idempotency_key is not None:
-        existing = Run.objects.filter(workflow_id=workflow, idempotency_key=idempotency_key).first()
+        existing = same_key.first()
         if existing is not None:
             return StartResult(existing, created=False)
     pinned = _version_for(workflow, version)
@@ -112,7 +119,7 @@ def run_start(
                 input=input,
                 idempotency_key=idempotency_key,
                 correlation=correlation,
-                created_by=user if user is not None and user.is_authenticated else None,
+                created_by=person,
             )
             # Plan the first step in the same transaction: a run costs no advance message
             # to start, and its first attempt is offered on commit.
@@ -121,12 +128,13 @@ def run_start(
         if idempotency_key is None:
             raise
         # A concurrent start with the same idempotency key won the insert.
-        existing = Run.objects.get(workflow_id=workflow, idempotency_key=idempotency_key)
-        return StartResult(existing, created=False)
+        return StartResult(same_key.get(), created=False)
     return StartResult(run, created=True)
 
 
-def _locked(run_id: Any) -> Run:
+def _locked(run_id: Any, user: AbstractBaseUser | None = None) -> Run:
+    """The run, locked, once ``user`` may operate it (404 when they may not see it, 403
+    when they may see but not operate it; ``None`` is trusted code)."""
     try:
         run_id = uuid.UUID(str(run_id))
     except ValueError:
@@ -134,15 +142,35 @@ def _locked(run_id: Any) -> Run:
     run = Run.objects.select_for_update().filter(id=run_id).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    access.require_operate_run(user, run)
     return run
 
 
+def record_action(
+    run_id: Any, action: str, user: AbstractBaseUser | None, detail: Any = None
+) -> RunAction:
+    """Who did ``action`` to the run, and when: shown on the run (API, admin)."""
+    person = user if user is not None and user.is_authenticated else None
+    return RunAction.objects.create(
+        run_id=run_id,
+        action=action,
+        actor=person,
+        actor_name=person.get_username() if person is not None else "",
+        detail=detail,
+    )
+
+
 @transaction.atomic
-def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
+def run_cancel(
+    *, run_id: Any, reason: str = "cancelled by an operator", user: AbstractBaseUser | None = None
+) -> Run:
     """Cancel the run and, transitively, its children. Scheduled attempts are cancelled;
-    running ones are revoked best-effort and their results will be refused."""
-    run = _locked(run_id)
+    running ones are revoked best-effort and their results will be refused. ``user`` must
+    operate the run; its children follow whoever may operate them."""
+    run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.CANCELLED)
+    if user is not None:
+        record_action(run.id, "cancel", user)
     now = timezone.now()
     in_flight = list(
         StepRun.objects.filter(
@@ -172,22 +200,24 @@ def run_cancel(*, run_id: Any, reason: str = "cancelled by an operator") -> Run:
 
 
 @transaction.atomic
-def run_pause(*, run_id: Any) -> Run:
+def run_pause(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     """Stop scheduling new steps. Attempts already running finish and are recorded."""
-    run = _locked(run_id)
+    run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.PAUSED)
+    record_action(run.id, "pause", user)
     run.status = RunStatus.PAUSED
     run.save(update_fields=["status", "updated_at"])
     return run
 
 
 @transaction.atomic
-def run_resume(*, run_id: Any) -> Run:
-    run = _locked(run_id)
+def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
+    run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.RUNNING)
     if run.status != RunStatus.PAUSED:
         # An illegal move is a conflict with the run's state, like every other (409).
         raise IllegalTransition(errors=[FieldError("status", f"a {run.status} run is not paused")])
+    record_action(run.id, "resume", user)
     run.status = RunStatus.RUNNING
     # Should the advance message be lost, the reconciler advances a run this quiet.
     run.save(update_fields=["status", "updated_at"])
@@ -196,13 +226,13 @@ def run_resume(*, run_id: Any) -> Run:
 
 
 @transaction.atomic
-def run_retry(*, run_id: Any) -> Run:
+def run_retry(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     """Retry a failed run from its failed step, keeping what succeeded.
 
     A new generation starts: the failed step gets a fresh attempt budget, and the run's
     limits (max_steps, max_cost_usd, run_timeout_ms) count afresh from now.
     """
-    run = _locked(run_id)
+    run = _locked(run_id, user)
     if run.status != RunStatus.FAILED:
         raise IllegalTransition(
             errors=[
@@ -210,6 +240,7 @@ def run_retry(*, run_id: Any) -> Run:
             ]
         )
     check_run_move(run.status, RunStatus.RUNNING)
+    record_action(run.id, "retry", user, {"generation": run.generation + 1})
     run.status = RunStatus.RUNNING
     run.generation += 1
     run.error = None
@@ -242,4 +273,12 @@ def event_send(
         errors.append(FieldError("key", f"is longer than {EVENT_KEY_MAX} characters"))
     if errors:
         raise InvalidInput(errors=errors)
-    return events.deliver(name=name, key=key, payload=payload, user=user)
+    # Only waits of runs whose workflow the caller operates (CONTRACT section 8): anyone
+    # else's event could otherwise satisfy another team's approval gate.
+    workflows = access.operated_workflow_ids(user)
+    event, resumed = events.deliver(
+        name=name, key=key, payload=payload, user=user, workflows=workflows
+    )
+    for run_id in resumed:
+        record_action(run_id, "event", user, {"event": event.id, "name": name})
+    return event, len(resumed)

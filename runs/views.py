@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from config.pagination import ContractCursorPagination
+from workflows import access
 from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
@@ -72,7 +73,7 @@ class RunListView(APIView):
     def get(self, request: Request) -> Response:
         query = RunListQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
-        runs = selectors.run_list(**query.validated_data)
+        runs = selectors.run_list(**query.validated_data, user=request.user)
         paginator = self.pagination_class()
         page = paginator.paginate_queryset(runs, request, view=self)
         return paginator.get_paginated_response(RunListSerializer(page, many=True).data)
@@ -111,9 +112,9 @@ class RunListView(APIView):
         body = RunStartSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         result = services.run_start(**body.validated_data, user=request.user)
-        run = selectors.run_get(run_id=result.run.id)
+        run = selectors.run_get(run_id=result.run.id, user=request.user)
         return Response(
-            RunSerializer(run).data,
+            _render(request, run),
             status=status.HTTP_201_CREATED if result.created else status.HTTP_200_OK,
         )
 
@@ -126,7 +127,13 @@ class RunDetailView(APIView):
         responses={200: RunSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, run_id: str) -> Response:
-        return Response(RunSerializer(selectors.run_get(run_id=run_id)).data)
+        return Response(_render(request, selectors.run_get(run_id=run_id, user=request.user)))
+
+
+def _render(request: Request, run: Run) -> Any:
+    """The run as ``request.user`` may see it: tracebacks only for its operators."""
+    tracebacks = access.may_see_tracebacks(request.user, run.workflow_id)
+    return RunSerializer(run, context={"tracebacks": tracebacks}).data
 
 
 class RunActionView(APIView):
@@ -135,9 +142,9 @@ class RunActionView(APIView):
     action: Callable[..., Run]
 
     def post(self, request: Request, run_id: str) -> Response:
-        run = selectors.run_get(run_id=run_id)
-        self.action(run_id=run.id)
-        return Response(RunSerializer(selectors.run_get(run_id=run.id)).data)
+        # The service checks, under the run's lock, that the caller may operate it.
+        run = self.action(run_id=run_id, user=request.user)
+        return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
 
 
 def _action_schema(name: str, description: str, codes: tuple[int, ...]) -> Any:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -33,9 +34,28 @@ def _start_checks_workers(request, settings) -> None:
 
 @pytest.fixture
 def user(db):
-    return get_user_model().objects.create_user(
+    """Ada, a trusted member of the team: she may author, start, operate and read every
+    workflow (the global permissions of CONTRACT section 8), as most tests need. Tests of who
+    may do what make their own users (tests/test_access.py)."""
+    ada = get_user_model().objects.create_user(
         username="ada", email="ada@example.com", password="a-long-password-1"
     )
+    ada.user_permissions.add(*team_permissions())
+    return ada
+
+
+def team_permissions() -> list[Permission]:
+    wanted = [
+        ("workflows", "add_workflow"),
+        ("workflows", "change_workflow"),
+        ("runs", "add_run"),
+        ("runs", "change_run"),
+        ("runs", "view_run"),
+    ]
+    return [
+        Permission.objects.get(content_type__app_label=app, codename=codename)
+        for app, codename in wanted
+    ]
 
 
 @pytest.fixture

@@ -15,6 +15,15 @@ class Workflow(models.Model):
 
     class Meta:
         ordering = ["id"]
+        # The roles of CONTRACT section 8, held per workflow as object permissions
+        # (django-guardian) and granted through workflows.access. The names read as roles in
+        # the admin.
+        permissions = [
+            ("author_workflow", "Author: save new versions, grant roles"),
+            ("start_workflow", "Starter: start runs, operate the runs one started"),
+            ("operate_workflow", "Operator: read and operate every run, send events"),
+            ("read_workflow", "Viewer: read every run"),
+        ]
 
     def __str__(self) -> str:
         return self.id

@@ -10,9 +10,13 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
+from . import access
 from .errors import Conflict, FieldError, InvalidDocument
 from .models import Workflow, WorkflowVersion
-from .validation import prepare_document
+from .validation import every_step, prepare_document
+
+# Kinds whose ``handler`` names Python code a worker runs.
+HANDLER_KINDS = ("task", "agent")
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,12 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     document gets the next number. Numbers are handed out under a lock on the workflow row,
     with the unique constraint as the backstop, so two concurrent saves never share one.
     A rejected document leaves no row.
+
+    ``user`` must be an author of the workflow, or hold ``workflows.add_workflow`` for a
+    new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
     """
     prepared = prepare_document(document, workflow_exists=_workflow_exists)
+    raise_invalid(handler_errors(prepared, user))
     digest = content_hash(prepared)
     requested = prepared.get("version")
     try:
@@ -69,6 +77,10 @@ def _save_locked(
     Workflow.objects.bulk_create([Workflow(id=workflow_id)], ignore_conflicts=True)
     Workflow.objects.select_for_update().get(id=workflow_id)
     versions = WorkflowVersion.objects.filter(workflow_id=workflow_id)
+    # Under the workflow's lock: of two users racing to create one id, the second finds
+    # the first's version 1 and needs the first's grant.
+    first = not versions.exists()
+    access.require_author(user, workflow_id, exists=not first)
 
     if requested is not None:
         existing = versions.filter(number=requested).first()
@@ -104,7 +116,32 @@ def _save_locked(
         description=document.get("description", ""),
         created_by=user if user is not None and user.is_authenticated else None,
     )
+    if first and user is not None and user.is_authenticated:
+        access.grant(access.AUTHOR, workflow_id, user=user)
     return SaveResult(version, created=True)
+
+
+def handler_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
+    """A step's ``handler`` names a handler of the same workflow, or of a workflow the saving
+    user also authors (CONTRACT section 8): else anyone could run anyone's code with any
+    input. A handler name's workflow is the part before its first dot (``billing.charge``
+    belongs to ``billing``), which is how the builder names them."""
+    if access.trusted(user):
+        return []
+    errors = []
+    for step, where in every_step(document):
+        name = step.get("handler")
+        if step.get("kind") not in HANDLER_KINDS or not isinstance(name, str):
+            continue
+        owner = name.split(".", 1)[0]
+        if owner != document["id"] and access.AUTHOR not in access.roles(user, owner):
+            errors.append(
+                FieldError(
+                    f"{where}.handler",
+                    f"handler '{name}' belongs to workflow '{owner}', which you do not author",
+                )
+            )
+    return errors
 
 
 def raise_invalid(errors: list[FieldError]) -> None:

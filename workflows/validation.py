@@ -564,3 +564,9 @@ def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
         yield from _every_step(body, where)
     else:
         yield from _step_and_children(body, where)
+
+
+def every_step(document: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """Every step of a prepared document, nested ones too, with its field path
+    (``steps[2].do[0]``)."""
+    return _every_step(document.get("steps"), "steps")

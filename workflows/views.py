@@ -15,7 +15,7 @@ from rest_framework.views import APIView
 
 from config.pagination import ContractCursorPagination
 
-from . import selectors, services
+from . import access, selectors, services
 from .errors import FieldError, NotFound
 from .models import WorkflowVersion
 from .schema import load_schema
@@ -58,7 +58,8 @@ class DefinitionListView(APIView):
     )
     def get(self, request: Request) -> Response:
         paginator = self.pagination_class()
-        page = paginator.paginate_queryset(selectors.workflow_list(), request, view=self)
+        workflows = access.visible_workflows(request.user, selectors.workflow_list())
+        page = paginator.paginate_queryset(workflows, request, view=self)
         data = WorkflowListSerializer(page, many=True).data
         return paginator.get_paginated_response(data)
 
@@ -75,6 +76,7 @@ class DefinitionListView(APIView):
             200: SavedDefinitionSerializer,
             400: ERRORS,
             401: ERRORS,
+            403: ERRORS,
             409: ERRORS,
         },
     )
@@ -90,6 +92,7 @@ class DefinitionDetailView(APIView):
         responses={200: WorkflowDetailSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, workflow_id: str) -> Response:
+        access.require_definition(request.user, workflow_id, field="id")
         workflow = selectors.workflow_get(workflow_id=workflow_id)
         versions = WorkflowVersion.objects.select_related("created_by").order_by("-number")
         workflow = (
@@ -107,6 +110,7 @@ class DefinitionVersionView(APIView):
         responses={200: VersionSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, workflow_id: str, version: str) -> Response:
+        access.require_definition(request.user, workflow_id, field="id")
         number = _version_number(version)
         found = selectors.version_get(workflow_id=workflow_id, number=number)
         return Response(VersionSerializer(found).data)

@@ -18,10 +18,10 @@ import logging
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from ..models import Event, Run, StepRun
+from ..models import Event, EventScope, Run, StepRun
 from ..status import StepStatus
 from .plan import wait_key
 
@@ -37,6 +37,13 @@ def lock_key(digest: str) -> None:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [int(digest[:15], 16)])
 
 
+def may_resume(workflow_id: Any) -> Q:
+    """Events that may resume a wait of a run of ``workflow_id``: unscoped ones, and scoped
+    ones whose sender operated that workflow when sending (CONTRACT section 8)."""
+    scope = EventScope.objects.filter(event_id=OuterRef("id"), workflow_id=workflow_id)
+    return Q(scoped=False) | Q(Exists(scope))
+
+
 def take_event(run: Run, wait: StepRun) -> bool:
     """Resume ``wait`` (a waiting wait_event row of ``run``, locked by the caller) with the
     oldest event it may take; False when there is none (or the wait is no longer waiting)."""
@@ -44,6 +51,7 @@ def take_event(run: Run, wait: StepRun) -> bool:
     taken = StepRun.objects.filter(run_id=run.id, event__isnull=False).values("event_id")
     event = (
         Event.objects.filter(wait_key=wait.wait_key, created_at__gte=run.created_at)
+        .filter(may_resume(run.workflow_id))
         .exclude(id__in=taken)
         .order_by("created_at", "id")
         .first()
@@ -77,8 +85,18 @@ def resume_wait(wait_id: int, run_id: Any) -> bool:
         return True
 
 
-def deliver(*, name: str, key: str, payload: Any = None, user: Any = None) -> tuple[Event, int]:
-    """Store an event and resume the waits it satisfies; returns it and how many it resumed."""
+def deliver(
+    *,
+    name: str,
+    key: str,
+    payload: Any = None,
+    user: Any = None,
+    workflows: list[str] | None = None,
+) -> tuple[Event, list[Any]]:
+    """Store an event and resume the waits it satisfies; returns it and the runs it resumed.
+
+    ``workflows`` scopes it: only waits of runs of these workflows may take it, now or later
+    (``None``: any)."""
     digest = wait_key(name, key)
     with transaction.atomic():
         lock_key(digest)
@@ -88,23 +106,37 @@ def deliver(*, name: str, key: str, payload: Any = None, user: Any = None) -> tu
             wait_key=digest,
             payload=payload,
             created_by=user if user is not None and user.is_authenticated else None,
+            scoped=workflows is not None,
         )
-    waiting = StepRun.objects.filter(
-        wait_key=digest, status=StepStatus.WAITING, kind="wait_event"
-    ).order_by("id")
-    matched = sum(
-        1 for wait_id, run_id in waiting.values_list("id", "run_id") if resume_wait(wait_id, run_id)
-    )
-    return event, matched
+        if workflows:
+            EventScope.objects.bulk_create(
+                [EventScope(event=event, workflow_id=workflow) for workflow in workflows]
+            )
+    waiting = StepRun.objects.filter(wait_key=digest, status=StepStatus.WAITING, kind="wait_event")
+    if workflows is not None:
+        waiting = waiting.filter(run__workflow_id__in=workflows)
+    resumed = [
+        run_id
+        for wait_id, run_id in waiting.order_by("id").values_list("id", "run_id")
+        if resume_wait(wait_id, run_id)
+    ]
+    return event, resumed
 
 
 def match_missed(batch: int) -> int:
     """The reconciler's net: waits left waiting although an event they may take is stored
     (a delivery that died between storing its event and resuming the waits, say)."""
     taken = StepRun.objects.filter(run_id=OuterRef(OuterRef("run_id")), event_id=OuterRef("id"))
-    takeable = Event.objects.filter(
-        wait_key=OuterRef("wait_key"), created_at__gte=OuterRef("run__created_at")
-    ).filter(~Exists(taken))
+    in_scope = EventScope.objects.filter(
+        event_id=OuterRef("id"), workflow_id=OuterRef(OuterRef("run__workflow_id"))
+    )
+    takeable = (
+        Event.objects.filter(
+            wait_key=OuterRef("wait_key"), created_at__gte=OuterRef("run__created_at")
+        )
+        .filter(Q(scoped=False) | Q(Exists(in_scope)))
+        .filter(~Exists(taken))
+    )
     missed = (
         StepRun.objects.filter(status=StepStatus.WAITING, kind="wait_event")
         .filter(Exists(takeable))

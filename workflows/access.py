@@ -1,0 +1,304 @@
+"""Who may do what (CONTRACT section 8): the one permission model the API, the pages, the admin
+and the commands ask.
+
+A role on a workflow is a django-guardian object permission on its ``Workflow`` row, held by a
+user directly or through a group:
+
+============  ==========================  ===================================================
+role          object permission           may
+============  ==========================  ===================================================
+author        ``author_workflow``         save new versions; grant roles; and all below
+operator      ``operate_workflow``        read, cancel, pause, resume, retry every run; send
+                                          events to its runs; see tracebacks; and read
+starter       ``start_workflow``          start runs; read and operate the runs they started
+viewer        ``read_workflow``           read every run
+============  ==========================  ===================================================
+
+Global (Django model) permissions give a role on every workflow: ``runs.add_run`` starter,
+``runs.change_run`` operator, ``runs.view_run`` viewer, ``workflows.change_workflow`` author;
+``workflows.add_workflow`` lets a user save version 1 of a new workflow id (and so become its
+first author). Superusers hold every role. An author holds every other role too: they may grant
+themselves any of them, so implying them saves a step and changes no power.
+
+Callers that are not people (``user=None``: the Python builder's sync, management commands,
+the engine itself) are trusted and pass every check; the API and the pages always have a user.
+
+Everything here reads only the permission tables: it belongs at the edges (a request, an admin
+page), never in a step's path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth.models import Group
+from django.db.models import Q, QuerySet
+from guardian.core import ObjectPermissionChecker
+from guardian.shortcuts import assign_perm, get_objects_for_user, remove_perm
+
+from .errors import FieldError, Forbidden, NotFound
+from .models import Workflow
+
+AUTHOR = "author"
+STARTER = "starter"
+OPERATOR = "operator"
+VIEWER = "viewer"
+ROLES = (AUTHOR, STARTER, OPERATOR, VIEWER)
+
+CODENAMES = {
+    AUTHOR: "author_workflow",
+    STARTER: "start_workflow",
+    OPERATOR: "operate_workflow",
+    VIEWER: "read_workflow",
+}
+IMPLIES = {
+    AUTHOR: frozenset(ROLES),
+    OPERATOR: frozenset({OPERATOR, VIEWER}),
+    STARTER: frozenset({STARTER}),
+    VIEWER: frozenset({VIEWER}),
+}
+GLOBAL = {
+    AUTHOR: "workflows.change_workflow",
+    OPERATOR: "runs.change_run",
+    STARTER: "runs.add_run",
+    VIEWER: "runs.view_run",
+}
+# Those who see every definition: any global role, or the admin's own view permission.
+SEES_ALL_DEFINITIONS = (*GLOBAL.values(), "workflows.view_workflow")
+ALL = frozenset(ROLES)
+NONE: frozenset[str] = frozenset()
+
+
+def _person(user: Any) -> bool:
+    return user is not None and getattr(user, "is_authenticated", False) and user.is_active
+
+
+def trusted(user: Any) -> bool:
+    """Code acting for no one (``None``) and superusers pass every check."""
+    return user is None or (_person(user) and user.is_superuser)
+
+
+def _checker(user: Any) -> ObjectPermissionChecker:
+    # One checker per user object: it caches the user's and their groups' object
+    # permissions, so a page that asks about many workflows reads them once.
+    checker = getattr(user, "_djflow_checker", None)
+    if checker is None:
+        checker = ObjectPermissionChecker(user)
+        user._djflow_checker = checker
+    return checker
+
+
+def global_roles(user: Any) -> frozenset[str]:
+    """The roles ``user`` holds on every workflow."""
+    if trusted(user):
+        return ALL
+    if not _person(user):
+        return NONE
+    found: set[str] = set()
+    for role, perm in GLOBAL.items():
+        if user.has_perm(perm):
+            found |= IMPLIES[role]
+    return frozenset(found)
+
+
+def roles(user: Any, workflow_id: str) -> frozenset[str]:
+    """The roles ``user`` holds on ``workflow_id`` (global ones included)."""
+    found = set(global_roles(user))
+    if found == ALL or not _person(user):
+        return frozenset(found)
+    held = _checker(user).get_perms(Workflow(pk=workflow_id))
+    for role, codename in CODENAMES.items():
+        if codename in held:
+            found |= IMPLIES[role]
+    return frozenset(found)
+
+
+def _workflows_with(user: Any, wanted: set[str]) -> QuerySet[Workflow]:
+    """Workflows on which ``user`` holds, as object permission, a role implying one of
+    ``wanted``."""
+    codenames = [CODENAMES[role] for role in ROLES if IMPLIES[role] & wanted]
+    return get_objects_for_user(
+        user,
+        [f"workflows.{codename}" for codename in codenames],
+        klass=Workflow,
+        any_perm=True,
+        with_superuser=False,
+        accept_global_perms=False,
+    )
+
+
+# -- definitions ---------------------------------------------------------------------------
+
+
+def sees_all_definitions(user: Any) -> bool:
+    return trusted(user) or (_person(user) and any(user.has_perm(p) for p in SEES_ALL_DEFINITIONS))
+
+
+def visible_workflows(user: Any, workflows: QuerySet[Workflow]) -> QuerySet[Workflow]:
+    """``workflows`` narrowed to those whose definition ``user`` may read (any role)."""
+    if sees_all_definitions(user):
+        return workflows
+    if not _person(user):
+        return workflows.none()
+    return workflows.filter(pk__in=_workflows_with(user, set(ROLES)).values("pk"))
+
+
+def may_see_definition(user: Any, workflow_id: str) -> bool:
+    return sees_all_definitions(user) or bool(roles(user, workflow_id))
+
+
+def require_definition(user: Any, workflow_id: str, *, field: str = "workflow") -> None:
+    """404 (naming ``field``) when ``user`` may not see the workflow: ids do not leak."""
+    if not may_see_definition(user, workflow_id):
+        raise NotFound(errors=[FieldError(field, f"unknown workflow '{workflow_id}'")])
+
+
+def may_author(user: Any, workflow_id: str, *, exists: bool) -> bool:
+    """May ``user`` save a version of ``workflow_id``? Of an existing workflow: its authors. Of a
+    new id: holders of ``workflows.add_workflow`` (they become its first author)."""
+    if trusted(user):
+        return True
+    if not _person(user):
+        return False
+    if exists:
+        return AUTHOR in roles(user, workflow_id)
+    return user.has_perm("workflows.add_workflow") or AUTHOR in global_roles(user)
+
+
+def require_author(user: Any, workflow_id: str, *, exists: bool) -> None:
+    if not may_author(user, workflow_id, exists=exists):
+        # The same answer whether or not the id exists: one without the right to see a
+        # workflow learns nothing from trying to save it.
+        raise Forbidden(
+            errors=[FieldError("id", f"you may not save versions of workflow '{workflow_id}'")]
+        )
+
+
+def require_start(user: Any, workflow_id: str) -> None:
+    """404 when the workflow is not the caller's to see, 403 when it is but not to start."""
+    require_definition(user, workflow_id)
+    if STARTER not in roles(user, workflow_id):
+        raise Forbidden(
+            errors=[FieldError("workflow", f"you may not start runs of workflow '{workflow_id}'")]
+        )
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def run_roles(user: Any, workflow_id: str, created_by_id: Any) -> frozenset[str]:
+    """What ``user`` may do to one run: its workflow's roles, and a starter's on a run they
+    started (read and operate it, no tracebacks)."""
+    held = roles(user, workflow_id)
+    if STARTER in held and _person(user) and created_by_id == user.pk:
+        held = held | {VIEWER, "operate_own"}
+    return held
+
+
+def may_view_run(user: Any, workflow_id: str, created_by_id: Any) -> bool:
+    return VIEWER in run_roles(user, workflow_id, created_by_id)
+
+
+def may_operate_run(user: Any, workflow_id: str, created_by_id: Any) -> bool:
+    held = run_roles(user, workflow_id, created_by_id)
+    return OPERATOR in held or "operate_own" in held
+
+
+def may_see_tracebacks(user: Any, workflow_id: str) -> bool:
+    return OPERATOR in roles(user, workflow_id)
+
+
+def require_view_run(user: Any, run: Any) -> None:
+    """404 naming ``id`` unless ``user`` may read ``run`` (any object with ``id``,
+    ``workflow_id`` and ``created_by_id``)."""
+    if not may_view_run(user, run.workflow_id, run.created_by_id):
+        raise NotFound(errors=[FieldError("id", f"unknown run '{run.id}'")])
+
+
+def require_operate_run(user: Any, run: Any) -> None:
+    """404 when ``user`` may not see the run, 403 when they may see it but not operate it."""
+    require_view_run(user, run)
+    if not may_operate_run(user, run.workflow_id, run.created_by_id):
+        raise Forbidden(
+            errors=[FieldError("id", f"you may read run '{run.id}' but not operate it")]
+        )
+
+
+def run_filter(user: Any, prefix: str = "") -> Q | None:
+    """A filter on runs (fields ``workflow_id``, ``created_by_id``, after ``prefix``: ``run__``
+    for a step run) to those ``user`` may read; ``None`` when they may read every run."""
+    held = global_roles(user)
+    if VIEWER in held:
+        return None
+    if not _person(user):
+        return Q(**{f"{prefix}pk__in": []})
+    workflow, owner = f"{prefix}workflow_id__in", f"{prefix}created_by_id"
+    readable = Q(**{workflow: _workflows_with(user, {VIEWER}).values("pk")})
+    if STARTER in held:
+        return readable | Q(**{owner: user.pk})
+    started = _workflows_with(user, {STARTER}).values("pk")
+    return readable | Q(**{workflow: started, owner: user.pk})
+
+
+def has_any_role(user: Any) -> bool:
+    """Does ``user`` hold any role anywhere (what the admin asks before showing runs)?"""
+    if global_roles(user):
+        return True
+    return _person(user) and _workflows_with(user, set(ROLES)).exists()
+
+
+def operated_workflow_ids(user: Any) -> list[str] | None:
+    """The workflows whose runs ``user`` operates (events resume waits only in these);
+    ``None`` for all."""
+    if OPERATOR in global_roles(user):
+        return None
+    if not _person(user):
+        return []
+    return list(_workflows_with(user, {OPERATOR}).values_list("pk", flat=True))
+
+
+# -- granting ------------------------------------------------------------------------------
+
+
+def _holder(user: Any = None, group: Group | None = None) -> Any:
+    if (user is None) == (group is None):
+        raise ValueError("grant to exactly one of a user or a group")
+    return user if user is not None else group
+
+
+def grant(role: str, workflow_id: str, *, user: Any = None, group: Group | None = None) -> None:
+    """Give a user or a group ``role`` on the (existing) workflow."""
+    if role not in CODENAMES:
+        raise ValueError(f"unknown role '{role}': one of {', '.join(ROLES)}")
+    workflow = Workflow.objects.get(pk=workflow_id)
+    assign_perm(f"workflows.{CODENAMES[role]}", _holder(user, group), workflow)
+
+
+def revoke(role: str, workflow_id: str, *, user: Any = None, group: Group | None = None) -> None:
+    if role not in CODENAMES:
+        raise ValueError(f"unknown role '{role}': one of {', '.join(ROLES)}")
+    workflow = Workflow.objects.get(pk=workflow_id)
+    remove_perm(f"workflows.{CODENAMES[role]}", _holder(user, group), workflow)
+
+
+def may_grant(user: Any, workflow_id: str, role: str) -> bool:
+    """Authors grant every role; operators grant viewer (the contract's table)."""
+    held = roles(user, workflow_id)
+    return AUTHOR in held or (role == VIEWER and OPERATOR in held)
+
+
+def holders(workflow_id: str) -> list[tuple[str, str, str]]:
+    """Every object role on the workflow: ``(role, "user"|"group", name)``, sorted."""
+    from guardian.shortcuts import get_groups_with_perms, get_users_with_perms
+
+    workflow = Workflow.objects.get(pk=workflow_id)
+    by_codename = {codename: role for role, codename in CODENAMES.items()}
+    found: list[tuple[str, str, str]] = []
+    users = get_users_with_perms(workflow, attach_perms=True, with_group_users=False)
+    for person, perms in users.items():
+        found += [
+            ("user", person.get_username(), by_codename[p]) for p in perms if p in by_codename
+        ]
+    for group, perms in get_groups_with_perms(workflow, attach_perms=True).items():
+        found += [("group", group.name, by_codename[p]) for p in perms if p in by_codename]
+    return sorted((role, kind, name) for kind, name, role in found)
