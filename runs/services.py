@@ -89,8 +89,9 @@ def run_start(
     ``user`` must be a starter of the workflow (404 when they may not see it, 403 when they
     may but not start it). The same ``idempotency_key`` for the same workflow and caller
     returns the run it started first (``created`` false), whatever the rest of the call says.
-    An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no live worker serves (when
-    ``START_CHECKS_WORKERS``), is refused, every problem named at once. The run is created
+    An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no
+    live worker serves (when ``START_CHECKS_WORKERS``), is refused, every problem named at
+    once. The run is created
     and its first step planned in one transaction; the attempt is offered to a worker after
     commit (and offered again by the reconciler should that message be lost).
     """
