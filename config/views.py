@@ -12,6 +12,7 @@ from django.views.decorators.http import require_http_methods
 
 from approvals.selectors import inbox_for
 from runs.selectors import run_list
+from workflows import access
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
@@ -43,16 +44,17 @@ HOME_RUNS = 20
 @require_http_methods(["GET", "HEAD"])
 def home(request: HttpRequest) -> HttpResponse:
     """``/``: where a signed-in person starts. What waits for their decision, the newest runs
-    they may see (every run with ``runs.view_run``, else the runs they started), and the way
+    they may see (workflows.access: the runs of workflows they view or operate, and those they
+    started), and the way
     to the admin and the API docs. Anonymous visitors are sent to the sign-in page."""
     user = request.user
     pending, _ = inbox_for(user, history_limit=0)
-    sees_all = user.has_perm("runs.view_run")
-    runs = run_list() if sees_all else run_list().filter(created_by=user)
+    sees_all = access.run_filter(user) is None
+    runs = run_list(user=user)
     context = {
         "pending": pending,
         "runs": list(runs[:HOME_RUNS]),
         "sees_all_runs": sees_all,
-        "runs_in_admin": user.is_staff and sees_all,
+        "runs_in_admin": user.is_staff and access.has_any_role(user),
     }
     return render(request, "home.html", context)

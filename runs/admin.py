@@ -161,8 +161,7 @@ class RunAdmin(RunScopedAdmin):
     def has_operate_permission(self, request: HttpRequest) -> bool:
         """The actions are offered to whoever may operate some runs; the service checks each
         selected run (a starter operates only the runs they started)."""
-        held = access.global_roles(request.user)
-        return bool({access.OPERATOR, access.STARTER} & held) or access.has_any_role(request.user)
+        return access.operates_some(request.user)
 
     @admin.display(description="waiting")
     def reason(self, run: Run) -> str:

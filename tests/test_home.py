@@ -10,6 +10,7 @@ from django.test import Client
 
 from tests.approvals.builders import make_user, start_approval
 from tests.runs.factories import RunFactory
+from workflows import access
 
 pytestmark = pytest.mark.django_db
 PASSWORD = "a-long-password-1"
@@ -36,14 +37,17 @@ def test_a_stranger_is_sent_to_sign_in() -> None:
     assert page["Location"] == "/accounts/login/?next=/"
 
 
-def test_an_ordinary_user_sees_only_the_runs_they_started() -> None:
+def test_a_starter_sees_only_the_runs_they_started() -> None:
     ada, bob = _person("ada"), _person("bob")
     mine = RunFactory(created_by=ada)
-    theirs = RunFactory(created_by=bob)
+    theirs = RunFactory(created_by=bob, workflow=mine.workflow, version=mine.version)
+    # Without a role on the workflow, not even one's own runs show.
+    assert str(mine.id) not in _client(ada).get("/").content.decode()
+    access.grant(access.STARTER, mine.workflow_id, user=ada)
     page = _client(ada).get("/")
     assert page.status_code == 200
     body = page.content.decode()
-    assert "Runs you started" in body
+    assert "Runs you may see" in body
     assert str(mine.id) in body
     assert str(theirs.id) not in body
     # No way into the admin for someone who cannot use it.

@@ -240,6 +240,13 @@ def run_filter(user: Any, prefix: str = "") -> Q | None:
     return readable | Q(**{workflow: started, owner: user.pk})
 
 
+def operates_some(user: Any) -> bool:
+    """May ``user`` operate any run at all (what the admin asks before offering actions)?"""
+    if {OPERATOR, STARTER} & global_roles(user):
+        return True
+    return _person(user) and _workflows_with(user, {OPERATOR, STARTER}).exists()
+
+
 def has_any_role(user: Any) -> bool:
     """Does ``user`` hold any role anywhere (what the admin asks before showing runs)?"""
     if global_roles(user):

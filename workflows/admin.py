@@ -24,10 +24,10 @@ from django.utils.http import urlencode
 
 from config.admin_mixins import ReadOnlyMixin
 
-from . import heartbeats
+from . import access, heartbeats
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
-from .forms import DocumentForm
+from .forms import DocumentForm, RoleForm
 from .models import WorkerHeartbeat, Workflow, WorkflowVersion
 from .services import SaveResult, definition_save
 
@@ -94,16 +94,40 @@ class WorkflowAdmin(admin.ModelAdmin):
     inlines = (WorkflowVersionInline,)
     document_form_template = "admin/workflows/workflow/document_form.html"
     diff_template = "admin/workflows/workflow/diff.html"
+    roles_template = "admin/workflows/workflow/roles.html"
+
+    # --- who may do what (workflows.access, CONTRACT section 8) ------------------------------
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        user = request.user
+        return (
+            user.is_active
+            and user.is_staff
+            and (access.has_any_role(user) or access.may_author(user, "", exists=False))
+        )
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            return self.has_module_permission(request)
+        return access.may_see_definition(request.user, obj.pk)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return access.may_author(request.user, "", exists=False)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # "Change" is authoring: a new version through the "New version" page.
+        if obj is None:
+            return access.AUTHOR in access.global_roles(request.user) or (
+                self.has_module_permission(request)
+            )
+        return access.may_author(request.user, obj.pk, exists=True)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Workflow]:
         latest = WorkflowVersion.objects.filter(workflow=OuterRef("pk")).order_by("-number")
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(
-                latest_number=Subquery(latest.values("number")[:1]),
-                latest_description=Subquery(latest.values("description")[:1]),
-            )
+        visible = access.visible_workflows(request.user, super().get_queryset(request))
+        return visible.annotate(
+            latest_number=Subquery(latest.values("number")[:1]),
+            latest_description=Subquery(latest.values("description")[:1]),
         )
 
     # --- list and change page ---------------------------------------------------------------
@@ -144,7 +168,9 @@ class WorkflowAdmin(admin.ModelAdmin):
             "show_save_and_continue": False,
             "show_save_and_add_another": False,
             "show_delete": False,
-            "can_author": self.has_change_permission(request),
+            "can_author": access.may_author(request.user, workflow_id, exists=True),
+            "can_grant": access.may_grant(request.user, workflow_id, access.VIEWER),
+            "roles_url": _workflow_url(workflow_id, "roles"),
             "new_version_url": _workflow_url(workflow_id, "new_version"),
             "diff_url": _workflow_url(workflow_id, "diff"),
             **(extra_context or {}),
@@ -165,6 +191,11 @@ class WorkflowAdmin(admin.ModelAdmin):
                 "<path:object_id>/diff/",
                 self.admin_site.admin_view(self.diff_view),
                 name="{}_{}_diff".format(*info),
+            ),
+            path(
+                "<path:object_id>/roles/",
+                self.admin_site.admin_view(self.roles_view),
+                name="{}_{}_roles".format(*info),
             ),
         ]
         return custom + super().get_urls()
@@ -276,6 +307,42 @@ class WorkflowAdmin(admin.ModelAdmin):
         for _, why in heartbeats.unserved_steps(document=version.document):
             self.message_user(request, why, messages.WARNING)
         return HttpResponseRedirect(_workflow_url(workflow_id))
+
+    # --- roles --------------------------------------------------------------------------------
+
+    def roles_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """Who holds which role on the workflow; authors grant and revoke every role, operators
+        the viewer role (the contract's table). Through workflows.access, like the command."""
+        workflow = self.get_object(request, unquote(object_id))
+        if workflow is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not access.may_grant(request.user, workflow.pk, access.VIEWER):
+            raise PermissionDenied
+        form = RoleForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            role = form.cleaned_data["role"]
+            holder = form.cleaned_data["holder"]
+            if not access.may_grant(request.user, workflow.pk, role):
+                form.add_error("role", f"you may not grant or revoke the {role} role")
+            else:
+                change = access.revoke if form.cleaned_data["revoke"] else access.grant
+                change(role, workflow.pk, **holder)
+                verb = "Revoked" if form.cleaned_data["revoke"] else "Granted"
+                message = f"{verb} {role} on {workflow.pk} for {form.cleaned_data['name']}."
+                self.log_change(request, workflow, message)
+                self.message_user(request, message, messages.SUCCESS)
+                return HttpResponseRedirect(_workflow_url(workflow.pk, "roles"))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Roles on {workflow.pk}",
+            "workflow": workflow,
+            "holders": access.holders(workflow.pk),
+            "form": form,
+            "change_url": _workflow_url(workflow.pk),
+            "has_view_permission": True,
+        }
+        return TemplateResponse(request, self.roles_template, context)
 
     # --- diff ---------------------------------------------------------------------------------
 

@@ -13,10 +13,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from django import forms
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
 from django.template.loader import render_to_string
 from django.utils.safestring import SafeString
 from django_json_widget.widgets import JSONEditorWidget
 
+from .access import ROLES
 from .errors import FieldError
 
 
@@ -111,3 +114,31 @@ class DocumentForm(forms.Form):
                 code="rejected",
             ),
         )
+
+
+class RoleForm(forms.Form):
+    """Grant (or revoke) a role on a workflow to one user or one group, by name."""
+
+    role = forms.ChoiceField(choices=[(role, role) for role in ROLES])
+    kind = forms.ChoiceField(choices=[("user", "user"), ("group", "group")], initial="user")
+    name = forms.CharField(max_length=150, help_text="the username, or the group's name")
+    revoke = forms.BooleanField(required=False, help_text="revoke instead of grant")
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        kind, name = cleaned.get("kind"), cleaned.get("name")
+        if kind == "user" and name:
+            user = (
+                get_user_model().objects.filter(**{get_user_model().USERNAME_FIELD: name}).first()
+            )
+            if user is None:
+                self.add_error("name", f"no user '{name}'")
+            else:
+                cleaned["holder"] = {"user": user}
+        elif kind == "group" and name:
+            group = Group.objects.filter(name=name).first()
+            if group is None:
+                self.add_error("name", f"no group '{name}'")
+            else:
+                cleaned["holder"] = {"group": group}
+        return cleaned

@@ -9,7 +9,7 @@ from django.contrib.messages import get_messages
 from django.test import Client
 from django.urls import reverse
 
-from runs.models import Run, StepRun
+from runs.models import Run, RunAction, StepRun
 from runs.status import RunStatus, StepStatus
 
 from .factories import RunFactory, StepRunFactory, WorkflowVersionFactory
@@ -90,8 +90,9 @@ def test_run_change_page_is_read_only_with_the_journal(admin_client: Client, ver
     assert 'name="_save"' not in html
     assert reverse("admin:runs_run_delete", args=[run.id]) not in html
     assert response.context["adminform"].form.fields == {}
-    # The journal, as a read-only table.
-    [inline] = response.context["inline_admin_formsets"]
+    # Who acted on it, then the journal, as read-only tables.
+    actions, inline = response.context["inline_admin_formsets"]
+    assert actions.formset.model is RunAction
     assert inline.formset.model is StepRun
     assert not inline.has_add_permission and not inline.has_change_permission
     for text in ("classify", "send", "celery@w7", "fatal", "boom", "crm-9"):
