@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
@@ -22,6 +23,7 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from runs.models import Run, StepRun, Timer, TimerPurpose
+from workflows.validation import MAX_APPROVERS
 
 from . import outbox
 from .models import ApprovalRequest, Approver, Notification
@@ -39,6 +41,11 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     spec = step_run.input or {}
     people, problem = _approvers(spec.get("approvers") or {})
     quorum = int(spec.get("quorum") or 1)
+    if problem is None and len(people) > MAX_APPROVERS:
+        # Groups are expanded only now; a request never mails more people than this.
+        problem = (
+            f"approvers: resolve to {len(people)} people; a request asks at most {MAX_APPROVERS}"
+        )
     if problem is None and quorum > len(people):
         problem = (
             f"quorum: {quorum} approvals are needed but the approvers resolve to "
@@ -58,8 +65,9 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
         approvers=spec.get("approvers") or {},
         quorum=quorum,
         deadline=step_run.not_before,
-        remind_after_ms=spec.get("remind_after_ms"),
+        remind_after_ms=_remind_period(spec.get("remind_after_ms")),
         escalate_to=spec.get("escalate_to"),
+        email_details=bool(_step_of(run, step_run.step_id).get("email_details")),
         created_at=now,
     )
     approvers = Approver.objects.bulk_create(
@@ -69,6 +77,35 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
         outbox.queue(MailKind.REQUEST, approver.email, approver=approver)
     _set_reminder(request, step_run, now)
     return None
+
+
+def _remind_period(asked: Any) -> int | None:
+    """A request's reminder period: what the step asks, but never more often than
+    ``DJFLOW_MIN_REMIND_MS`` (saving refuses less; a version stored before the bound, or
+    under a lower one, is held to it here)."""
+    if not asked:
+        return None
+    return max(int(asked), settings.DJFLOW["MIN_REMIND_MS"])
+
+
+def _step_of(run: Run, step_id: str) -> Mapping[str, Any]:
+    """The step ``step_id`` as the run's version declares it (ids are unique in a
+    document, nested ones included); empty when not found."""
+    pending: list[Any] = list(run.version.document.get("steps") or [])
+    while pending:
+        step = pending.pop()
+        if isinstance(step, list):
+            pending.extend(step)
+            continue
+        if not isinstance(step, dict):
+            continue
+        if step.get("id") == step_id:
+            return step
+        pending.extend([step.get("then"), step.get("else"), step.get("do")])
+        branches = step.get("branches")
+        if isinstance(branches, dict):
+            pending.extend(branches.values())
+    return {}
 
 
 def remind(*, step_run_id: int, now: datetime | None = None) -> int:

@@ -39,6 +39,10 @@ class ApprovalRequest(models.Model):
     # The step's resolved message template, and its input: what the approvers decide on.
     message = models.TextField(blank=True, default="")
     details = models.JSONField(null=True, blank=True)
+    # The step's ``email_details``: whether the e-mails carry the details too. Off, they
+    # carry the message and the link only (the details may hold what should not travel
+    # by e-mail; the pages behind the link show them).
+    email_details = models.BooleanField(default=False)
     # The approvers as the document names them: {"users", "groups", "emails"}.
     approvers = models.JSONField(default=dict)
     quorum = models.PositiveIntegerField(default=1)
@@ -53,6 +57,13 @@ class ApprovalRequest(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        permissions = [
+            # Checked when a workflow version is saved (workflows.services.definition_save).
+            (
+                "mail_external",
+                "Can name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS",
+            ),
+        ]
         indexes = [
             models.Index(
                 fields=["-created_at"],
