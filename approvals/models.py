@@ -128,7 +128,8 @@ class Decision(models.Model):
 
     request = models.ForeignKey(ApprovalRequest, on_delete=models.PROTECT, related_name="decisions")
     approver = models.ForeignKey(Approver, on_delete=models.PROTECT, related_name="decisions")
-    # Who acted: the signed-in user, if any (a link works without signing in).
+    # Who acted: the signed-in user, if any (a plain address's link works without signing
+    # in; a user approver's only for that user, so this is the approver's user).
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

@@ -47,15 +47,21 @@ View = Callable[..., HttpResponse]
 def private(view: View) -> View:
     """Every answer of ``view`` (its refusals and redirects too) is ``Cache-Control:
     no-store`` (a shared or back-button cache would keep a request's details, and the link's
-    answer under the link's address) and ``Referrer-Policy: no-referrer`` (a link followed
-    from the page must not carry the page's address, the token, to another site)."""
+    answer under the link's address) and ``Referrer-Policy: same-origin`` (a link followed
+    from the page to another site must not carry the page's address, the token).
+
+    Not ``no-referrer``: under it browsers send ``Origin: null`` with the page's own form
+    POSTs (the Fetch standard), and Django's CSRF check refuses them (seen in Chromium: the
+    decide form answered 403). ``same-origin`` sends nothing to other sites and the true
+    origin to this one."""
 
     @wraps(view)
     def answer(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         response = view(request, *args, **kwargs)
         add_never_cache_headers(response)
-        # Set here, SecurityMiddleware's site-wide SECURE_REFERRER_POLICY leaves it as is.
-        response.headers["Referrer-Policy"] = "no-referrer"
+        # Set here, so SecurityMiddleware's site-wide SECURE_REFERRER_POLICY (which may be
+        # loosened for other pages) leaves it as is.
+        response.headers["Referrer-Policy"] = "same-origin"
         return response
 
     return answer

@@ -435,10 +435,11 @@ def test_an_expired_plain_address_link_shows_nothing_of_the_request(waiting) -> 
 
 def assert_private(page) -> None:
     assert "no-store" in page["Cache-Control"]
-    assert page["Referrer-Policy"] == "no-referrer"
+    # Other sites get no Referer (not no-referrer: see approvals.views.private).
+    assert page["Referrer-Policy"] == "same-origin"
 
 
-def test_every_link_answer_is_no_store_and_sends_no_referrer(waiting) -> None:
+def test_every_link_answer_is_no_store_and_sends_no_referrer_to_other_sites(waiting) -> None:
     _, request = waiting
     bob, ext = approver(request, "bob"), approver(request, "ext@example.org")
     cy = Client()
@@ -459,7 +460,7 @@ def test_every_link_answer_is_no_store_and_sends_no_referrer(waiting) -> None:
         assert_private(answer)
 
 
-def test_every_inbox_and_notification_answer_is_no_store_and_sends_no_referrer(waiting) -> None:
+def test_every_inbox_and_notification_answer_is_no_store_and_private_to_the_site(waiting) -> None:
     _, request = waiting
     bob = Client()
     bob.force_login(approver(request, "bob").user)
@@ -476,3 +477,11 @@ def test_every_inbox_and_notification_answer_is_no_store_and_sends_no_referrer(w
     assert [a.status_code for a in answers] == [302, 200, 200, 404, 400, 200, 200, 302]
     for answer in answers:
         assert_private(answer)
+
+
+def test_a_looser_site_wide_referrer_policy_does_not_reach_approval_pages(waiting, settings):
+    settings.SECURE_REFERRER_POLICY = "unsafe-url"
+    _, request = waiting
+    ext = approver(request, "ext@example.org")
+    assert Client().get("/accounts/login/")["Referrer-Policy"] == "unsafe-url"
+    assert_private(Client().get(link_path(ext)))

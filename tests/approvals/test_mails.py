@@ -262,3 +262,47 @@ def test_the_last_retry_that_fails_marks_the_mail_failed_with_its_error(settings
     assert (mail.status, mail.last_error) == ("failed", "SMTPException: 421 try again later")
     far = timezone.now() + timedelta(hours=1)
     assert outbox.reoffer_unsent(far, 100) == 0  # never offered again
+
+
+def test_email_details_is_read_for_approvals_at_any_depth() -> None:
+    from runs.services import run_start
+    from workflows.services import definition_save
+
+    make_user("bob")
+
+    def gate(step_id: str, details: bool) -> dict:
+        return {
+            "id": step_id,
+            "kind": "approval",
+            "approvers": {"users": ["bob"]},
+            "email_details": details,
+        }
+
+    definition_save(
+        document={
+            "id": "deep",
+            "limits": {"run_timeout_ms": 3_600_000},
+            "steps": [
+                {
+                    "id": "both",
+                    "kind": "parallel",
+                    "branches": {
+                        "left": gate("left_gate", True),
+                        "right": [
+                            {
+                                "id": "pick",
+                                "kind": "condition",
+                                "if": {"path": "input.go", "op": "eq", "value": True},
+                                "then": [gate("then_gate", False)],
+                                "else": [gate("else_gate", True)],
+                            }
+                        ],
+                    },
+                },
+                {"id": "each", "kind": "foreach", "items": [1], "do": gate("item_gate", True)},
+            ],
+        }
+    )
+    run = run_start(workflow="deep", input={"go": False}).run
+    opened = dict(ApprovalRequest.objects.filter(run=run).values_list("step_id", "email_details"))
+    assert opened == {"left_gate": True, "else_gate": True}
