@@ -23,7 +23,8 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from runs.models import Run, StepRun, Timer, TimerPurpose
-from workflows.validation import MAX_APPROVERS
+from workflows.services import MAIL_EXTERNAL
+from workflows.validation import MAX_APPROVERS, outside_domains
 
 from . import outbox
 from .models import ApprovalRequest, Approver, Notification
@@ -37,7 +38,8 @@ INVALID_INPUT = "invalid_input"
 def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] | None:
     """Open the approval request of a waiting approval row and mail its approvers; the
     error that fails the step instead (class invalid_input) when the approvers named do not
-    resolve to enough people."""
+    resolve to enough people, resolve to too many, or include an address its version's
+    author may not mail."""
     spec = step_run.input or {}
     people, problem = _approvers(spec.get("approvers") or {})
     quorum = int(spec.get("quorum") or 1)
@@ -51,6 +53,8 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
             f"quorum: {quorum} approvals are needed but the approvers resolve to "
             f"{len(people)} person(s)"
         )
+    if problem is None:
+        problem = _unmailable(run, spec.get("approvers") or {})
     if problem is None and spec.get("escalate_to"):
         problem = _users(spec["escalate_to"], "escalate_to")[1]
     if problem is not None:
@@ -77,6 +81,32 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
         outbox.queue(MailKind.REQUEST, approver.email, approver=approver)
     _set_reminder(request, step_run, now)
     return None
+
+
+def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
+    """The first address outside ``DJFLOW_APPROVER_EMAIL_DOMAINS`` that the author of the
+    run's version may not name (``approvals.mail_external``, held now), or None.
+
+    Saving checks this already; here it holds versions saved before the rule existed, or by
+    an author who has since lost the permission. A version saved with no user (the
+    deployment's own builders; also one whose author was deleted) is not held to it."""
+    domains = frozenset(settings.DJFLOW["APPROVER_EMAIL_DOMAINS"])
+    outside = [
+        (index, address)
+        for index, address in enumerate(spec.get("emails") or [])
+        if isinstance(address, str) and outside_domains(address, domains)
+    ]
+    if not outside:
+        return None
+    author = run.version.created_by
+    if author is None or author.has_perm(MAIL_EXTERNAL):
+        return None
+    index, address = outside[0]
+    return (
+        f"approvers.emails[{index}]: '{address}' is outside the approver e-mail domains, and "
+        f"the author of version {run.version.number} ({author.get_username()}) does not hold "
+        "the permission approvals.mail_external"
+    )
 
 
 def _remind_period(asked: Any) -> int | None:

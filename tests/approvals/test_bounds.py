@@ -173,6 +173,41 @@ def test_the_builder_saving_as_a_user_is_held_to_the_domains(author, own_registr
     assert saved.version.document["steps"][0]["email_details"] is True
 
 
+def test_a_stored_version_whose_author_may_not_mail_outside_fails_the_step(
+    author, settings
+) -> None:
+    """Versions are immutable and may predate the rule (or the author lost the permission
+    since): the request does not open, and the step names the address."""
+    settings.DJFLOW = {**settings.DJFLOW, "APPROVER_EMAIL_DOMAINS": ["corp.example"]}
+    grant = Permission.objects.get(codename="mail_external")
+    author.user_permissions.add(grant)
+    author = type(author).objects.get(pk=author.pk)
+    emails = ["in@corp.example", "eve@elsewhere.example"]
+    definition_save(document=document(approvers={"emails": emails}), user=author)
+    author.user_permissions.remove(grant)
+    run = run_start(workflow="pay", input={}).run
+    gate = StepRun.objects.get(run=run, step_id="gate")
+    assert gate.status == "failed"
+    assert gate.error == {
+        "class": "invalid_input",
+        "message": "approvers.emails[1]: 'eve@elsewhere.example' is outside the approver "
+        "e-mail domains, and the author of version 1 (author) does not hold the permission "
+        "approvals.mail_external",
+    }
+    assert not ApprovalRequest.objects.exists() and not Mail.objects.exists()
+
+
+def test_a_stored_version_mails_inside_the_domains_whoever_wrote_it(author, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "APPROVER_EMAIL_DOMAINS": ["corp.example"]}
+    definition_save(document=document(approvers={"emails": ["in@corp.example"]}), user=author)
+    run = run_start(workflow="pay", input={}).run
+    assert ApprovalRequest.objects.get(run=run).people.get().email == "in@corp.example"
+    # And the deployment's own versions mail anywhere.
+    definition_save(document=document("ops", approvers={"emails": ["x@elsewhere.example"]}))
+    run = run_start(workflow="ops", input={}).run
+    assert Mail.objects.filter(to="x@elsewhere.example").exists()
+
+
 # --- at most 50 people ------------------------------------------------------------------------
 
 
