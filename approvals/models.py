@@ -118,6 +118,12 @@ class Approver(models.Model):
             return self.user.get_username()
         return self.email
 
+    @property
+    def is_plain_address(self) -> bool:
+        """Named under ``emails`` (its link works for whoever holds it), not a user of the
+        site; a user approver whose user was deleted since is neither, and decides nothing."""
+        return self.via == "email"
+
 
 class AppendOnly(Exception):
     pass

@@ -137,8 +137,15 @@ def not_theirs(request: HttpRequest, approver: Approver) -> HttpResponse | None:
     None when the visitor is that user (or the approver is a plain address, whose link works
     for whoever holds it). Anonymous: the sign-in page, back to the link after; another
     user: 403. Neither shows anything of the request."""
-    if approver.user_id is None:
+    if approver.is_plain_address:
         return None
+    if approver.user_id is None:
+        return problem(
+            request,
+            410,
+            "This link no longer works",
+            "The user it was sent to no longer exists.",
+        )
     if not request.user.is_authenticated:
         # Back to the link itself after signing in; a query string is not carried along.
         return redirect_to_login(request.path)

@@ -104,7 +104,7 @@ def approval_decide(
         request = ApprovalRequest.objects.select_for_update().get(id=request_id)
         if approver_id is not None:
             approver = request.people.filter(id=approver_id).select_related("user").first()
-            if approver is not None and approver.user_id is not None and not _is(user, approver):
+            if approver is not None and not approver.is_plain_address and not _is(user, approver):
                 approver = None
         else:
             approver = approver_for(request, user)
@@ -165,8 +165,14 @@ def approval_decide(
 
 
 def _is(user: Any, approver: Approver) -> bool:
-    """Whether ``user`` is signed in as the user ``approver`` names."""
-    return user is not None and user.is_authenticated and user.pk == approver.user_id
+    """Whether ``user`` is signed in as the user ``approver`` names (never, once that user
+    was deleted)."""
+    return (
+        approver.user_id is not None
+        and user is not None
+        and user.is_authenticated
+        and user.pk == approver.user_id
+    )
 
 
 def _closed_reason(request: ApprovalRequest, now: Any) -> str:

@@ -391,6 +391,32 @@ def test_the_service_refuses_a_users_link_for_anyone_else(waiting) -> None:
     assert_untouched(request)
 
 
+def test_the_link_of_a_user_deleted_since_decides_nothing(waiting) -> None:
+    """The approver row keeps the address it was mailed to, but it was a user's link: it does
+    not turn into a plain address's link that works for whoever holds it."""
+    _, request = waiting
+    bob = approver(request, "bob")
+    bob.user.delete()
+    bob.refresh_from_db()
+    assert (bob.user, bob.email) == (None, "bob@example.com")
+    for method in ("get", "post"):
+        page = getattr(Client(), method)(link_path(bob), {"decision": "approved"})
+        assert page.status_code == 410
+        assert "no longer works" in page.content.decode()
+        assert_shows_nothing_of(page, request)
+    with pytest.raises(NotApprover):
+        approval_decide(
+            request_id=request.id, approver_id=bob.id, decision="approved", origin=Origin("link")
+        )
+    # Nor does a new account with his old address inherit his vote.
+    heir = make_user("bob2", email="BOB@example.com")
+    with pytest.raises(NotApprover):
+        approval_decide(
+            request_id=request.id, decision="approved", origin=Origin("inbox"), user=heir
+        )
+    assert_untouched(request)
+
+
 def test_a_plain_address_link_works_for_whoever_holds_it(waiting) -> None:
     """Anonymous or signed in as anyone: the link is the credential. The audit names the
     address, and the signed-in user who clicked, if any."""
