@@ -1,8 +1,9 @@
 """Admin for inspecting approvals, their decisions, notifications and the mail outbox.
 
 Everything here is written by the engine and ``approval_decide``: the admin reads, never adds,
-changes or deletes. A decision is an audit row (append-only in the model too); its IP, user
-agent and token id are shown here and nowhere else.
+changes or deletes. A decision is an audit row (append-only in the model too); its IP and
+user agent are shown here and nowhere else. Token ids are shown nowhere, not even here: with
+the ``SECRET_KEY`` an approver's token id is all it takes to make their link.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _pretty_json(value: Any) -> str:
 
 class ApproverInline(ReadOnlyMixin, admin.TabularInline):
     model = Approver
-    fields = ("label", "user", "email", "via", "token_id", "used_at")
+    fields = ("label", "user", "email", "via", "used_at")
     readonly_fields = fields
     extra = 0
 
@@ -45,7 +46,7 @@ class ApproverInline(ReadOnlyMixin, admin.TabularInline):
 
 class DecisionInline(ReadOnlyMixin, admin.TabularInline):
     model = Decision
-    fields = ("created_at", "by", "decision", "comment", "channel", "ip", "user_agent", "token_id")
+    fields = ("created_at", "by", "user", "decision", "comment", "channel", "ip", "user_agent")
     readonly_fields = fields
     extra = 0
     verbose_name_plural = "decisions (the audit)"
@@ -111,10 +112,9 @@ class DecisionAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "channel",
         "ip",
         "user_agent",
-        "token_id",
     )
     list_filter = ("decision", "channel")
-    search_fields = ("by", "request__id", "ip", "token_id")
+    search_fields = ("by", "request__id", "ip")
     list_select_related = ("request",)
     date_hierarchy = "created_at"
     fields = (
@@ -127,7 +127,6 @@ class DecisionAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "channel",
         "ip",
         "user_agent",
-        "token_id",
         "created_at",
     )
     readonly_fields = fields

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
@@ -22,6 +23,8 @@ from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from runs.models import Run, StepRun, Timer, TimerPurpose
+from workflows.services import MAIL_EXTERNAL
+from workflows.validation import MAX_APPROVERS, outside_domains
 
 from . import outbox
 from .models import ApprovalRequest, Approver, Notification
@@ -35,15 +38,23 @@ INVALID_INPUT = "invalid_input"
 def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] | None:
     """Open the approval request of a waiting approval row and mail its approvers; the
     error that fails the step instead (class invalid_input) when the approvers named do not
-    resolve to enough people."""
+    resolve to enough people, resolve to too many, or include an address its version's
+    author may not mail."""
     spec = step_run.input or {}
     people, problem = _approvers(spec.get("approvers") or {})
     quorum = int(spec.get("quorum") or 1)
+    if problem is None and len(people) > MAX_APPROVERS:
+        # Groups are expanded only now; a request never mails more people than this.
+        problem = (
+            f"approvers: resolve to {len(people)} people; a request asks at most {MAX_APPROVERS}"
+        )
     if problem is None and quorum > len(people):
         problem = (
             f"quorum: {quorum} approvals are needed but the approvers resolve to "
             f"{len(people)} person(s)"
         )
+    if problem is None:
+        problem = _unmailable(run, spec.get("approvers") or {})
     if problem is None and spec.get("escalate_to"):
         problem = _users(spec["escalate_to"], "escalate_to")[1]
     if problem is not None:
@@ -58,8 +69,9 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
         approvers=spec.get("approvers") or {},
         quorum=quorum,
         deadline=step_run.not_before,
-        remind_after_ms=spec.get("remind_after_ms"),
+        remind_after_ms=_remind_period(spec.get("remind_after_ms")),
         escalate_to=spec.get("escalate_to"),
+        email_details=bool(_step_of(run, step_run.step_id).get("email_details")),
         created_at=now,
     )
     approvers = Approver.objects.bulk_create(
@@ -69,6 +81,61 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
         outbox.queue(MailKind.REQUEST, approver.email, approver=approver)
     _set_reminder(request, step_run, now)
     return None
+
+
+def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
+    """The first address outside ``DJFLOW_APPROVER_EMAIL_DOMAINS`` that the author of the
+    run's version may not name (``approvals.mail_external``, held now), or None.
+
+    Saving checks this already; here it holds versions saved before the rule existed, or by
+    an author who has since lost the permission. A version saved with no user (the
+    deployment's own builders; also one whose author was deleted) is not held to it."""
+    domains = frozenset(settings.DJFLOW["APPROVER_EMAIL_DOMAINS"])
+    outside = [
+        (index, address)
+        for index, address in enumerate(spec.get("emails") or [])
+        if isinstance(address, str) and outside_domains(address, domains)
+    ]
+    if not outside:
+        return None
+    author = run.version.created_by
+    if author is None or author.has_perm(MAIL_EXTERNAL):
+        return None
+    index, address = outside[0]
+    return (
+        f"approvers.emails[{index}]: '{address}' is outside the approver e-mail domains, and "
+        f"the author of version {run.version.number} ({author.get_username()}) does not hold "
+        "the permission approvals.mail_external"
+    )
+
+
+def _remind_period(asked: Any) -> int | None:
+    """A request's reminder period: what the step asks, but never more often than
+    ``DJFLOW_MIN_REMIND_MS`` (saving refuses less; a version stored before the bound, or
+    under a lower one, is held to it here)."""
+    if not asked:
+        return None
+    return max(int(asked), settings.DJFLOW["MIN_REMIND_MS"])
+
+
+def _step_of(run: Run, step_id: str) -> Mapping[str, Any]:
+    """The step ``step_id`` as the run's version declares it (ids are unique in a
+    document, nested ones included); empty when not found."""
+    pending: list[Any] = list(run.version.document.get("steps") or [])
+    while pending:
+        step = pending.pop()
+        if isinstance(step, list):
+            pending.extend(step)
+            continue
+        if not isinstance(step, dict):
+            continue
+        if step.get("id") == step_id:
+            return step
+        pending.extend([step.get("then"), step.get("else"), step.get("do")])
+        branches = step.get("branches")
+        if isinstance(branches, dict):
+            pending.extend(branches.values())
+    return {}
 
 
 def remind(*, step_run_id: int, now: datetime | None = None) -> int:

@@ -39,6 +39,10 @@ class ApprovalRequest(models.Model):
     # The step's resolved message template, and its input: what the approvers decide on.
     message = models.TextField(blank=True, default="")
     details = models.JSONField(null=True, blank=True)
+    # The step's ``email_details``: whether the e-mails carry the details too. Off, they
+    # carry the message and the link only (the details may hold what should not travel
+    # by e-mail; the pages behind the link show them).
+    email_details = models.BooleanField(default=False)
     # The approvers as the document names them: {"users", "groups", "emails"}.
     approvers = models.JSONField(default=dict)
     quorum = models.PositiveIntegerField(default=1)
@@ -53,6 +57,13 @@ class ApprovalRequest(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        permissions = [
+            # Checked when a workflow version is saved (workflows.services.definition_save).
+            (
+                "mail_external",
+                "Can name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS",
+            ),
+        ]
         indexes = [
             models.Index(
                 fields=["-created_at"],
@@ -107,6 +118,12 @@ class Approver(models.Model):
             return self.user.get_username()
         return self.email
 
+    @property
+    def is_plain_address(self) -> bool:
+        """Named under ``emails`` (its link works for whoever holds it), not a user of the
+        site; a user approver whose user was deleted since is neither, and decides nothing."""
+        return self.via == "email"
+
 
 class AppendOnly(Exception):
     pass
@@ -117,7 +134,8 @@ class Decision(models.Model):
 
     request = models.ForeignKey(ApprovalRequest, on_delete=models.PROTECT, related_name="decisions")
     approver = models.ForeignKey(Approver, on_delete=models.PROTECT, related_name="decisions")
-    # Who acted: the signed-in user, if any (a link works without signing in).
+    # Who acted: the signed-in user, if any (a plain address's link works without signing
+    # in; a user approver's only for that user, so this is the approver's user).
     user = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )

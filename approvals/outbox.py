@@ -103,7 +103,11 @@ def render(mail: Mail) -> EmailMultiAlternatives:
 
 def mail_context(mail: Mail) -> dict[str, Any]:
     """What the e-mail templates get: the request, the approver's link and who has decided
-    (approval mails), or the notification (hand-offs, escalations)."""
+    (approval mails), or the notification (hand-offs, escalations).
+
+    An approval mail carries the request's details (the step input) only when the step asks
+    for it (``email_details``): a mailbox is read by more eyes and kept longer than the page
+    behind the link, which shows them to whoever may use it."""
     site = settings.SITE_URL.rstrip("/")
     context: dict[str, Any] = {"mail": mail, "site_url": site}
     if mail.approver is not None:
@@ -114,7 +118,7 @@ def mail_context(mail: Mail) -> dict[str, Any]:
             approver=mail.approver,
             link=link_for(mail.approver),
             decisions=list(request.decisions.all()),
-            details=pretty(request.details),
+            details=pretty(request.details) if request.email_details else "",
         )
     if mail.notification is not None:
         context.update(

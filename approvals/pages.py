@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.contrib.auth.views import redirect_to_login
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -63,10 +64,9 @@ def summarize(approval_id: Any) -> Summary:
 # --- pages for what cannot be done --------------------------------------------------------
 
 
-def problem(
-    request: HttpRequest, status: int, title: str, sentence: str, summary: Summary | None = None
-) -> HttpResponse:
-    context = {"title": title, "sentence": sentence, "summary": summary}
+def problem(request: HttpRequest, status: int, title: str, sentence: str) -> HttpResponse:
+    """A page that says what cannot be done and why, and nothing of the request."""
+    context = {"title": title, "sentence": sentence}
     return render(request, "approvals/problem.html", context, status=status)
 
 
@@ -91,23 +91,23 @@ def link_problem(request: HttpRequest, reason: str) -> HttpResponse:
 def blocked(
     request: HttpRequest, approver: Approver, now: datetime | None = None
 ) -> HttpResponse | None:
-    """The page for an approver who cannot decide (any more), or None when they can.
+    """The page for a link that cannot decide (any more), or None when it can.
 
-    The order matters: someone who already decided is told so even after the request closed;
-    an expired request says so even when its timer has not fired yet."""
+    It shows nothing of the request (no message, details, people or decisions), only that
+    the link is used, expired or closed: a used or closed link still reaches whoever finds
+    the mail later, and a signed-in approver has the request in their inbox. The order
+    matters: a used link says so even after the request closed; an expired request says so
+    even when its timer has not fired yet."""
     now = now or timezone.now()
-    summary = summarize(approver.request_id)
-    approval = summary.approval
-    mine = next((p.decision for p in summary.people if p.approver.id == approver.id), None)
+    approval = ApprovalRequest.objects.only("status", "deadline").get(id=approver.request_id)
+    mine = Decision.objects.filter(approver=approver).only("created_at").first()
     if approver.used_at is not None or mine is not None:
         when = mine.created_at if mine is not None else approver.used_at
-        verb = mine.decision if mine is not None else "decided"
         return problem(
             request,
             410,
             "This link has already been used",
-            f"You already {verb} this on {_when(when)}. A link works once.",
-            summary,
+            f"It was used on {_when(when)}. A link works once.",
         )
     expired = approval.status == ApprovalStatus.EXPIRED or (
         approval.status == ApprovalStatus.PENDING
@@ -115,27 +115,49 @@ def blocked(
         and now >= approval.deadline
     )
     if expired:
-        deadline = f" on {_when(approval.deadline)}" if approval.deadline else ""
         return problem(
             request,
             410,
             "This approval has expired",
-            f"Its deadline passed{deadline} before a decision was reached; it can no longer be"
-            " decided.",
-            summary,
+            "Its deadline passed before a decision was reached; the link no longer works.",
         )
     if approval.status != ApprovalStatus.PENDING:
-        return problem(request, 409, "This approval is closed", closed_sentence(summary), summary)
+        return problem(
+            request,
+            409,
+            "This approval is closed",
+            "It was decided by others, or its run ended, before this link was used; the link"
+            " no longer works.",
+        )
     return None
 
 
-def closed_sentence(summary: Summary) -> str:
-    approval = summary.approval
-    if approval.status == ApprovalStatus.CANCELLED:
-        return "It was cancelled (its run ended or its step was cancelled) before a decision."
-    deciders = [d for d in summary.decisions if d.decision == approval.status]
-    names = ", ".join(f"{d.by} on {_when(d.created_at)}" for d in deciders)
-    return f"It was already {approval.status}" + (f" by {names}." if names else ".")
+def not_theirs(request: HttpRequest, approver: Approver) -> HttpResponse | None:
+    """The answer to a link of a user approver opened by anyone but that user signed in, or
+    None when the visitor is that user (or the approver is a plain address, whose link works
+    for whoever holds it). Anonymous: the sign-in page, back to the link after; another
+    user: 403. Neither shows anything of the request."""
+    if approver.is_plain_address:
+        return None
+    if approver.user_id is None:
+        return problem(
+            request,
+            410,
+            "This link no longer works",
+            "The user it was sent to no longer exists.",
+        )
+    if not request.user.is_authenticated:
+        # Back to the link itself after signing in; a query string is not carried along.
+        return redirect_to_login(request.path)
+    if request.user.pk != approver.user_id:
+        return problem(
+            request,
+            403,
+            "This link is for another user",
+            "It was sent to another user of this site and works only for them, signed in."
+            " Sign out and sign in as that user to use it.",
+        )
+    return None
 
 
 def service_problem(request: HttpRequest, error: EngineError) -> HttpResponse:

@@ -11,10 +11,10 @@ from .models import ApprovalRequest, Approver, Notification
 
 def as_approver(user: Any) -> Q:
     """The approver rows a signed-in user acts as: theirs, or plain e-mail approvers with
-    their address."""
+    their address (not the row of a user deleted since, which kept that user's address)."""
     mine = Q(user=user)
     if user.email:
-        mine |= Q(user__isnull=True, email__iexact=user.email)
+        mine |= Q(user__isnull=True, via="email", email__iexact=user.email)
     return mine
 
 

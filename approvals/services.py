@@ -88,8 +88,10 @@ def approval_decide(
     """Record one approver's decision and close the request when it decides the outcome
     (any rejection; ``quorum`` approvals), ending the step and planning the run on.
 
-    ``approver_id`` is the approver a link was made for (a link works without signing in);
-    without it the signed-in ``user`` must be among the approvers.
+    ``approver_id`` is the approver a link was made for: a plain address's link works for
+    whoever holds it, a user approver's only for that ``user`` (anyone else is refused, so
+    the audit row's user is always the approver's). Without it the signed-in ``user`` must be
+    among the approvers.
     """
     decision, comment = check_decision(decision, comment)
     found = ApprovalRequest.objects.filter(id=request_id).values_list("run_id", flat=True)
@@ -102,6 +104,8 @@ def approval_decide(
         request = ApprovalRequest.objects.select_for_update().get(id=request_id)
         if approver_id is not None:
             approver = request.people.filter(id=approver_id).select_related("user").first()
+            if approver is not None and not approver.is_plain_address and not _is(user, approver):
+                approver = None
         else:
             approver = approver_for(request, user)
         if approver is None:
@@ -158,6 +162,17 @@ def approval_decide(
         if changed and run is not None:
             advance_locked(run)
         return request, made
+
+
+def _is(user: Any, approver: Approver) -> bool:
+    """Whether ``user`` is signed in as the user ``approver`` names (never, once that user
+    was deleted)."""
+    return (
+        approver.user_id is not None
+        and user is not None
+        and user.is_authenticated
+        and user.pk == approver.user_id
+    )
 
 
 def _closed_reason(request: ApprovalRequest, now: Any) -> str:

@@ -1,6 +1,8 @@
 """Signed, single-use links: a token binds (request, approver) and is signed with Django's
 signing (``SECRET_KEY``, a salt of its own). It carries no expiry of its own: it works while
-its request is pending and before its deadline, and once (``Approver.used_at``)."""
+its request is pending and before its deadline, and once (``Approver.used_at``). A token
+is a credential only for a plain-address approver; a user approver's link also needs that
+user signed in (``approvals.pages.not_theirs``, ``approvals.services.approval_decide``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,23 @@
 """Pages people click: the link from an e-mail, the inbox, notifications.
 
 The link page decides nothing on GET (mail scanners open links): only its form's POST, CSRF
-protected, calls ``approval_decide``. Every refusal is a page with its HTTP status, never an
-error page.
+protected, calls ``approval_decide``. A user approver's link works for that user signed in
+only; a plain address's for whoever holds it. Every refusal is a page with its HTTP status,
+never an error page, and no answer here is stored by a cache or names its address (the
+link's token) to the sites it links to.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
+from functools import wraps
 from typing import Any
 
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.utils.cache import add_never_cache_headers
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST
 
@@ -36,15 +41,45 @@ def origin_of(request: HttpRequest, channel: str) -> Origin:
     )
 
 
+View = Callable[..., HttpResponse]
+
+
+def private(view: View) -> View:
+    """Every answer of ``view`` (its refusals and redirects too) is ``Cache-Control:
+    no-store`` (a shared or back-button cache would keep a request's details, and the link's
+    answer under the link's address) and ``Referrer-Policy: same-origin`` (a link followed
+    from the page to another site must not carry the page's address, the token).
+
+    Not ``no-referrer``: under it browsers send ``Origin: null`` with the page's own form
+    POSTs (the Fetch standard), and Django's CSRF check refuses them (seen in Chromium: the
+    decide form answered 403). ``same-origin`` sends nothing to other sites and the true
+    origin to this one."""
+
+    @wraps(view)
+    def answer(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        response = view(request, *args, **kwargs)
+        add_never_cache_headers(response)
+        # Set here, so SecurityMiddleware's site-wide SECURE_REFERRER_POLICY (which may be
+        # loosened for other pages) leaves it as is.
+        response.headers["Referrer-Policy"] = "same-origin"
+        return response
+
+    return answer
+
+
 # --- the e-mailed link ------------------------------------------------------------------
 
 
+@private
 @require_http_methods(["GET", "HEAD", "POST"])
 def link(request: HttpRequest, token: str) -> HttpResponse:
     try:
         approver = read_token(token)
     except LinkProblem as problem:
         return pages.link_problem(request, problem.reason)
+    refused = pages.not_theirs(request, approver)
+    if refused is not None:
+        return refused
     if request.method != "POST":
         return pages.blocked(request, approver) or _decide_page(
             request, "approvals/confirm.html", approver, approver.request_id
@@ -74,12 +109,14 @@ def link(request: HttpRequest, token: str) -> HttpResponse:
 # --- the inbox --------------------------------------------------------------------------
 
 
+@private
 @login_required
 def inbox(request: HttpRequest) -> HttpResponse:
     pending, history = selectors.inbox_for(request.user)
     return render(request, "approvals/inbox.html", {"pending": pending, "history": history})
 
 
+@private
 @login_required
 @require_http_methods(["GET", "HEAD"])
 def detail(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
@@ -99,6 +136,7 @@ def detail(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
     return _decide_page(request, "approvals/detail.html", approver, approval.id)
 
 
+@private
 @login_required
 @require_POST
 def decide(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
@@ -166,6 +204,7 @@ def _decided(request: HttpRequest, approval: ApprovalRequest, made: Decision) ->
 NOTIFICATIONS_SHOWN = 200
 
 
+@private
 @login_required
 def notifications(request: HttpRequest) -> HttpResponse:
     rows = Notification.objects.filter(user=request.user).select_related("run")
@@ -173,6 +212,7 @@ def notifications(request: HttpRequest) -> HttpResponse:
     return render(request, "approvals/notifications.html", {"notifications": shown})
 
 
+@private
 @login_required
 @require_POST
 def notifications_read(request: HttpRequest, notification_id: int | None = None) -> HttpResponse:

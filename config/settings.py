@@ -346,6 +346,16 @@ DJFLOW = {
     # How long a worker keeps trying to record a finished attempt while the database is
     # unreachable (a restart, a fail-over) before it gives up and leaves it to the lease.
     "RECORD_RETRY_SECONDS": env.float("DJFLOW_RECORD_RETRY_SECONDS", default=60.0),
+    # Approval steps: reminders no more often than this (a document asking for less is
+    # refused at save, and a stored one is held to it when its request opens), and the
+    # e-mail domains anyone may name as approvers (exact domains, lower case); naming an
+    # address elsewhere takes the permission approvals.mail_external. Empty: none.
+    "MIN_REMIND_MS": env.int("DJFLOW_MIN_REMIND_MS", default=600_000),
+    "APPROVER_EMAIL_DOMAINS": [
+        domain.strip().lower().rstrip(".")
+        for domain in env.list("DJFLOW_APPROVER_EMAIL_DOMAINS", default=[])
+        if domain.strip()
+    ],
     # Model prices in USD per million tokens: {"model": {"input": x, "output": y}}.
     # DJFLOW_PRICES (JSON) replaces the defaults below.
     "PRICES": env.json(

@@ -370,10 +370,12 @@ def approval(
     message: Any = None,
     remind_after_ms: int | None = None,
     escalate_to: Mapping[str, Sequence[str]] | None = None,
+    email_details: bool | None = None,
     **common: Unpack[_CommonBase],
 ) -> StepSpec:
     """An ``approval`` step: ``approvers`` is ``{"users": [...], "groups": [...],
-    "emails": [...]}``; ``escalate_to`` is ``{"users": [...], "groups": [...]}``."""
+    "emails": [...]}``; ``escalate_to`` is ``{"users": [...], "groups": [...]}``;
+    ``email_details=True`` puts the details (the step input) in the e-mails too."""
     own = {
         "approvers": _copy(approvers),
         "quorum": quorum,
@@ -381,6 +383,7 @@ def approval(
         "message": _copy(message),
         "remind_after_ms": remind_after_ms,
         "escalate_to": _copy(escalate_to),
+        "email_details": email_details,
     }
     return _spec(step_id, "approval", own, common)
 
@@ -670,6 +673,7 @@ class Workflow:
         message: Any = None,
         remind_after_ms: int | None = None,
         escalate_to: Mapping[str, Sequence[str]] | None = None,
+        email_details: bool | None = None,
         **common: Unpack[_CommonBase],
     ) -> Workflow:
         return self.add(
@@ -681,6 +685,7 @@ class Workflow:
                 message=message,
                 remind_after_ms=remind_after_ms,
                 escalate_to=escalate_to,
+                email_details=email_details,
                 **common,
             )
         )

@@ -7,16 +7,20 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
 from . import access
 from .errors import Conflict, FieldError, InvalidDocument
 from .models import Workflow, WorkflowVersion
-from .validation import every_step, prepare_document
+from .validation import ApprovalRules, every_step, prepare_document
 
 # Kinds whose ``handler`` names Python code a worker runs.
 HANDLER_KINDS = ("task", "agent")
+# Held by whoever may name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS (declared
+# by the approvals app, ``ApprovalRequest.Meta.permissions``).
+MAIL_EXTERNAL = "approvals.mail_external"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,20 @@ def _workflow_exists(workflow_id: str, version: int | None) -> bool:
     return versions.exists()
 
 
+def approval_rules(user: AbstractBaseUser | None) -> ApprovalRules:
+    """The bounds on approval steps for a save by ``user``. ``None`` is a save by the
+    deployment itself (the builders of ``WORKFLOW_MODULES`` synced at worker start-up or by
+    ``manage.py sync_workflows``): its code and its environment are the operator's, so only
+    the bounds apply, not the e-mail domains. Every save by a person passes that person,
+    signed in or not."""
+    djflow = settings.DJFLOW
+    external = user is None or user.has_perm(MAIL_EXTERNAL)  # type: ignore[attr-defined]
+    return ApprovalRules(
+        min_remind_ms=djflow["MIN_REMIND_MS"],
+        mail_domains=None if external else frozenset(djflow["APPROVER_EMAIL_DOMAINS"]),
+    )
+
+
 def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> SaveResult:
     """Save a workflow document as an immutable version.
 
@@ -46,12 +64,15 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     body for an existing version number raises :class:`Conflict`; with no ``version`` the
     document gets the next number. Numbers are handed out under a lock on the workflow row,
     with the unique constraint as the backstop, so two concurrent saves never share one.
-    A rejected document leaves no row.
+    A rejected document leaves no row. Approval steps are held to :func:`approval_rules`
+    for ``user``.
 
     ``user`` must be an author of the workflow, or hold ``workflows.add_workflow`` for a
     new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
     """
-    prepared = prepare_document(document, workflow_exists=_workflow_exists)
+    prepared = prepare_document(
+        document, workflow_exists=_workflow_exists, approval_rules=approval_rules(user)
+    )
     raise_invalid(handler_errors(prepared, user))
     digest = content_hash(prepared)
     requested = prepared.get("version")

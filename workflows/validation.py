@@ -46,6 +46,33 @@ from .templates import (
 
 WorkflowExists = Callable[[str, "int | None"], bool]
 
+# Contract section 9: an approval request asks at most this many people.
+MAX_APPROVERS = 50
+
+
+@dataclass(frozen=True)
+class ApprovalRules:
+    """What the deployment and the saving user allow an ``approval`` step (contract sections
+    8 and 9), given by the caller so this module stays free of settings and users.
+
+    ``mail_domains`` are the domains anyone may name in ``approvers.emails`` (exact, lower
+    case); ``None`` lifts the rule (the saver holds ``approvals.mail_external``)."""
+
+    min_remind_ms: int
+    mail_domains: frozenset[str] | None = frozenset()
+    max_approvers: int = MAX_APPROVERS
+
+
+def email_domain(address: str) -> str:
+    """The domain of an e-mail address as the domain list is compared with it."""
+    return address.rpartition("@")[2].strip().lower().rstrip(".")
+
+
+def outside_domains(address: str, domains: frozenset[str] | None) -> bool:
+    """Whether naming ``address`` as an approver needs ``approvals.mail_external``."""
+    return domains is not None and email_domain(address) not in domains
+
+
 # What each kind's output can be read as, past ``steps.<id>.output``: ``None`` means the
 # output is null (nothing can follow), a frozenset names the keys it has, ``any`` that it is
 # the handler's to decide. parallel and foreach are computed from the step itself.
@@ -78,7 +105,10 @@ _WAIT_FIELDS = {"sleep": "ms", "wait_event": "timeout_ms", "approval": "timeout_
 
 
 def prepare_document(
-    document: Any, *, workflow_exists: WorkflowExists | None = None
+    document: Any,
+    *,
+    workflow_exists: WorkflowExists | None = None,
+    approval_rules: ApprovalRules | None = None,
 ) -> dict[str, Any]:
     """Translate legacy template syntax, validate, and return the document to store.
 
@@ -89,19 +119,27 @@ def prepare_document(
             errors=[FieldError("body", "a workflow document must be a JSON object")]
         )
     translated = translate_legacy(document)
-    errors = validate_document(translated, workflow_exists=workflow_exists)
+    errors = validate_document(
+        translated, workflow_exists=workflow_exists, approval_rules=approval_rules
+    )
     if errors:
         raise InvalidDocument(errors=errors)
     return translated
 
 
 def validate_document(
-    document: Any, *, workflow_exists: WorkflowExists | None = None
+    document: Any,
+    *,
+    workflow_exists: WorkflowExists | None = None,
+    approval_rules: ApprovalRules | None = None,
 ) -> list[FieldError]:
-    """Every problem with ``document``, or an empty list when it may be saved."""
+    """Every problem with ``document``, or an empty list when it may be saved. Without
+    ``approval_rules`` the bounds on approval steps are not checked (saving always gives
+    them: ``workflows.services.definition_save``)."""
     if not isinstance(document, dict):
         return [FieldError("body", "a workflow document must be a JSON object")]
-    return _dedupe([*_schema_errors(document), *_Checker(document, workflow_exists).run()])
+    checker = _Checker(document, workflow_exists, approval_rules)
+    return _dedupe([*_schema_errors(document), *checker.run()])
 
 
 # --- shapes: the JSON Schema ---------------------------------------------------------------
@@ -232,9 +270,15 @@ class _Scope:
 
 
 class _Checker:
-    def __init__(self, document: dict[str, Any], workflow_exists: WorkflowExists | None):
+    def __init__(
+        self,
+        document: dict[str, Any],
+        workflow_exists: WorkflowExists | None,
+        approval_rules: ApprovalRules | None = None,
+    ):
         self.document = document
         self.workflow_exists = workflow_exists
+        self.approval_rules = approval_rules
         self.errors: list[FieldError] = []
         self.seen_ids: dict[str, str] = {}
         self.steps = document.get("steps")
@@ -362,6 +406,40 @@ class _Checker:
                     f"{where}.quorum",
                     f"quorum {quorum} is more than the {known} approver(s) listed",
                 )
+        if self.approval_rules is not None:
+            self._safely(self._approval_bounds, step, where)
+
+    def _approval_bounds(self, step: dict[str, Any], where: str) -> None:
+        """Contract sections 8 and 9: at most ``max_approvers`` people named (groups are
+        counted when the request opens), e-mail approvers inside the allowed domains unless
+        the saver may mail outside them, reminders no more often than ``min_remind_ms``."""
+        rules = self.approval_rules
+        assert rules is not None
+        approvers = step["approvers"]
+        users = [u for u in approvers.get("users") or [] if isinstance(u, str)]
+        emails = [e for e in approvers.get("emails") or [] if isinstance(e, str)]
+        listed = len(set(users)) + len({e.lower() for e in emails})
+        if listed > rules.max_approvers:
+            self.fail(
+                f"{where}.approvers",
+                f"names {listed} approvers; a request asks at most {rules.max_approvers}",
+            )
+        for index, address in enumerate(approvers.get("emails") or []):
+            if isinstance(address, str) and outside_domains(address, rules.mail_domains):
+                allowed = ", ".join(sorted(rules.mail_domains or ())) or "none"
+                self.fail(
+                    f"{where}.approvers.emails[{index}]",
+                    f"'{address}' is outside the approver e-mail domains "
+                    f"(DJFLOW_APPROVER_EMAIL_DOMAINS: {allowed}); naming it needs the "
+                    "permission approvals.mail_external",
+                )
+        remind = step.get("remind_after_ms")
+        if _is_duration_value(remind) and remind < rules.min_remind_ms:
+            self.fail(
+                f"{where}.remind_after_ms",
+                f"is {remind} ms; reminders come at most every {rules.min_remind_ms} ms "
+                "(DJFLOW_MIN_REMIND_MS): raise it, or leave it out for no reminders",
+            )
 
     def _kind_subworkflow(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         target, version = step["workflow"], step.get("version")

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
+from django.test import Client
 
 from approvals.models import ApprovalRequest, Approver
 from approvals.tokens import make_token
@@ -45,6 +46,7 @@ def approval_document(
     quorum: int = 1,
     timeout_ms: int | None = None,
     then_handoff: str | None = None,
+    **step_fields: Any,
 ) -> dict[str, Any]:
     approvers: dict[str, Any] = {}
     if users:
@@ -60,6 +62,7 @@ def approval_document(
         "quorum": quorum,
         "message": "Pay ${input.amount} EUR to ${input.vendor}?",
         "input": {"amount": "${input.amount}", "vendor": "${input.vendor}"},
+        **step_fields,
     }
     if timeout_ms is not None:
         step["timeout_ms"] = timeout_ms
@@ -104,3 +107,22 @@ def approver(request: ApprovalRequest, label: str) -> Approver:
 
 def link_path(person: Approver) -> str:
     return f"/approvals/link/{make_token(person)}/"
+
+
+def link_client(person: Approver) -> Client:
+    """A browser that may use ``person``'s link: signed in as them when they are a user of
+    the site (their link works for nobody else), anonymous for a plain address."""
+    client = Client()
+    if person.user is not None:
+        client.force_login(person.user)
+    return client
+
+
+def decide_by_link(
+    request: ApprovalRequest, label: str, decision: str = "approved", **data: Any
+) -> Any:
+    """``label``'s decision through their link, as they would post it (signed in when they
+    are a user); extra keyword arguments are the comment or request headers."""
+    person = approver(request, label)
+    headers = {k: data.pop(k) for k in list(data) if k.isupper()}
+    return link_client(person).post(link_path(person), {"decision": decision, **data}, **headers)

@@ -9,7 +9,7 @@ from django.test import Client
 
 from approvals.models import ApprovalRequest, Decision, Mail, Notification
 
-from .builders import approver, link_path, make_group, make_user, start_approval
+from .builders import approver, decide_by_link, make_group, make_user, start_approval
 
 pytestmark = pytest.mark.django_db
 
@@ -21,9 +21,10 @@ def decided():
     make_user("bob")
     make_group("finance", make_user("cy"))
     run, request = start_approval(users=["bob"], then_handoff="finance")
-    Client().post(
-        link_path(approver(request, "bob")),
-        {"decision": "approved", "comment": "audited"},
+    decide_by_link(
+        request,
+        "bob",
+        comment="audited",
         REMOTE_ADDR="192.0.2.9",
         HTTP_USER_AGENT="audit-agent/2",
     )
@@ -52,14 +53,48 @@ def test_the_request_list_and_page_load(root: Client, decided) -> None:
     assert 'name="_save"' not in html  # nothing to save
 
 
-def test_the_decision_audit_shows_ip_agent_and_token(root: Client, decided) -> None:
+def test_the_decision_audit_shows_ip_and_agent(root: Client, decided) -> None:
     _, request = decided
     row = Decision.objects.get(request=request)
     html = root.get("/admin/approvals/decision/").content.decode()
     assert "192.0.2.9" in html
     assert "audit-agent/2" in html
-    assert str(row.token_id) in html
-    assert root.get(f"/admin/approvals/decision/{row.id}/change/").status_code == 200
+    page = root.get(f"/admin/approvals/decision/{row.id}/change/")
+    assert page.status_code == 200
+    assert "audit-agent/2" in page.content.decode()
+
+
+def test_the_admin_never_shows_a_token_id(root: Client, decided) -> None:
+    """With the SECRET_KEY, an approver's token id is all it takes to make their link: no
+    list, page, inline or search of the admin gives it away."""
+    _, request = decided
+    make_user("cy2")
+    _, other = start_approval("second", users=["cy2"], emails=["ext@example.org"])
+    secrets = {str(p.token_id) for p in [*request.people.all(), *other.people.all()]}
+    decision = Decision.objects.get(request=request)
+    assert decision.token_id == approver(request, "bob").token_id  # the audit keeps it
+    assert len(secrets) == 3  # bob's, cy2's and ext's
+    pages = [
+        "/admin/approvals/approvalrequest/",
+        f"/admin/approvals/approvalrequest/{request.id}/change/",
+        f"/admin/approvals/approvalrequest/{other.id}/change/",
+        "/admin/approvals/decision/",
+        f"/admin/approvals/decision/{decision.id}/change/",
+        "/admin/approvals/mail/",
+        *(f"/admin/approvals/mail/{m.id}/change/" for m in Mail.objects.all()),
+    ]
+    for path in pages:
+        page = root.get(path)
+        assert page.status_code == 200, path
+        html = page.content.decode()
+        for secret in secrets:
+            assert secret not in html, path
+            # Nor with the dashes dropped, as a UUID field may be rendered.
+            assert secret.replace("-", "") not in html, path
+    # A token id searched for finds nothing (a search hit would confirm a guess).
+    searched = root.get("/admin/approvals/decision/", {"q": str(decision.token_id)})
+    assert "0 decisions" in searched.content.decode()
+    assert "audit-agent/2" not in searched.content.decode()
 
 
 def test_notifications_and_mails_lists_load(root: Client, decided) -> None:

@@ -51,9 +51,11 @@ def mailbox(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def worker(celery_processes, live_server, mailbox: Path, people) -> Any:
-    """A worker that sends mail to files in ``mailbox``, with links to the live server."""
+def worker(celery_processes, live_server, mailbox: Path, people, settings) -> Any:
+    """A worker that sends mail to files in ``mailbox``, with links to the live server.
+    Reminders may come every second (the nudge flow), here and in the worker."""
     ensure_effects_table()
+    settings.DJFLOW = {**settings.DJFLOW, "MIN_REMIND_MS": 1_000}
     return celery_processes.worker(
         workflow_modules=FLOWS,
         env={
@@ -61,6 +63,7 @@ def worker(celery_processes, live_server, mailbox: Path, people) -> Any:
             "EMAIL_FILE_PATH": str(mailbox),
             "SITE_URL": live_server.url,
             "DJFLOW_RECONCILE_SECONDS": "2",
+            "DJFLOW_MIN_REMIND_MS": "1000",
         },
         concurrency=4,
     )
@@ -133,7 +136,15 @@ def test_approve_from_the_emailed_link_in_a_browser(
     )
     link = link_in_mail(mailbox, "ann@example.com", run, celery_processes.logs)
 
+    # ann is a user of the site: her link asks her to sign in, then comes back to it.
     page.goto(link)
+    assert "/accounts/login/" in page.url
+    assert "Ship release" not in page.locator("body").inner_text()
+    page.fill("input[name=username]", "ann")
+    page.fill("input[name=password]", "a-long-password-1")
+    page.click("button[type=submit]")
+    page.wait_for_load_state()
+    assert page.url == link
     body = page.locator("body")
     assert "Ship release 2.4?" in body.inner_text()
     assert "faster" in body.inner_text()  # the details: the draft step's output
@@ -154,6 +165,7 @@ def test_approve_from_the_emailed_link_in_a_browser(
     assert [step for step, *_ in effects(run.id)] == ["draft", "ship"]
     decision = Decision.objects.get(request__run=run)
     assert (decision.channel, decision.by, decision.ip) == ("link", "ann", "127.0.0.1")
+    assert decision.user.username == "ann"
     assert "Chrome" in decision.user_agent and decision.token_id is not None
 
     # The same link again: already used, a clear page, nothing changes.
@@ -208,10 +220,25 @@ def together(calls: list[Callable[[], Any]]) -> list[Any]:
     return results
 
 
-def form_poster(link: str) -> Callable[[str], requests.Response]:
-    """GET the link page as a browser would (cookie and CSRF token), then a function that
-    POSTs the form with a decision."""
+def signed_in(link: str, username: str) -> requests.Session:
+    """A browser session signed in as ``username`` on the server ``link`` points at."""
     client = requests.Session()
+    login = f"{link.split('/approvals/')[0]}/accounts/login/"
+    form = client.get(login, timeout=20)
+    token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form.text).group(1)
+    done = client.post(
+        login,
+        data={"csrfmiddlewaretoken": token, "username": username, "password": "a-long-password-1"},
+        timeout=20,
+    )
+    assert done.ok and "sessionid" in client.cookies, done.text[:300]
+    return client
+
+
+def form_poster(link: str, username: str | None = None) -> Callable[[str], requests.Response]:
+    """GET the link page as a browser would (cookie and CSRF token), then a function that
+    POSTs the form with a decision; signed in as ``username`` for a user's link."""
+    client = signed_in(link, username) if username else requests.Session()
     page = client.get(link, timeout=20)
     assert page.status_code == 200, page.text[:500]
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
@@ -250,8 +277,10 @@ def test_two_approvers_clicking_at_the_same_moment_give_one_outcome(
         run = start("release", {"version": f"5.{attempt}"})
         until_pending(run, celery_processes.logs)
         posters = [
-            form_poster(link_in_mail(mailbox, to, run, celery_processes.logs))
-            for to in ("ann@example.com", "bob@example.com")
+            form_poster(
+                link_in_mail(mailbox, f"{name}@example.com", run, celery_processes.logs), name
+            )
+            for name in ("ann", "bob")
         ]
         answers = together([lambda p=p: p("approved") for p in posters])
         codes = sorted(answer.status_code for answer in answers)
@@ -266,7 +295,7 @@ def test_two_approvers_clicking_at_the_same_moment_give_one_outcome(
 def test_a_form_submitted_twice_at_once_counts_once(worker, mailbox, celery_processes) -> None:
     run = start("release", {"version": "6.0"})
     until_pending(run, celery_processes.logs)
-    post = form_poster(link_in_mail(mailbox, "bob@example.com", run, celery_processes.logs))
+    post = form_poster(link_in_mail(mailbox, "bob@example.com", run, celery_processes.logs), "bob")
     answers = together([lambda: post("approved"), lambda: post("approved")])
     codes = sorted(answer.status_code for answer in answers)
     assert codes[0] == 200 and codes[1] in (409, 410), [a.text[:300] for a in answers]
@@ -396,7 +425,9 @@ def test_an_approval_inside_a_subworkflow_decided_from_its_link(
     child = wait_for(lambda: Run.objects.filter(parent_run=run).first(), timeout=20)
     until_pending(child, celery_processes.logs)
     until_pending(run, celery_processes.logs)  # the parent waits for people too
-    post = form_poster(link_in_mail(mailbox, "bob@example.com", child, celery_processes.logs))
+    post = form_poster(
+        link_in_mail(mailbox, "bob@example.com", child, celery_processes.logs), "bob"
+    )
     assert post("approved").status_code == 200
     run = ended(run, celery_processes.logs)
     assert (run.status, run.output) == ("completed", "bob"), run.error

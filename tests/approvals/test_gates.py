@@ -39,6 +39,13 @@ HOUR = 3_600_000
 LIMITS = {"run_timeout_ms": 24 * HOUR}
 
 
+@pytest.fixture(autouse=True)
+def short_reminders(settings) -> None:
+    """Reminders a second or a minute apart, below the deployment's floor
+    (``DJFLOW_MIN_REMIND_MS``, 10 minutes by default), keep these tests' clocks short."""
+    settings.DJFLOW = {**settings.DJFLOW, "MIN_REMIND_MS": 1_000}
+
+
 # --- building blocks --------------------------------------------------------------------------
 
 

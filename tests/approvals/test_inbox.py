@@ -11,7 +11,7 @@ from django.test import Client
 from approvals.models import Decision
 from runs.models import Run, StepRun
 
-from .builders import PASSWORD, approver, link_path, make_group, make_user, start_approval
+from .builders import PASSWORD, decide_by_link, make_group, make_user, start_approval
 
 pytestmark = pytest.mark.django_db
 
@@ -49,7 +49,7 @@ def test_pending_and_history(client: Client) -> None:
     _, not_his = start_approval("travel_other", users=["cy"])
     _, decided = start_approval("refund", users=["bob", "cy"], quorum=2)
     _, by_mail = start_approval("invoice", emails=["BOB@example.com"])  # his address
-    Client().post(link_path(approver(decided, "bob")), {"decision": "approved"})
+    decide_by_link(decided, "bob", "approved")
 
     html = signed_in("bob").get("/approvals/").content.decode()
     pending_part, history_part = html.split('id="history"')
@@ -66,7 +66,7 @@ def test_pending_and_history(client: Client) -> None:
 def test_closed_requests_are_history(client: Client) -> None:
     make_user("bob")
     _, request = start_approval(users=["bob"])
-    Client().post(link_path(approver(request, "bob")), {"decision": "rejected"})
+    decide_by_link(request, "bob", "rejected")
     html = signed_in("bob").get("/approvals/").content.decode()
     pending_part, history_part = html.split('id="history"')
     assert "Nothing waits for your decision" in pending_part
@@ -77,7 +77,7 @@ def test_detail_shows_the_request_and_a_form() -> None:
     make_user("bob")
     make_user("cy")
     _, request = start_approval(users=["bob", "cy"], quorum=2)
-    Client().post(link_path(approver(request, "cy")), {"decision": "approved", "comment": "ok!"})
+    decide_by_link(request, "cy", "approved", comment="ok!")
     page = signed_in("bob").get(f"/approvals/{request.id}/")
     assert page.status_code == 200
     html = page.content.decode()
@@ -143,7 +143,7 @@ def test_deciding_a_closed_request_is_a_409_page() -> None:
     make_user("bob")
     make_user("cy")
     _, request = start_approval(users=["bob", "cy"])
-    Client().post(link_path(approver(request, "cy")), {"decision": "approved"})
+    decide_by_link(request, "cy", "approved")
     bob = signed_in("bob")
     page = bob.post(f"/approvals/{request.id}/decide/", {"decision": "rejected"})
     assert page.status_code == 409

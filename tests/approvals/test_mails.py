@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import pytest
 from django.core import mail as django_mail
-from django.test import Client
 from django.utils import timezone
 
 from approvals import gates, outbox
@@ -16,7 +15,7 @@ from approvals.models import ApprovalRequest, Mail
 from approvals.tasks import RETRIED
 from approvals.tokens import read_token
 
-from .builders import approver, link_path, make_group, make_user, start_approval
+from .builders import approver, decide_by_link, link_client, make_group, make_user, start_approval
 
 pytestmark = pytest.mark.django_db
 
@@ -59,7 +58,9 @@ def token_in(text: str) -> str:
 
 def test_request_mails_carry_the_link_in_both_parts() -> None:
     make_user("bob")
-    _, request = start_approval(users=["bob"], emails=["ext@example.org"], timeout_ms=86_400_000)
+    _, request = start_approval(
+        users=["bob"], emails=["ext@example.org"], timeout_ms=86_400_000, email_details=True
+    )
     queued = Mail.objects.filter(approver__request=request, kind="request")
     assert queued.count() == 2
     for mail in queued:
@@ -72,7 +73,7 @@ def test_request_mails_carry_the_link_in_both_parts() -> None:
         # The link is ext's own: its token reads back to ext's approver row.
         assert read_token(token_in(part)).id == ext.id
         assert "Pay 120 EUR to Acme Paper?" in part
-        assert "Acme Paper" in part and "amount" in part  # the details
+        assert "Acme Paper" in part and "amount" in part  # the details, as the step asks
         assert "Deadline:" in part or "Deadline</td>" in part
     assert "&quot;vendor&quot;" in html_of(message)  # escaped in HTML
     assert '"vendor": "Acme Paper"' in message.body  # not in text
@@ -81,12 +82,57 @@ def test_request_mails_carry_the_link_in_both_parts() -> None:
     assert Mail.objects.filter(approver__request=request, status="sent").count() == 2
 
 
+IBAN = "DE89 3704 0044 0532 0130 00"
+WITH_IBAN = {"amount": "${input.amount}", "vendor": "${input.vendor}", "iban": IBAN}
+
+
+@pytest.mark.parametrize("asked", [None, False])
+def test_mails_carry_the_message_and_link_but_no_details_unless_asked(asked) -> None:
+    """The details are the step input: a mailbox keeps what it is sent for years, forwards
+    it, and shows it to whoever reads over a shoulder; the page behind the link shows them."""
+    fields = {} if asked is None else {"email_details": asked}
+    make_user("bob")
+    _, request = start_approval(
+        users=["bob"], emails=["ext@example.org"], input=WITH_IBAN, **fields
+    )
+    assert request.email_details is False
+    for mail in Mail.objects.filter(approver__request=request):
+        outbox.deliver(mail.id)
+    for address in ("bob@example.com", "ext@example.org"):
+        message = sent_to(address)
+        for part in (message.body, html_of(message)):
+            assert "Pay 120 EUR to Acme Paper?" in part  # the message
+            assert "https://flows.example.com/approvals/link/" in part  # the link
+            assert IBAN not in part and "iban" not in part
+            assert "Details" not in part
+    # Reminders alike.
+    ApprovalRequest.objects.filter(id=request.id).update(remind_after_ms=60_000)
+    gates.remind(step_run_id=request.step_run_id, now=request.created_at + timedelta(minutes=1))
+    django_mail.outbox.clear()
+    for mail in Mail.objects.filter(kind="reminder"):
+        outbox.deliver(mail.id)
+    assert len(django_mail.outbox) == 2
+    for message in django_mail.outbox:
+        for part in (message.body, html_of(message)):
+            assert "Pay 120 EUR to Acme Paper?" in part
+            assert IBAN not in part
+
+
+def test_a_step_that_asks_for_them_mails_the_details() -> None:
+    _, request = start_approval(emails=["ext@example.org"], input=WITH_IBAN, email_details=True)
+    assert request.email_details is True
+    outbox.deliver(Mail.objects.get(approver__request=request).id)
+    message = sent_to("ext@example.org")
+    for part in (message.body, html_of(message)):
+        assert "Details" in part and IBAN in part
+
+
 def test_the_mailed_link_opens_the_confirmation_page() -> None:
     make_user("bob")
     _, request = start_approval(users=["bob"])
     outbox.deliver(Mail.objects.get(approver__request=request).id)
     token = token_in(sent_to("bob@example.com").body)
-    page = Client().get(f"/approvals/link/{token}/")
+    page = link_client(approver(request, "bob")).get(f"/approvals/link/{token}/")
     assert page.status_code == 200
     assert "Pay 120 EUR to Acme Paper?" in page.content.decode()
 
@@ -95,7 +141,7 @@ def test_a_reminder_shows_who_decided_so_far() -> None:
     for name in ("bob", "cy"):
         make_user(name)
     _, request = start_approval(users=["bob", "cy"], quorum=2)
-    Client().post(link_path(approver(request, "cy")), {"decision": "approved", "comment": "ok"})
+    decide_by_link(request, "cy", "approved", comment="ok")
     ApprovalRequest.objects.filter(id=request.id).update(remind_after_ms=60_000)
     first_slot = request.created_at + timedelta(minutes=1)
     assert gates.remind(step_run_id=request.step_run_id, now=first_slot) == 1  # bob only
@@ -115,7 +161,7 @@ def test_handoff_mail_has_the_notification_and_its_page() -> None:
     bob = make_user("bob")
     make_group("finance", bob)
     run, request = start_approval(users=["bob"], then_handoff="finance")
-    Client().post(link_path(approver(request, "bob")), {"decision": "approved"})
+    decide_by_link(request, "bob", "approved")
     handoff = Mail.objects.get(kind="handoff")
     outbox.deliver(handoff.id)
     message = sent_to("bob@example.com")
@@ -216,3 +262,47 @@ def test_the_last_retry_that_fails_marks_the_mail_failed_with_its_error(settings
     assert (mail.status, mail.last_error) == ("failed", "SMTPException: 421 try again later")
     far = timezone.now() + timedelta(hours=1)
     assert outbox.reoffer_unsent(far, 100) == 0  # never offered again
+
+
+def test_email_details_is_read_for_approvals_at_any_depth() -> None:
+    from runs.services import run_start
+    from workflows.services import definition_save
+
+    make_user("bob")
+
+    def gate(step_id: str, details: bool) -> dict:
+        return {
+            "id": step_id,
+            "kind": "approval",
+            "approvers": {"users": ["bob"]},
+            "email_details": details,
+        }
+
+    definition_save(
+        document={
+            "id": "deep",
+            "limits": {"run_timeout_ms": 3_600_000},
+            "steps": [
+                {
+                    "id": "both",
+                    "kind": "parallel",
+                    "branches": {
+                        "left": gate("left_gate", True),
+                        "right": [
+                            {
+                                "id": "pick",
+                                "kind": "condition",
+                                "if": {"path": "input.go", "op": "eq", "value": True},
+                                "then": [gate("then_gate", False)],
+                                "else": [gate("else_gate", True)],
+                            }
+                        ],
+                    },
+                },
+                {"id": "each", "kind": "foreach", "items": [1], "do": gate("item_gate", True)},
+            ],
+        }
+    )
+    run = run_start(workflow="deep", input={"go": False}).run
+    opened = dict(ApprovalRequest.objects.filter(run=run).values_list("step_id", "email_details"))
+    assert opened == {"left_gate": True, "else_gate": True}

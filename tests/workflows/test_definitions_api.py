@@ -268,7 +268,9 @@ def test_openapi_and_swagger_are_served(api: APIClient) -> None:
     assert b"swagger" in docs.content.lower()
 
 
-def test_every_kind_document_round_trips(api: APIClient) -> None:
+def test_every_kind_document_round_trips(api: APIClient, settings) -> None:
+    # Its approval mails boss@example.com: a domain anyone may name, here.
+    settings.DJFLOW = {**settings.DJFLOW, "APPROVER_EMAIL_DOMAINS": ["example.com"]}
     response = api.post("/api/v1/definitions", every_kind(), format="json")
     assert response.status_code == 201, response.json()
     stored = api.get("/api/v1/definitions/every_kind/versions/1").json()["document"]
