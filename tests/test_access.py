@@ -476,3 +476,29 @@ def test_grant_role_command(billing: WorkflowVersion, capsys: pytest.CaptureFixt
         call_command("grant_role", "operator", "nope", "--user", "zed")
     with pytest.raises(CommandError, match="no user"):
         call_command("grant_role", "operator", "billing", "--user", "ghost")
+
+
+def test_a_subworkflow_step_may_call_only_workflows_its_author_may_start(
+    billing: WorkflowVersion,
+) -> None:
+    definition_save(document={"id": "payroll", "steps": [{"id": "pay", "kind": "task"}]})
+    author = user_with("author")
+    calling = {
+        "id": "billing",
+        "steps": [{"id": "child", "kind": "subworkflow", "workflow": "payroll"}],
+    }
+    response = api_for(author).post("/api/v1/definitions", calling, format="json")
+    assert response.status_code == 400
+    # Invisible to the author: the same answer as a workflow that does not exist.
+    assert response.json()["errors"] == [
+        {"field": "steps[0].workflow", "message": "unknown workflow 'payroll'"}
+    ]
+    access.grant("viewer", "payroll", user=author)
+    author = get_user_model().objects.get(pk=author.pk)
+    response = api_for(author).post("/api/v1/definitions", calling, format="json")
+    assert response.json()["errors"][0]["message"] == (
+        "you may not start runs of workflow 'payroll'"
+    )
+    access.grant("starter", "payroll", user=author)
+    author = get_user_model().objects.get(pk=author.pk)
+    assert api_for(author).post("/api/v1/definitions", calling, format="json").status_code == 201

@@ -145,12 +145,26 @@ def _save_locked(
 def handler_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
     """A step's ``handler`` names a handler of the same workflow, or of a workflow the saving
     user also authors (CONTRACT section 8): else anyone could run anyone's code with any
-    input. A handler name's workflow is the part before its first dot (``billing.charge``
-    belongs to ``billing``), which is how the builder names them."""
+    input. A ``subworkflow`` step names a workflow the saving user may start. A handler
+    name's workflow is the part before its first dot (``billing.charge`` belongs to
+    ``billing``), which is how the builder names them."""
     if access.trusted(user):
         return []
     errors = []
     for step, where in every_step(document):
+        target = step.get("workflow")
+        if step.get("kind") == "subworkflow" and isinstance(target, str):
+            # A child run runs as its parent's starter: a workflow may call only workflows its
+            # author may start, or anyone able to start it could start them.
+            if target != document["id"] and access.STARTER not in access.roles(user, target):
+                seen = access.may_see_definition(user, target)
+                message = (
+                    f"you may not start runs of workflow '{target}'"
+                    if seen
+                    else f"unknown workflow '{target}'"
+                )
+                errors.append(FieldError(f"{where}.workflow", message))
+            continue
         name = step.get("handler")
         if step.get("kind") not in HANDLER_KINDS or not isinstance(name, str):
             continue
