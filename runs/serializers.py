@@ -2,7 +2,8 @@
 
 The input serializers check only the shape of a request (types, lengths, unknown fields); what
 a value means (does the workflow exist, does the input fit its schema) is for the services.
-The output serializers render rows as they are stored and decide nothing.
+The output serializers render rows as they are stored and decide nothing, except that a
+secret's token (what a writeOnly input field is stored as) is shown as ``••••``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from workflows.secrets import shown
 
 from .engine import unservable
 from .models import Run, StepRun
@@ -156,12 +159,19 @@ PARENT_SCHEMA = {
 }
 
 
+class MaskedJSONField(serializers.JSONField):
+    """A stored JSON value with every secret token shown as ``••••``."""
+
+    def to_representation(self, value: Any) -> Any:
+        return shown(super().to_representation(value))
+
+
 class StepRunSerializer(serializers.ModelSerializer):
     """One attempt of one step."""
 
     cost_usd = serializers.FloatField(read_only=True)
-    input = serializers.JSONField(read_only=True, allow_null=True)
-    output = serializers.JSONField(read_only=True, allow_null=True)
+    input = MaskedJSONField(read_only=True, allow_null=True)
+    output = MaskedJSONField(read_only=True, allow_null=True)
     usage = serializers.JSONField(read_only=True)
     error = serializers.SerializerMethodField()
 
@@ -199,7 +209,7 @@ class StepRunSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(STEP_ERROR_SCHEMA)
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
-        return step.error or None
+        return shown(step.error) or None
 
 
 class RunChildSerializer(serializers.ModelSerializer):
@@ -216,8 +226,8 @@ class RunListSerializer(serializers.ModelSerializer):
 
     workflow = serializers.CharField(source="workflow_id", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True)
-    input = serializers.JSONField(read_only=True, allow_null=True)
-    output = serializers.JSONField(read_only=True, allow_null=True)
+    input = MaskedJSONField(read_only=True, allow_null=True)
+    output = MaskedJSONField(read_only=True, allow_null=True)
     error = serializers.SerializerMethodField()
     parent = serializers.SerializerMethodField()
     cost_usd = serializers.FloatField(read_only=True)
@@ -249,7 +259,7 @@ class RunListSerializer(serializers.ModelSerializer):
     def get_error(self, run: Run) -> dict[str, Any] | None:
         if not run.error:
             return None
-        error = dict(run.error)
+        error = shown(dict(run.error))
         return {
             **error,
             "class": str(error.get("class") or "error"),
