@@ -24,10 +24,13 @@ into a run (an event payload, an approval comment) can forge one to make a handl
 secret. The engine itself (guards, wait keys, approvers, ``sleep_until``) sees tokens: a guard
 comparing a secret with a value is false; branch on a field that is not secret.
 
-A string secret is masked inside longer text when it has at least :data:`MIN_INSIDE`
-characters; a shorter one only where a whole string equals it (masking every ``"ab"`` in
-every output would mangle what people read, not protect anything). A number secret's text
-(``123456``) counts likewise; booleans and ``null`` are masked only where the schema puts them.
+In what handlers answer, a string secret is concealed inside longer text when it has at
+least :data:`MIN_INSIDE` characters, a shorter one only where a whole string equals it
+(masking every ``"ab"`` in every output would mangle what people read, not protect
+anything). A number secret of at least :data:`MIN_INSIDE` digits is concealed where a number
+equals it and where its text is inside a string (``"pin 123456"``); a shorter number (a count
+of 3 must stay a number the guards can compare), booleans and ``null`` are masked only where
+the schema puts them.
 
 Pure Python, no Django.
 """
@@ -218,14 +221,30 @@ class _Texts:
 
 
 def conceal(value: Any, registry: Mapping[str, Any]) -> Any:
-    """``value`` with each secret's text replaced by its token, in string values and keys:
-    what a handler answered (output, error, spans), before it is recorded."""
+    """``value`` with each secret's text replaced by its token, in string values and keys,
+    and each number equal to a number secret of at least ``MIN_INSIDE`` digits replaced by
+    its token: what a handler answered (output, error, spans), before it is recorded."""
     texts = _Texts.of(
         {plain: token for token, plain in reversed(registry.items()) if isinstance(plain, str)}
     )
-    if not texts.whole:
+    numbers = {
+        _identity(plain): token
+        for token, plain in registry.items()
+        if isinstance(plain, int | float)
+        and not isinstance(plain, bool)
+        and len(text_form(plain)) >= MIN_INSIDE
+    }
+    if not texts.whole and not numbers:
         return value
-    return _map(value, texts.replace, keys=texts.replace)
+
+    def one(item: Any) -> Any:
+        if isinstance(item, str):
+            return texts.replace(item)
+        if isinstance(item, int | float) and not isinstance(item, bool):
+            return numbers.get(_identity(item), item)
+        return item
+
+    return _map(value, one, keys=texts.replace, scalars=True)
 
 
 def plaintexts(registry: Mapping[str, Any]) -> list[str]:
