@@ -14,7 +14,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from workflows.secrets import shown
+from workflows import secrets
 
 from .engine import unservable
 from .models import Run, StepRun
@@ -159,19 +159,12 @@ PARENT_SCHEMA = {
 }
 
 
-class MaskedJSONField(serializers.JSONField):
-    """A stored JSON value with every secret token shown as ``••••``."""
-
-    def to_representation(self, value: Any) -> Any:
-        return shown(super().to_representation(value))
-
-
 class StepRunSerializer(serializers.ModelSerializer):
     """One attempt of one step."""
 
     cost_usd = serializers.FloatField(read_only=True)
-    input = MaskedJSONField(read_only=True, allow_null=True)
-    output = MaskedJSONField(read_only=True, allow_null=True)
+    input = serializers.JSONField(read_only=True, allow_null=True)
+    output = serializers.JSONField(read_only=True, allow_null=True)
     usage = serializers.JSONField(read_only=True)
     error = serializers.SerializerMethodField()
 
@@ -209,7 +202,7 @@ class StepRunSerializer(serializers.ModelSerializer):
 
     @extend_schema_field(STEP_ERROR_SCHEMA)
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
-        return shown(step.error) or None
+        return step.error or None
 
 
 class RunChildSerializer(serializers.ModelSerializer):
@@ -226,8 +219,8 @@ class RunListSerializer(serializers.ModelSerializer):
 
     workflow = serializers.CharField(source="workflow_id", read_only=True)
     version = serializers.IntegerField(source="version.number", read_only=True)
-    input = MaskedJSONField(read_only=True, allow_null=True)
-    output = MaskedJSONField(read_only=True, allow_null=True)
+    input = serializers.JSONField(read_only=True, allow_null=True)
+    output = serializers.JSONField(read_only=True, allow_null=True)
     error = serializers.SerializerMethodField()
     parent = serializers.SerializerMethodField()
     cost_usd = serializers.FloatField(read_only=True)
@@ -255,11 +248,17 @@ class RunListSerializer(serializers.ModelSerializer):
         ]
         read_only_fields = fields
 
+    def to_representation(self, run: Run) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(run)
+        # Only a run with secrets has tokens (its own or its parent's) in what it stores:
+        # its representation, journal included, is walked once, others not at all.
+        return secrets.shown(data) if run.secrets else data
+
     @extend_schema_field(RUN_ERROR_SCHEMA)
     def get_error(self, run: Run) -> dict[str, Any] | None:
         if not run.error:
             return None
-        error = shown(dict(run.error))
+        error = dict(run.error)
         return {
             **error,
             "class": str(error.get("class") or "error"),

@@ -292,9 +292,27 @@ def shown_text(text: str) -> str:
 
 
 def shown(value: Any) -> Any:
-    """A copy of the JSON-like ``value`` with every token (in values and keys) shown as the
-    mask: the form of a stored input, output or error that people may see."""
+    """The JSON-like ``value`` with every token (in values and keys) shown as the mask: the
+    form of a stored input, output or error that people may see. A value without a token
+    (every run without secrets) is returned as it is, not copied."""
+    if not _mentions_token(value):
+        return value
     return _map(value, shown_text, keys=shown_text)
+
+
+def _mentions_token(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _TOKEN_START in item:
+                return True
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+            stack.extend(item.keys())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
 
 
 # --- plaintexts in hand: logs and error reports -----------------------------------------------

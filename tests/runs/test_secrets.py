@@ -133,7 +133,11 @@ def test_the_stored_input_holds_tokens_and_the_run_its_encrypted_values(
 ) -> None:
     run, shown = start(api)
 
-    assert shown["input"] == {"ticket": "T-7", "creds": {"api_key": MASK, "user": "bob"}, "pins": [MASK]}
+    assert shown["input"] == {
+        "ticket": "T-7",
+        "creds": {"api_key": MASK, "user": "bob"},
+        "pins": [MASK],
+    }
     token = run.input["creds"]["api_key"]
     assert TOKEN.fullmatch(token) and run.input["creds"]["user"] == "bob"
     assert KEY not in run.secrets
@@ -159,7 +163,10 @@ def test_handlers_get_the_values_and_what_they_echo_is_stored_masked(
     assert call.spans[0]["attributes"]["key"] == call.input["key"]
     # The next handler got the echo back as the key (its input, and prior).
     again = run.steps.get(step_id="again")
-    assert again.output == {"echo": flows.digest(f"used {KEY}"), "prior": flows.digest(f"used {KEY}")}
+    assert again.output == {
+        "echo": flows.digest(f"used {KEY}"),
+        "prior": flows.digest(f"used {KEY}"),
+    }
     # The child run inherits the parent's secrets through its input's tokens.
     child = Run.objects.get(parent_run=run)
     assert child.input == {"key": call.input["key"]}
@@ -366,7 +373,9 @@ def test_sentry_events_are_scrubbed() -> None:
 
     transport = Captured()
     init_sentry(
-        dsn="https://public@127.0.0.1/1", environment="test", traces_sample_rate=0.0,
+        dsn="https://public@127.0.0.1/1",
+        environment="test",
+        traces_sample_rate=0.0,
         transport=transport,
     )
     try:

@@ -143,7 +143,7 @@ def test_a_child_keeps_its_parents_tokens_and_seals_its_own() -> None:
 
 
 def test_an_echoed_secret_is_concealed_losslessly() -> None:
-    sealed, registry = _sealed({"creds": {"api_key": KEY}, "pins": [123456]})
+    _, registry = _sealed({"creds": {"api_key": KEY}, "pins": [123456]})
     answer = {
         "echo": f"used {KEY} twice: {KEY}",
         KEY: "as a key",
