@@ -112,6 +112,9 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# Error pages and mails to ADMINS show frames' variables: secrets in them are masked.
+DEFAULT_EXCEPTION_REPORTER = "config.reporting.SecretScrubbingReporter"
+
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
 ASGI_APPLICATION = "config.asgi.application"

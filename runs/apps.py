@@ -1,3 +1,5 @@
+from typing import Any
+
 from django.apps import AppConfig
 
 
@@ -6,7 +8,15 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self) -> None:
-        from workflows.secrets import install_log_scrubber
+        from celery.signals import task_prerun
+
+        from workflows.secrets import forget, install_log_scrubber
 
         # Every process that runs the engine (web, worker, beat) masks secrets in its logs.
         install_log_scrubber()
+
+        # A task that started a run held its secrets for its logs; the next task holds none.
+        def _forget(**_: Any) -> None:
+            forget()
+
+        task_prerun.connect(_forget, weak=False, dispatch_uid="djflow-forget-secrets")

@@ -327,9 +327,19 @@ def exposed() -> frozenset[str]:
     return frozenset(_EXPOSED.get().whole)
 
 
+# What one context holds at most: a process that starts runs in a loop outside any request
+# (a script, a task) must not grow this without end. The newest are kept.
+MAX_EXPOSED = 256
+
+
 def _texts_with(values: Iterable[str]) -> _Texts:
     current = dict(_EXPOSED.get().whole)
-    current.update((value, MASK) for value in values if value)
+    for value in values:
+        if value:
+            current.pop(value, None)
+            current[value] = MASK
+    while len(current) > MAX_EXPOSED:
+        del current[next(iter(current))]
     return _Texts.of(current)
 
 
@@ -347,7 +357,8 @@ def exposing(values: Iterable[str]) -> Iterator[None]:
 def expose(values: Iterable[str]) -> None:
     """Mask ``values`` in logs and error reports from this context until :func:`forget`: a
     request that received secrets holds them until it ends (an error report of it carries
-    the request body)."""
+    the request body). Each request (``config.middleware``) and each Celery task
+    (``runs.apps``) starts with nothing held."""
     _EXPOSED.set(_texts_with(values))
 
 

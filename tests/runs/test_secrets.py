@@ -33,6 +33,7 @@ from approvals.services import Origin, approval_decide
 from runs import vault
 from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
+from runs.services import run_start
 from workers.execution import execute
 from workflows import registry, secrets
 from workflows.secrets import MASK, TOKEN
@@ -406,3 +407,50 @@ def test_flowers_error_text_shows_the_mask(api, documents, offers) -> None:
     text = _error_text(mock.Mock(id=boom.id))
     assert text == f"fatal: RuntimeError: the service refused key {MASK}"
     assert not re.search(TOKEN, text)
+
+
+# --- what a context holds, and Django's error reports -----------------------------------------
+
+
+def test_a_request_holds_its_secrets_until_it_ends_and_a_task_starts_with_none(
+    api, documents, offers
+) -> None:
+    from celery.signals import task_prerun
+
+    start(api)
+    assert secrets.exposed() == frozenset()  # the middleware let go of them
+    run_start(workflow="vault_flow", input=INPUT)  # outside a request: held
+    assert KEY in secrets.exposed()
+    task_prerun.send(sender=None, task_id="t", task=None, args=(), kwargs={})
+    assert secrets.exposed() == frozenset()
+
+
+def test_what_a_context_holds_is_bounded() -> None:
+    secrets.forget()
+    try:
+        secrets.expose(f"value-{n:04d}" for n in range(secrets.MAX_EXPOSED + 10))
+        held = secrets.exposed()
+        assert len(held) == secrets.MAX_EXPOSED
+        assert "value-0000" not in held and f"value-{secrets.MAX_EXPOSED + 9:04d}" in held
+    finally:
+        secrets.forget()
+
+
+def test_djangos_error_reports_mask_the_secrets_in_hand(rf) -> None:
+    from django.views.debug import get_exception_reporter_class
+
+    # Escaped differently in HTML and in a repr; assembled, so the report's source lines
+    # (this test's own code) do not hold it.
+    odd = "".join(["sk-a", "&", "b<c>", "'d", '"e', "\\", "nf"])
+    request = rf.get("/")
+    with secrets.exposing([KEY, odd]):
+        try:
+            refuse(KEY + odd)
+        except RuntimeError:
+            reporter = get_exception_reporter_class(request)(request, *sys.exc_info())
+            text, html = reporter.get_traceback_text(), reporter.get_traceback_html()
+    assert "the service refused Bearer" in text and "header" in text  # the frame's variable
+    for report in (text, html):
+        assert KEY not in report
+        assert MASK in report
+    assert "sk-a&amp;b&lt;c&gt;" not in html and "sk-a&b<c>" not in text
