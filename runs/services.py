@@ -58,7 +58,8 @@ def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
     try:
         found = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
         # jsonschema's messages repeat the value ("'sk-…' does not match ..."): not a secret's.
-        hide = secrets.masker(value for _, value in write_only_values(schema, value))
+        marked = write_only_values(schema, value) if found else []
+        hide = secrets.masker(secret for _, secret in marked)
     except Unresolvable as exc:
         # Only a document stored before remote $refs were refused at save gets here; the
         # registry fetched nothing.
