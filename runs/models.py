@@ -36,7 +36,8 @@ class Run(models.Model):
     input = models.JSONField(null=True, blank=True)
     # The only place a secret's plaintext is kept: token -> value, encrypted (runs.vault).
     # A child run's holds its parent's too, since its input may carry the parent's tokens.
-    secrets = models.TextField(blank=True, default="", editable=False)
+    # A database default too: raw inserts (benchmarks, bulk tools) need not name it.
+    secrets = models.TextField(blank=True, default="", db_default="", editable=False)
     output = models.JSONField(null=True, blank=True)
     # {"class", "message", "step"} once the run has failed, timed out or been cancelled.
     error = models.JSONField(null=True, blank=True)
