@@ -21,6 +21,8 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 
+from workflows.secrets import shown_text
+
 from .models import Approver, Mail, Notification
 from .status import MailKind, MailStatus
 from .tokens import link_for
@@ -93,9 +95,10 @@ def give_up(mail_id: int, error: BaseException) -> None:
 def render(mail: Mail) -> EmailMultiAlternatives:
     context = mail_context(mail)
     template = f"emails/{mail.kind}"
-    subject = " ".join(render_to_string(f"{template}_subject.txt", context).split())
-    text = render_to_string(f"{template}.txt", context)
-    html = render_to_string(f"{template}.html", context)
+    # A message or details resolved from a secret carry its token: shown as ••••.
+    subject = shown_text(" ".join(render_to_string(f"{template}_subject.txt", context).split()))
+    text = shown_text(render_to_string(f"{template}.txt", context))
+    html = shown_text(render_to_string(f"{template}.html", context))
     message = EmailMultiAlternatives(subject, text, settings.DEFAULT_FROM_EMAIL, [mail.to])
     message.attach_alternative(html, "text/html")
     return message

@@ -49,6 +49,15 @@ if not EMBEDDED and _insecure_key(SECRET_KEY):
         "CELERY_BROKER_URL is not the embedded default. Generate one with: python3 -c "
         "'import secrets; print(secrets.token_urlsafe(50))'"
     )
+# Secrets of run inputs (writeOnly fields) are encrypted at rest with a key derived from
+# this (comma-separated: the first encrypts, each decrypts, for rotation), else from
+# SECRET_KEY. Set it so that rotating SECRET_KEY (sessions, links) leaves them readable.
+DJFLOW_FIELD_KEY = env.list("DJFLOW_FIELD_KEY", default=[])
+if any(len(key) < 32 for key in DJFLOW_FIELD_KEY):
+    raise ImproperlyConfigured(
+        "DJFLOW_FIELD_KEY: each comma-separated key must be at least 32 characters. Generate "
+        "one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+    )
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 SITE_URL = env("SITE_URL", default="http://127.0.0.1:8000")
@@ -95,6 +104,8 @@ MIDDLEWARE = [
     # gunicorn serves none itself. Files it has not collected fall through to the next
     # handler, so `runserver --insecure` (the standalone) still serves them from the apps.
     "whitenoise.middleware.WhiteNoiseMiddleware",
+    # After WhiteNoise (static files are never masked), before everything that renders.
+    "config.middleware.SecretMaskMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -102,6 +113,9 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# Error pages and mails to ADMINS show frames' variables: secrets in them are masked.
+DEFAULT_EXCEPTION_REPORTER = "config.reporting.SecretScrubbingReporter"
 
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
@@ -395,14 +409,10 @@ LOGGING = {
 # --- Sentry -------------------------------------------------------------------------------
 SENTRY_DSN = env("SENTRY_DSN", default="")
 if SENTRY_DSN:
-    import sentry_sdk
-    from sentry_sdk.integrations.celery import CeleryIntegration
-    from sentry_sdk.integrations.django import DjangoIntegration
+    from config.sentry import init_sentry
 
-    sentry_sdk.init(
+    init_sentry(
         dsn=SENTRY_DSN,
-        integrations=[DjangoIntegration(), CeleryIntegration(monitor_beat_tasks=True)],
         environment=env("SENTRY_ENVIRONMENT", default="production"),
         traces_sample_rate=env.float("SENTRY_TRACES_SAMPLE_RATE", default=0.0),
-        send_default_pii=False,
     )

@@ -21,6 +21,7 @@ from django.utils.html import format_html, format_html_join
 from config.admin_mixins import ReadOnlyMixin
 from workflows import access
 from workflows.errors import EngineError
+from workflows.secrets import shown, shown_text
 
 from .engine import unservable
 from .models import Event, Run, RunAction, StepRun, Timer
@@ -29,9 +30,10 @@ from .status import StepStatus
 
 
 def _pretty_json(value: Any) -> str:
+    """A stored value as JSON, secrets (their tokens) shown as ``••••``."""
     if value is None:
         return "—"
-    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    text = json.dumps(shown(value), indent=2, ensure_ascii=False, sort_keys=True)
     return format_html('<pre class="djflow-json">{}</pre>', text)
 
 
@@ -74,7 +76,8 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
 
     @admin.display(description="error message")
     def error_message(self, step: StepRun) -> str:
-        return str(step.error.get("message", "")) if isinstance(step.error, dict) else ""
+        message = step.error.get("message", "") if isinstance(step.error, dict) else ""
+        return shown_text(str(message))
 
 
 class RunActionInline(ReadOnlyMixin, admin.TabularInline):

@@ -32,7 +32,12 @@ class Run(models.Model):
     )
     version = models.ForeignKey(WorkflowVersion, on_delete=models.PROTECT, related_name="runs")
     status = models.CharField(max_length=20, choices=RunStatus.choices, default=RunStatus.PENDING)
+    # Stored with its secrets (writeOnly fields) replaced by tokens; see workflows.secrets.
     input = models.JSONField(null=True, blank=True)
+    # The only place a secret's plaintext is kept: token -> value, encrypted (runs.vault).
+    # A child run's holds its parent's too, since its input may carry the parent's tokens.
+    # A database default too: raw inserts (benchmarks, bulk tools) need not name it.
+    secrets = models.TextField(blank=True, default="", db_default="", editable=False)
     output = models.JSONField(null=True, blank=True)
     # {"class", "message", "step"} once the run has failed, timed out or been cancelled.
     error = models.JSONField(null=True, blank=True)

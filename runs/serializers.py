@@ -2,7 +2,8 @@
 
 The input serializers check only the shape of a request (types, lengths, unknown fields); what
 a value means (does the workflow exist, does the input fit its schema) is for the services.
-The output serializers render rows as they are stored and decide nothing.
+The output serializers render rows as they are stored and decide nothing, except that a
+secret's token (what a writeOnly input field is stored as) is shown as ``••••``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+
+from workflows import secrets
 
 from .engine import unservable
 from .models import Run, RunAction, StepRun
@@ -250,6 +253,12 @@ class RunListSerializer(serializers.ModelSerializer):
             "deadline_at",
         ]
         read_only_fields = fields
+
+    def to_representation(self, run: Run) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(run)
+        # Only a run with secrets has tokens (its own or its parent's) in what it stores:
+        # its representation, journal included, is walked once, others not at all.
+        return secrets.shown(data) if run.secrets else data
 
     @extend_schema_field(RUN_ERROR_SCHEMA)
     def get_error(self, run: Run) -> dict[str, Any] | None:

@@ -13,13 +13,13 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from referencing.exceptions import Unresolvable
 
-from workflows import access, heartbeats
+from workflows import access, heartbeats, secrets
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
-from workflows.input_schema import input_validator
+from workflows.input_schema import input_validator, write_only_values
 from workflows.models import WorkflowVersion
 from workflows.validation import field_path
 
-from . import dispatch
+from . import dispatch, vault
 from .engine import events
 from .engine.advance import advance_locked
 from .engine.store import request_advance
@@ -57,6 +57,9 @@ def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
     validator = input_validator(schema)
     try:
         found = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
+        # jsonschema's messages repeat the value ("'sk-…' does not match ..."): not a secret's.
+        marked = write_only_values(schema, value) if found else []
+        hide = secrets.masker(secret for _, secret in marked)
     except Unresolvable as exc:
         # Only a document stored before remote $refs were refused at save gets here; the
         # registry fetched nothing.
@@ -71,7 +74,7 @@ def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
                         FieldError(f"{path}.{name}", f"required field '{name}' is missing")
                     )
         else:
-            errors.append(FieldError(path, error.message))
+            errors.append(FieldError(path, hide(error.message)))
     return errors
 
 
@@ -112,12 +115,17 @@ def run_start(
         problems += heartbeats.unserved_errors(document=pinned.document)
     if problems:
         raise InvalidInput(errors=problems)
+    # Secrets are stored as tokens, their plaintext encrypted on the run (workflows.secrets);
+    # this request holds them until it ends, so its logs and error reports mask them.
+    stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
+    secrets.expose(secrets.plaintexts(registry))
     try:
         with transaction.atomic():
             run = Run.objects.create(
                 workflow_id=workflow,
                 version=pinned,
-                input=input,
+                input=stored_input,
+                secrets=vault.encrypt(registry),
                 idempotency_key=idempotency_key,
                 correlation=correlation,
                 created_by=person,

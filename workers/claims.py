@@ -41,6 +41,8 @@ class Claimed:
     deadline_at: datetime
     # Where the step sits: "" at the top level, "fan[3]/" inside a composite step.
     path: str = ""
+    # The run's secrets as stored (encrypted; "" for none): the input's tokens stand for them.
+    secrets: str = ""
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -64,7 +66,7 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
-          s.path
+          s.path, r.secrets
 ), deadline AS (
 INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
 SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
@@ -119,6 +121,7 @@ def _claim_postgres(
         claim=claim,
         deadline_at=from_timestamp(row[12]),
         path=row[13],
+        secrets=row[14],
     )
 
 
@@ -142,6 +145,7 @@ def _claim_portable(
             "path",
             "run__workflow_id",
             "run__version_id",
+            "run__secrets",
         )
         .first()
     )
@@ -187,4 +191,5 @@ def _claim_portable(
         claim=claim,
         deadline_at=deadline,
         path=row.path,
+        secrets=row.run.secrets,
     )

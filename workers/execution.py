@@ -28,14 +28,14 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from runs import dispatch
+from runs import dispatch, vault
 from runs.engine import journal, unservable
 from runs.engine.advance import advance_locked, lock_run
 from runs.engine.plan import WORKER_KINDS
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
-from workflows import registry
+from workflows import registry, secrets
 from workflows.sdk import StepFailure
 
 from . import task_events
@@ -131,11 +131,35 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         workflow_id=row.workflow_id,
         logger=bound_logger(str(row.run_id), row.step_id, row.attempt),
     )
+    try:
+        run_secrets = vault.decrypt(row.secrets, run_id=row.run_id)
+    except vault.SecretsUnreadable as unreadable:
+        # The wrong key: the handler must not run on tokens as if they were the values.
+        logger.error("attempt %s not run: %s", row.id, unreadable)
+        error = {"class": "fatal", "message": str(unreadable)}
+        return _record(row, claim, StepStatus.FAILED, None, error, ctx, {})
+    # The handler gets the secrets (the stored input holds tokens); while it runs and its
+    # result is recorded, logs and error reports of this process mask them.
+    with secrets.exposing(secrets.plaintexts(run_secrets)):
+        return _run_handler(row, claim, deadline, handler, ctx, run_secrets, own_alarm=own_alarm)
+
+
+def _run_handler(
+    row: Claimed,
+    claim: uuid.UUID,
+    deadline: Any,
+    handler: Callable[..., Any],
+    ctx: StepContext,
+    run_secrets: dict[str, Any],
+    *,
+    own_alarm: bool,
+) -> tuple[str, Held | None]:
     keeper.hold(row.id, claim, deadline)
     status, output, error = StepStatus.SUCCEEDED, None, None
     try:
         with _time_limit(row.timeout_ms / 1000 if own_alarm else None):
-            output = handler(ctx, row.input, _Prior(row.run_id))
+            given = secrets.reveal(row.input, run_secrets)
+            output = handler(ctx, given, _Prior(row.run_id, run_secrets))
     except StepFailure as failure:
         if failure.error_class == "unservable":
             keeper.release(row.id)
@@ -157,7 +181,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         except (TypeError, ValueError) as exc:
             status, output = StepStatus.FAILED, None
             error = {"class": "fatal", "message": f"the handler's output is not JSON: {exc}"}
-    return _record(row, claim, status, output, error, ctx)
+    return _record(row, claim, status, output, error, ctx, run_secrets)
 
 
 @contextlib.contextmanager
@@ -187,6 +211,7 @@ def _record(
     output: Any,
     error: dict[str, Any] | None,
     ctx: StepContext,
+    run_secrets: dict[str, Any],
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
     database restart, keep trying (the body must not be lost, nor run again)."""
@@ -194,7 +219,7 @@ def _record(
     pause = 0.1
     while True:
         try:
-            return _record_once(row, claim, status, output, error, ctx)
+            return _record_once(row, claim, status, output, error, ctx, run_secrets)
         except (OperationalError, InterfaceError):
             if time.monotonic() + pause > give_up:
                 raise
@@ -211,16 +236,21 @@ def _record_once(
     output: Any,
     error: dict[str, Any] | None,
     ctx: StepContext,
+    run_secrets: dict[str, Any],
 ) -> tuple[str, Held | None]:
     cost = ctx.cost_usd()
+    # A secret the handler echoed (in its output, an error message, a span) is stored as its
+    # token: masked wherever it is shown, the value again for the next handler.
+    answered = secrets.conceal(
+        {"output": output, "error": error, "spans": [span.as_dict() for span in ctx.spans]},
+        run_secrets,
+    )
     result = {
         "status": status,
-        "output": output,
-        "error": error,
+        **answered,
         "finished_at": timezone.now(),
         "lease_expires_at": None,
         "usage": ctx.usage(),
-        "spans": [span.as_dict() for span in ctx.spans],
         "cost_usd": cost,
     }
     if row.path:
@@ -355,8 +385,9 @@ def _fatal(exc: BaseException) -> dict[str, Any]:
 class _Prior(Mapping[str, Any]):
     """``prior``: earlier steps' outputs by id, read from the journal on first use."""
 
-    def __init__(self, run_id: Any) -> None:
+    def __init__(self, run_id: Any, run_secrets: Mapping[str, Any]) -> None:
         self.run_id = run_id
+        self._secrets = run_secrets
         self._outputs: dict[str, Any] | None = None
 
     def _load(self) -> dict[str, Any]:
@@ -366,7 +397,8 @@ class _Prior(Mapping[str, Any]):
                 .order_by("id")
                 .values_list("step_id", "output")
             )
-            self._outputs = dict(rows)
+            # An output that carries a secret stores its token: the handler gets the value.
+            self._outputs = secrets.reveal(dict(rows), self._secrets)
         return self._outputs
 
     def __getitem__(self, key: str) -> Any:

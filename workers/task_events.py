@@ -61,6 +61,7 @@ from kombu import Producer
 
 from runs.models import StepRun, Timer
 from runs.status import StepStatus
+from workflows.secrets import shown_text
 
 logger = logging.getLogger(__name__)
 
@@ -303,4 +304,4 @@ def _failure(step: _Step, held: Any) -> tuple[str, bool]:
 
 def _error_text(step: _Step) -> str:
     error = StepRun.objects.filter(id=step.id).values_list("error", flat=True).first() or {}
-    return f"{error.get('class', 'fatal')}: {error.get('message', '')}"[:200]
+    return shown_text(f"{error.get('class', 'fatal')}: {error.get('message', '')}")[:200]

@@ -19,11 +19,11 @@ from typing import Any
 from jsonschema import Draft202012Validator, FormatChecker, validators
 from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
-from referencing.exceptions import NoSuchResource
+from referencing.exceptions import NoSuchResource, Unresolvable
 
 from .regex import compile_linear, linear_pattern_error
 
-__all__ = ["input_validator", "remote_refs", "schema_format_checker"]
+__all__ = ["input_validator", "remote_refs", "schema_format_checker", "write_only_values"]
 
 _REF_KEYWORDS = frozenset({"$ref", "$dynamicRef"})
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
@@ -138,3 +138,96 @@ def remote_refs(schema: Any, where: list[str | int]) -> Iterator[tuple[list[str 
                     yield [*path, key], value
             elif key not in _DATA_KEYWORDS:
                 stack.append(([*path, key], value, key in _NAMED_SUBSCHEMAS))
+
+
+# --- secrets: the fields a schema marks ``"writeOnly": true`` (contract section 8) -----------
+
+_WRITE_ONLY = "writeOnly"
+
+
+def _write_only(
+    validator: Any, value: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    # Not a failure: a marker whose ``absolute_path`` is where the secret sits in the input.
+    if value is True:
+        yield ValidationError("write-only")
+
+
+def _markers_only(errors: Iterator[ValidationError]) -> list[ValidationError] | None:
+    """The markers among ``errors``, or None when any real failure is among them."""
+    found = []
+    for error in errors:
+        if error.validator != _WRITE_ONLY:
+            return None
+        found.append(error)
+    return found
+
+
+def _branches(
+    validator: Any, subschemas: list[Any], instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    """``anyOf``/``oneOf``: the markers of every branch the instance satisfies. jsonschema's
+    own stop at the first branch without errors, and a marker would count as one."""
+    for index, subschema in enumerate(subschemas):
+        try:
+            markers = _markers_only(validator.descend(instance, subschema, schema_path=index))
+        except Unresolvable:
+            continue  # a branch whose reference does not resolve holds for nothing
+        if markers:
+            yield from markers
+
+
+def _if(
+    validator: Any, if_schema: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    holds = _markers_only(validator.evolve(schema=if_schema).iter_errors(instance)) is not None
+    branch = "then" if holds else "else"
+    if branch in schema:
+        yield from validator.descend(instance, schema[branch], schema_path=branch)
+
+
+def _ignore(
+    validator: Any, value: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    return iter(())
+
+
+_SecretFinder = validators.extend(
+    _LinearValidator,
+    {_WRITE_ONLY: _write_only, "anyOf": _branches, "oneOf": _branches, "if": _if, "not": _ignore},
+)
+
+
+def _mentions_write_only(schema: Any) -> bool:
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get(_WRITE_ONLY) is True:
+                return True
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return False
+
+
+def write_only_values(schema: Any, instance: Any) -> list[tuple[list[str | int], Any]]:
+    """``(path, value)`` of every part of ``instance`` that ``schema`` marks
+    ``"writeOnly": true``, wherever the schema applies it: nested ``properties``, ``items``,
+    ``additionalProperties``, ``patternProperties``, local ``$ref``s, ``allOf``, and every
+    branch of ``anyOf``/``oneOf`` the instance satisfies (more masked rather than less).
+
+    It runs the schema over the instance, with ``writeOnly`` as a keyword that reports where it
+    applies, so a secret is found exactly where validation would look. Only meaningful for an
+    instance that is valid; a schema without ``writeOnly`` costs one walk of the schema.
+    """
+    if not _mentions_write_only(schema):
+        return []
+    finder = _SecretFinder(
+        schema, registry=_LOCAL_ONLY, format_checker=Draft202012Validator.FORMAT_CHECKER
+    )
+    found: dict[tuple[str | int, ...], Any] = {}
+    for error in finder.iter_errors(instance):
+        if error.validator == _WRITE_ONLY:
+            found.setdefault(tuple(error.absolute_path), error.instance)
+    return [(list(path), value) for path, value in found.items()]

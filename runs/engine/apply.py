@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from .. import dispatch
+from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
 from . import plan as p
@@ -201,28 +201,41 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
         workflow_id, version, body = start["workflow"], versions.order_by("-number").first(), ""
     if version is None:
         # Validation at save refuses an unknown workflow; one deleted since fails the step.
-        StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
-            status=StepStatus.FAILED,
-            error={
-                "class": "fatal",
-                "message": f"subworkflow '{start['workflow']}' version "
-                f"{start.get('version') or 'latest'} does not exist",
-            },
+        message = (
+            f"subworkflow '{start['workflow']}' version "
+            f"{start.get('version') or 'latest'} does not exist"
         )
-        if request_advance(run.id):
-            dispatch.advance_on_commit(run.id)
+        _fail_start(run, step_run, message)
         return
+    # The child's input carries the parent's tokens (resolved from its templates): it holds
+    # the parent's secrets too, plus what its own input_schema marks.
+    schema = version.document.get("input_schema") if not body else None
+    try:
+        inherited = vault.decrypt(run.secrets, run_id=run.id)
+    except vault.SecretsUnreadable as error:
+        _fail_start(run, step_run, str(error))
+        return
+    child_input, registry = vault.seal_input(schema, start["input"], inherited)
     child = Run.objects.create(
         workflow_id=workflow_id,
         version=version,
         body=body,
-        input=start["input"],
+        input=child_input,
+        secrets=vault.encrypt(registry) if registry != inherited else run.secrets,
         parent_run=run,
         parent_step_run=step_run,
         created_by_id=run.created_by_id,
         correlation=run.correlation,
     )
     advance_locked(child)
+
+
+def _fail_start(run: Run, step_run: StepRun, message: str) -> None:
+    StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
+        status=StepStatus.FAILED, error={"class": "fatal", "message": message}
+    )
+    if request_advance(run.id):
+        dispatch.advance_on_commit(run.id)
 
 
 def _cancel_children(rows: Any, reason: str) -> None:
