@@ -9,6 +9,7 @@ Postgres and Redis, the production and test path.
 from pathlib import Path
 
 import environ
+from csp.constants import NONCE, NONE, SELF, UNSAFE_INLINE
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
@@ -81,6 +82,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_celery_beat",
     "django_json_widget",
+    "csp",
     "workflows",
     "runs",
     "approvals",
@@ -89,6 +91,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below) on every response.
+    "csp.middleware.CSPMiddleware",
     # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
     # gunicorn serves none itself. Files it has not collected fall through to the next
     # handler, so `runserver --insecure` (the standalone) still serves them from the apps.
@@ -100,6 +104,27 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+
+# Content-Security-Policy for every page (home, sign-in, approvals, notifications, the admin,
+# the API docs): everything from this origin only, no plugins, no <base>, no framing, forms
+# post only here. Scripts come from files on this origin; an inline script runs only with
+# this response's nonce ({{ request.csp_nonce }}, which django-csp then adds to the header).
+# Styles may be inline: the admin's JSON editor (Ace) and Swagger UI insert <style> elements
+# at run time and neither can carry a nonce; CSS cannot run script, and every value a page
+# shows is escaped by the templates. A nonce beside 'unsafe-inline' would disable the
+# latter, so style-src has none. Images may be data: URLs (Swagger UI's and the admin's icons).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, UNSAFE_INLINE],
+        "img-src": [SELF, "data:"],
+        "object-src": [NONE],
+        "base-uri": [NONE],
+        "frame-ancestors": [NONE],
+        "form-action": [SELF],
+    },
+}
 
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
