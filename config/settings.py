@@ -6,6 +6,7 @@ installed. ``DATABASE_URL``, ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``
 Postgres and Redis, the production and test path.
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -83,6 +84,7 @@ INSTALLED_APPS = [
     "django_celery_beat",
     "django_json_widget",
     "csp",
+    "axes",
     "workflows",
     "runs",
     "approvals",
@@ -103,6 +105,9 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Answers a locked-out sign-in (django-axes) with the locked-out page, 429. Last, as
+    # django-axes asks.
+    "axes.middleware.AxesMiddleware",
 ]
 
 # Content-Security-Policy for every page (home, sign-in, approvals, notifications, the admin,
@@ -181,6 +186,34 @@ STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise warns at every start about a STATIC_ROOT that does not exist.
 STATIC_ROOT.mkdir(exist_ok=True)
 
+# Sign-ins (the sign-in page and the admin's) go through django-axes first: failed attempts
+# are counted per user name and per client address, in the database (shared by every
+# process: a count per process would bound nothing), and past DJFLOW_LOGIN_FAILURE_LIMIT of
+# either within DJFLOW_LOGIN_COOLOFF_MINUTES the sign-in answers 429 until that long after the
+# last failure. A successful sign-in clears its user's count.
+AUTHENTICATION_BACKENDS = [
+    "config.security.LoginLockoutBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("DJFLOW_LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.float("DJFLOW_LOGIN_COOLOFF_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_CLIENT_IP_CALLABLE = "config.security.client_ip"
+# No row per successful sign-in (a table that only grows); failures and lockouts are kept
+# and logged. No banner at every process start either.
+AXES_DISABLE_ACCESS_LOG = True
+AXES_VERBOSE = False
+# How many proxies in front of the site append to X-Forwarded-For (0: clients connect
+# directly, REMOTE_ADDR is theirs). Behind one, REMOTE_ADDR is the proxy's: set this, or every
+# sign-in and anonymous API call counts against one address.
+DJFLOW_TRUSTED_PROXIES = env.int("DJFLOW_TRUSTED_PROXIES", default=0)
+
+# The cache the API's throttles count in. Shared by every process: the database by default
+# (the table is made by a migration), or e.g. CACHE_URL=redis://127.0.0.1:6379/2.
+CACHES = {"default": env.cache_url("CACHE_URL", default="dbcache://djflow_cache")}
+
 # The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
 # approval link works without signing in.
 LOGIN_URL = "login"
@@ -211,6 +244,17 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "config.api_errors.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+    # Requests per minute (or /s, /hour, /day) per signed-in user and per anonymous address;
+    # past them the API answers 429 with Retry-After. Counted in CACHES["default"].
+    "DEFAULT_THROTTLE_CLASSES": [
+        "config.security.UserRateThrottle",
+        "config.security.AnonRateThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": env("DJFLOW_API_THROTTLE_USER", default="600/min"),
+        "anon": env("DJFLOW_API_THROTTLE_ANON", default="60/min"),
+    },
+    "NUM_PROXIES": DJFLOW_TRUSTED_PROXIES or None,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "djflow API",

@@ -73,7 +73,7 @@ def test_every_page_sends_the_policy(pages: dict[str, str]) -> None:
         assert_strict(response["Content-Security-Policy"])
 
 
-def test_the_api_docs_have_no_inline_script() -> None:
+def test_the_api_docs_have_no_inline_script(db) -> None:
     page = Client().get("/api/v1/docs/")
     html = page.content.decode()
     # Swagger UI's start-up code is a file on this origin (the split view's ?script).
