@@ -303,12 +303,17 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # has no fanout, so `celery inspect`, remote control and Flower's events would not reach
     # the worker. An explicit filesystem:// gets it too.
     CELERY_BROKER_TRANSPORT = "config.broker:Transport"
-else:
+elif CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Redis redelivers an unacknowledged message after this long. Keep it above the
         # longest step time limit: leases in Postgres, not redelivery, recover lost work.
         "visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=43200),
     }
+else:
+    # RabbitMQ (amqp://) redelivers an unacknowledged message only when its consumer's
+    # channel closes, so there is no timeout to set here; its own consumer_timeout (30 min by
+    # default) closes a channel holding a message that long: README, Running on RabbitMQ.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {}
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
