@@ -67,7 +67,10 @@ def test_ci_starts_a_worker_from_a_plain_install_after_the_readme_install() -> N
     assert "--no-cache-dir" not in body  # pip's cache keeps the stage quick
     assert "celery -A config worker" in body
     assert "celery -A config inspect ping" in body
-    assert "CELERY_BROKER_URL=${DJFLOW_PLAIN_BROKER:-redis://" in body
+    assert 'ping_a_worker redis "${DJFLOW_PLAIN_BROKER:-redis://' in body
+    # And on RabbitMQ with results in Postgres: no Redis at all.
+    assert 'ping_a_worker rabbitmq "${DJFLOW_PLAIN_AMQP:-amqp://' in body
+    assert '"db+postgresql+psycopg://' in body
 
 
 def test_ci_runs_the_worker_end_to_end_tests_again_on_rabbitmq() -> None:
