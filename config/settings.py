@@ -210,9 +210,17 @@ AXES_VERBOSE = False
 # sign-in and anonymous API call counts against one address.
 DJFLOW_TRUSTED_PROXIES = env.int("DJFLOW_TRUSTED_PROXIES", default=0)
 
-# The cache the API's throttles count in. Shared by every process: the database by default
-# (the table is made by a migration), or e.g. CACHE_URL=redis://127.0.0.1:6379/2.
-CACHES = {"default": env.cache_url("CACHE_URL", default="dbcache://djflow_cache")}
+# The cache the API's throttles count in, shared by every process (a per-process memory
+# cache would let N processes allow N times the rate): the database by default (the table
+# is made by a migration), or e.g. CACHE_URL=redis://127.0.0.1:6379/2. The embedded default,
+# one host, keeps it in files under VAR_DIR instead: on SQLite a write per API request would
+# queue behind the engine's own writes for the database's one write lock.
+CACHES = {
+    "default": env.cache_url(
+        "CACHE_URL",
+        default=f"filecache://{VAR_DIR / 'cache'}" if EMBEDDED else "dbcache://djflow_cache",
+    )
+}
 
 # The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
 # approval link works without signing in.

@@ -197,9 +197,9 @@ print(json.dumps({
 
 
 def test_the_defaults_are_production_s_and_the_suite_s_are_generous(settings, tmp_path) -> None:
-    """Unset, the counts go to the database cache (shared by every process, the standalone's
-    too) at 600/min per user and 60/min per address, and 5 failed sign-ins lock for 15
-    minutes; the suite's own many requests are not throttled (pyproject's pytest env)."""
+    """Unset, the counts go to the database cache (shared by every process) at 600/min per
+    user and 60/min per address, and 5 failed sign-ins lock for 15 minutes; the suite's own
+    many requests are not throttled (pyproject's pytest env)."""
     import json
     import os
     import subprocess
@@ -226,6 +226,28 @@ def test_the_defaults_are_production_s_and_the_suite_s_are_generous(settings, tm
     assert found["cache"]["LOCATION"] == "djflow_cache"
     assert found["rates"] == {"user": "600/min", "anon": "60/min"}
     assert found["login"] == [5, 900.0]
+
+    # The embedded default (one host, SQLite): files under the var dir, not SQLite's one
+    # write lock.
+    embedded = {
+        k: v for k, v in env.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL", "SECRET_KEY")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()\n" + PROBE],
+        cwd=Path(__file__).resolve().parents[1],
+        env={
+            **embedded,
+            "DJANGO_SETTINGS_MODULE": "config.settings",
+            "DJFLOW_VAR_DIR": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["cache"]["BACKEND"] == "django.core.cache.backends.filebased.FileBasedCache"
+    assert found["cache"]["LOCATION"] == str(tmp_path / "cache")
 
 
 def test_sign_ins_behind_a_trusted_proxy_count_the_client_address(settings, rf) -> None:
