@@ -188,9 +188,10 @@ STATIC_ROOT.mkdir(exist_ok=True)
 
 # Sign-ins (the sign-in page and the admin's) go through django-axes first: failed attempts
 # are counted per user name and per client address, in the database (shared by every
-# process: a count per process would bound nothing), and past DJFLOW_LOGIN_FAILURE_LIMIT of
-# either within DJFLOW_LOGIN_COOLOFF_MINUTES the sign-in answers 429 until that long after the
-# last failure. A successful sign-in clears its user's count.
+# process: a count per process would bound nothing). The DJFLOW_LOGIN_FAILURE_LIMIT-th
+# failure of a user name or of an address within DJFLOW_LOGIN_COOLOFF_MINUTES locks it:
+# sign-ins as that user, or from that address, answer 429 (the password is not tried) until
+# that long after the last failure. A successful sign-in clears its user's count.
 AUTHENTICATION_BACKENDS = [
     "config.security.LoginLockoutBackend",
     "django.contrib.auth.backends.ModelBackend",
