@@ -6,9 +6,11 @@ installed. ``DATABASE_URL``, ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``
 Postgres and Redis, the production and test path.
 """
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
+from csp.constants import NONCE, NONE, SELF, UNSAFE_INLINE
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
@@ -92,6 +94,8 @@ INSTALLED_APPS = [
     "django_json_widget",
     # Object permissions: the per-workflow roles of CONTRACT section 8 (workflows/access.py).
     "guardian",
+    "csp",
+    "axes",
     "workflows",
     "runs",
     "approvals",
@@ -100,6 +104,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below) on every response.
+    "csp.middleware.CSPMiddleware",
     # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
     # gunicorn serves none itself. Files it has not collected fall through to the next
     # handler, so `runserver --insecure` (the standalone) still serves them from the apps.
@@ -112,10 +118,33 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Answers a locked-out sign-in (django-axes) with the locked-out page, 429. Last, as
+    # django-axes asks.
+    "axes.middleware.AxesMiddleware",
 ]
 
 # Error pages and mails to ADMINS show frames' variables: secrets in them are masked.
 DEFAULT_EXCEPTION_REPORTER = "config.reporting.SecretScrubbingReporter"
+# Content-Security-Policy for every page (home, sign-in, approvals, notifications, the admin,
+# the API docs): everything from this origin only, no plugins, no <base>, no framing, forms
+# post only here. Scripts come from files on this origin; an inline script runs only with
+# this response's nonce ({{ request.csp_nonce }}, which django-csp then adds to the header).
+# Styles may be inline: the admin's JSON editor (Ace) and Swagger UI insert <style> elements
+# at run time and neither can carry a nonce; CSS cannot run script, and every value a page
+# shows is escaped by the templates. A nonce beside 'unsafe-inline' would disable the
+# latter, so style-src has none. Images may be data: URLs (Swagger UI's and the admin's icons).
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [SELF],
+        "script-src": [SELF, NONCE],
+        "style-src": [SELF, UNSAFE_INLINE],
+        "img-src": [SELF, "data:"],
+        "object-src": [NONE],
+        "base-uri": [NONE],
+        "frame-ancestors": [NONE],
+        "form-action": [SELF],
+    },
+}
 
 ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
@@ -172,6 +201,46 @@ STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise warns at every start about a STATIC_ROOT that does not exist.
 STATIC_ROOT.mkdir(exist_ok=True)
 
+# Sign-ins (the sign-in page and the admin's) go through django-axes first: failed attempts
+# are counted per user name and per client address, in the database (shared by every
+# process: a count per process would bound nothing). The DJFLOW_LOGIN_FAILURE_LIMIT-th
+# failure of a user name or of an address within DJFLOW_LOGIN_COOLOFF_MINUTES locks it:
+# sign-ins as that user, or from that address, answer 429 (the password is not tried) until
+# that long after the last failure. A successful sign-in clears its user's count.
+# Then Django's own global permissions, and django-guardian's per-object ones (a role on
+# one workflow is an object permission on its Workflow row).
+AUTHENTICATION_BACKENDS = [
+    "config.security.LoginLockoutBackend",
+    "django.contrib.auth.backends.ModelBackend",
+    "guardian.backends.ObjectPermissionBackend",
+]
+AXES_FAILURE_LIMIT = env.int("DJFLOW_LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.float("DJFLOW_LOGIN_COOLOFF_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_CLIENT_IP_CALLABLE = "config.security.client_ip"
+# No row per successful sign-in (a table that only grows); failures and lockouts are kept
+# and logged. No banner at every process start either.
+AXES_DISABLE_ACCESS_LOG = True
+AXES_VERBOSE = False
+# How many proxies in front of the site append to X-Forwarded-For (0: clients connect
+# directly, REMOTE_ADDR is theirs). Behind one, REMOTE_ADDR is the proxy's: set this, or every
+# sign-in and anonymous API call counts against one address.
+DJFLOW_TRUSTED_PROXIES = env.int("DJFLOW_TRUSTED_PROXIES", default=0)
+
+# The cache the API's throttles count in, shared by every process (a per-process memory
+# cache would let N processes allow N times the rate): the database by default (the table
+# is made by a migration), or e.g. CACHE_URL=redis://127.0.0.1:6379/2. The embedded default,
+# one host, keeps it in files under VAR_DIR instead: on SQLite a write per API request would
+# queue behind the engine's own writes for the database's one write lock.
+CACHES = {
+    "default": env.cache_url(
+        "CACHE_URL",
+        default=f"filecache://{VAR_DIR / 'cache'}" if EMBEDDED else "dbcache://djflow_cache",
+    )
+}
+
 # The pages people use (the approvals inbox, notifications) sign in here; an e-mailed
 # approval link works without signing in.
 LOGIN_URL = "login"
@@ -191,12 +260,6 @@ DEFAULT_FROM_EMAIL = env("DEFAULT_FROM_EMAIL", default="workflows@localhost")
 EMAIL_TIMEOUT = env.int("EMAIL_TIMEOUT", default=30)
 
 # --- REST API -----------------------------------------------------------------------------
-# Django's own global permissions, then django-guardian's per-object ones (a role on one
-# workflow is an object permission on its Workflow row).
-AUTHENTICATION_BACKENDS = [
-    "django.contrib.auth.backends.ModelBackend",
-    "guardian.backends.ObjectPermissionBackend",
-]
 # No anonymous user row: the API and the pages require a signed-in user, and the approval
 # links of e-mail approvers carry their own token.
 ANONYMOUS_USER_NAME = None
@@ -213,6 +276,17 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "config.api_errors.exception_handler",
     "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+    # Requests per minute (or /s, /hour, /day) per signed-in user and per anonymous address;
+    # past them the API answers 429 with Retry-After. Counted in CACHES["default"].
+    "DEFAULT_THROTTLE_CLASSES": [
+        "config.security.UserRateThrottle",
+        "config.security.AnonRateThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {
+        "user": env("DJFLOW_API_THROTTLE_USER", default="600/min"),
+        "anon": env("DJFLOW_API_THROTTLE_ANON", default="60/min"),
+    },
+    "NUM_PROXIES": DJFLOW_TRUSTED_PROXIES or None,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "djflow API",
@@ -261,12 +335,17 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # has no fanout, so `celery inspect`, remote control and Flower's events would not reach
     # the worker. An explicit filesystem:// gets it too.
     CELERY_BROKER_TRANSPORT = "config.broker:Transport"
-else:
+elif CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Redis redelivers an unacknowledged message after this long. Keep it above the
         # longest step time limit: leases in Postgres, not redelivery, recover lost work.
         "visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=43200),
     }
+else:
+    # RabbitMQ (amqp://) redelivers an unacknowledged message only when its consumer's
+    # channel closes, so there is no timeout to set here; its own consumer_timeout (30 min by
+    # default) closes a channel holding a message that long: README, Running on RabbitMQ.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {}
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

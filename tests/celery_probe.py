@@ -1,7 +1,8 @@
 """Test-only tasks that report from inside a real worker; ``--include tests.celery_probe``.
 
-They write to Redis (the test broker's database, under ``probe:`` keys) rather than return
-results, so a test reads what happened without waiting on Celery's result reader.
+They write to Redis (the test broker's database, under ``probe:`` keys; the result backend's
+when the broker is RabbitMQ) rather than return results, so a test reads what happened
+without waiting on Celery's result reader.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from django.db import connection
 
 
 def probe_redis() -> redis.Redis:
-    return redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    for url in (settings.CELERY_BROKER_URL, settings.CELERY_RESULT_BACKEND):
+        if url.startswith(("redis://", "rediss://")):
+            return redis.Redis.from_url(url)
+    raise RuntimeError("the probes need Redis as the broker or the result backend")
 
 
 @shared_task(name="tests.celery_probe.report", ignore_result=True)

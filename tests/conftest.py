@@ -13,6 +13,14 @@ from rest_framework.test import APIClient
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that starts real worker or beat processes is a worker end-to-end test
+    (marker ``worker_e2e``): .ci/run runs them a second time with the broker on RabbitMQ."""
+    for item in items:
+        if "celery_processes" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.worker_e2e)
+
+
 @pytest.fixture(autouse=True)
 def _fast_password_hashing(settings) -> None:
     """PBKDF2 at Django's iteration count costs about half a second per password set or

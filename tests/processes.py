@@ -542,5 +542,10 @@ def purge_broker(app: Any = None) -> int:
                     names.add(text.split(channel.sep)[-1])
             client.delete(channel.unacked_key, channel.unacked_index_key, channel.unacked_mutex_key)
         for name in sorted(n for n in names if n):
-            purged += channel.queue_purge(name) or 0
+            try:
+                purged += channel.queue_purge(name) or 0
+            except conn.channel_errors:
+                # AMQP: a queue never declared is 404, which closes the channel; there is
+                # nothing in it to drop.
+                channel = conn.channel()
     return purged

@@ -39,3 +39,59 @@ def test_ci_script_is_strict_executable_bash() -> None:
     assert os.access(CI_RUN, os.X_OK)
     assert "set -euo pipefail" in CI_RUN.read_text()
     subprocess.run(["bash", "-n", str(CI_RUN)], check=True)
+
+
+PLAIN_INSTALL = BASE_DIR / ".ci" / "plain_install_worker"
+
+
+def _stage_lines(script: str) -> list[str]:
+    return [line for line in script.splitlines() if line.startswith("stage ")]
+
+
+def test_ci_starts_a_worker_from_a_plain_install_after_the_readme_install() -> None:
+    """A missing runtime dependency cannot hide behind the test extras: after the README's
+    install, CI makes a fresh venv with `pip install .` alone and pings a worker of it."""
+    script = CI_RUN.read_text()
+    lines = script.splitlines()
+    install = readme_commands()[1].rpartition(" && ")[0]
+    plain = lines.index("bash .ci/plain_install_worker")
+    assert lines.index(install) < plain < lines.index(".venv/bin/pytest || rc=$?")
+    assert os.access(PLAIN_INSTALL, os.X_OK)
+    subprocess.run(["bash", "-n", str(PLAIN_INSTALL)], check=True)
+    body = PLAIN_INSTALL.read_text()
+    assert "set -euo pipefail" in body
+    assert 'python3 -m venv "$work/venv"' in body
+    # The checkout itself, no extras, no editable install.
+    assert re.search(r'pip" install -q --disable-pip-version-check "\$checkout"$', body, re.M)
+    assert "[test]" not in body and " -e " not in body
+    assert "--no-cache-dir" not in body  # pip's cache keeps the stage quick
+    assert "celery -A config worker" in body
+    assert "celery -A config inspect ping" in body
+    assert 'ping_a_worker redis "${DJFLOW_PLAIN_BROKER:-redis://' in body
+    # And on RabbitMQ with results in Postgres: no Redis at all.
+    assert 'ping_a_worker rabbitmq "${DJFLOW_PLAIN_AMQP:-amqp://' in body
+    assert '"db+postgresql+psycopg://' in body
+
+
+def test_ci_runs_the_worker_end_to_end_tests_again_on_rabbitmq() -> None:
+    script = CI_RUN.read_text()
+    stages = _stage_lines(script)
+    rabbit = next(i for i, s in enumerate(stages) if "RabbitMQ on 127.0.0.1:5672" in s)
+    main = next(i for i, s in enumerate(stages) if "the README's test command" in s)
+    again = next(i for i, s in enumerate(stages) if "again, on RabbitMQ" in s)
+    assert rabbit < main < again
+    assert "rabbitmq-server -detached" in script
+    assert "wait_for RabbitMQ" in script
+    assert re.search(
+        r"CELERY_BROKER_URL=amqp://guest:guest@127\.0\.0\.1:5672/djflow_ci \\\n"
+        r'\s+\.venv/bin/pytest -m "worker_e2e and not soak"',
+        script,
+    )
+    # Either run failing fails CI.
+    assert 'exit "$amqp_rc"' in script and 'exit "$rc"' in script
+
+
+def test_the_readme_says_rabbitmq_is_a_broker() -> None:
+    readme = (BASE_DIR / "README.md").read_text()
+    assert "## Running on RabbitMQ" in readme
+    assert "CELERY_BROKER_URL=amqp://" in readme

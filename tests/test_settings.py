@@ -117,6 +117,19 @@ def test_visibility_timeout_comes_from_the_environment(tmp_path: Path) -> None:
     assert conf["transport_options"]["visibility_timeout"] == 90000
 
 
+def test_a_rabbitmq_broker_gets_no_redis_transport_options(tmp_path: Path) -> None:
+    """RabbitMQ has no visibility timeout (it redelivers when a consumer's channel closes);
+    Redis's options are not passed to it."""
+    conf = load_settings(
+        tmp_path,
+        CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//",
+        CELERY_VISIBILITY_TIMEOUT="90000",
+    )
+    assert conf["broker_url"] == "amqp://guest:guest@127.0.0.1:5672//"
+    assert conf["transport_options"] == {}
+    assert_durable_celery(conf)
+
+
 def test_sentry_dsn_turns_on_django_and_celery_integrations(tmp_path: Path) -> None:
     # A loopback DSN: even if something were captured, it could not leave the machine.
     conf = load_settings(tmp_path, SENTRY_DSN="https://public@127.0.0.1/1")

@@ -180,6 +180,12 @@ class StepEvents:
         # Not scheduled: a duplicate delivery; the claim will say so and nothing runs.
         return None if found is None else _Step(step_run_id, *found)
 
+    def _publish(self, step: _Step, built: list[tuple[str, dict[str, Any]]]) -> None:
+        global _publisher
+        if _publisher is None or _publisher.pid != os.getpid():
+            _publisher = _Publisher(self.app, self.hostname)
+        _publisher.publish(step.task_id, built)
+
     def _received(self, step: _Step) -> dict[str, Any]:
         kwargs = {"run_id": str(step.run_id), "attempt": step.attempt}
         if step.path:
@@ -218,9 +224,17 @@ class StepEvents:
         global _publisher, _paused_until
         try:
             built = events()
-            if _publisher is None or _publisher.pid != os.getpid():
-                _publisher = _Publisher(self.app, self.hostname)
-            _publisher.publish(step.task_id, built)
+            try:
+                self._publish(step, built)
+            except Exception:
+                if _publisher is None:
+                    raise
+                # A connection kept since an earlier step may have been closed by the broker
+                # meanwhile: RabbitMQ closes one that misses its heartbeats, and nothing sends
+                # them for a publisher in a pool process. One new connection, then pause.
+                _publisher.close()
+                _publisher = None
+                self._publish(step, built)
         except Exception:
             _paused_until = time.monotonic() + PAUSE_SECONDS
             if _publisher is not None:

@@ -54,7 +54,9 @@ def log_in(page, live_server, django_user_model, next_path: str) -> None:
 
 
 def wait_for_editor(page) -> None:
-    page.wait_for_function(f"{EDITOR} !== undefined && {EDITOR}.aceEditor !== undefined")
+    # A function, not an expression string: Playwright evaluates a string with eval, which
+    # the Content-Security-Policy refuses.
+    page.wait_for_function(f"() => {EDITOR} !== undefined && {EDITOR}.aceEditor !== undefined")
 
 
 def type_into_editor(page, text: str) -> None:
