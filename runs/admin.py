@@ -126,7 +126,8 @@ class RunAdmin(RunScopedAdmin):
         "finished_at",
         "cost_usd",
     )
-    list_filter = ("status", "workflow")
+    # Related-only: the stock filter lists every workflow id, those the user may not see too.
+    list_filter = ("status", ("workflow", admin.RelatedOnlyFieldListFilter))
     search_fields = ("id", "correlation", "idempotency_key")
     list_select_related = ("version",)
     fields = (
