@@ -46,7 +46,20 @@ def _run_link(run_id: Any, text: str | None = None) -> str:
     return format_html('<a href="{}">{}</a>', url, text or str(run_id))
 
 
-class StepRunInline(ReadOnlyMixin, admin.TabularInline):
+class RunInline(ReadOnlyMixin, admin.TabularInline):
+    """Rows of the run on its page: shown to whoever may read the run (workflows.access), not
+    only to holders of the model's global view permission, which a role on one workflow
+    does not give."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            # Asked without the run by the inline's queryset, whose rows the formset then
+            # narrows to the run of a page that was itself checked.
+            return access.has_any_role(request.user)
+        return access.may_view_run(request.user, obj.workflow_id, obj.created_by_id)
+
+
+class StepRunInline(RunInline):
     """The journal of a run, one row per attempt, in the order it was written."""
 
     model = StepRun
@@ -77,7 +90,7 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
         return str(step.error.get("message", "")) if isinstance(step.error, dict) else ""
 
 
-class RunActionInline(ReadOnlyMixin, admin.TabularInline):
+class RunActionInline(RunInline):
     """Who cancelled, paused, resumed, retried the run or sent it an event, and when."""
 
     model = RunAction
