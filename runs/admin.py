@@ -196,11 +196,20 @@ class RunAdmin(RunScopedAdmin):
         where = f" (step {step.step_id})" if step is not None else ""
         return format_html("{}{}", _run_link(run.parent_run_id), where)
 
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        run = super().get_object(request, object_id, from_field)
+        if run is not None:
+            # For children_links, which has no request: only the children the user may read.
+            run.readable_children = access.run_filter(request.user)
+        return run
+
     @admin.display(description="children")
     def children_links(self, run: Run) -> str:
-        children = run.children.order_by("created_at", "id").values_list(
-            "id", "workflow_id", "status"
-        )
+        children = run.children.order_by("created_at", "id")
+        readable = getattr(run, "readable_children", None)
+        if readable is not None:
+            children = children.filter(readable)
+        children = children.values_list("id", "workflow_id", "status")
         if not children:
             return "—"
         return format_html_join(
