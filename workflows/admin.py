@@ -353,6 +353,16 @@ class WorkflowAdmin(admin.ModelAdmin):
         }
         return TemplateResponse(request, self.roles_template, context)
 
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The history logs every grant and revoke ("Granted operator on billing for zoe"):
+        # it is for those the Roles page admits, not every reader of the workflow.
+        workflow = self.get_object(request, unquote(object_id))
+        if workflow is not None and not access.may_grant(request.user, workflow.pk, access.VIEWER):
+            raise PermissionDenied
+        return super().history_view(request, object_id, extra_context)
+
     # --- diff ---------------------------------------------------------------------------------
 
     def diff_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
