@@ -265,6 +265,34 @@ def test_admins_of_related_rows_show_only_visible_workflows(
     assert "payroll" not in text
 
 
+@OUTSIDE
+@pytest.mark.parametrize(
+    ("codename", "url"),
+    [
+        ("view_approvalrequest", "admin:approvals_approvalrequest_changelist"),
+        ("view_decision", "admin:approvals_decision_changelist"),
+        ("view_notification", "admin:approvals_notification_changelist"),
+    ],
+)
+def test_the_approvals_admins_show_only_visible_workflows(
+    billing: WorkflowVersion, codename: str, url: str
+) -> None:
+    from approvals.services import Origin, approval_decide
+    from tests.approvals.builders import make_group, make_user, start_approval
+
+    payer = make_user("payer")
+    make_group("finance", payer)
+    _, request = start_approval("payroll_approval", users=["payer"], then_handoff="finance")
+    approval_decide(request_id=request.id, decision="approved", origin=Origin("api"), user=payer)
+    viewer = give(user_with("viewer", staff=True), codename)
+    page = admin_client(viewer).get(reverse(url))
+    assert page.status_code == 200
+    text = page.content.decode()
+    # Its workflow, its id, or its approver's name (the decisions' "by", the notified user).
+    shown = [mark for mark in ("payroll_approval", str(request.id), "payer") if mark in text]
+    assert shown == []
+
+
 # --- 8. the workflow's history showed role grants to every reader (fixed) ----------------------
 
 
@@ -343,6 +371,19 @@ def test_deleting_users_keeps_idempotency_keys_in_their_own_scope(
 
 
 # --- attacks tried and refused ---------------------------------------------------------------
+
+
+def test_recent_actions_on_the_admin_index_are_the_users_own(billing: WorkflowVersion) -> None:
+    secret = {"id": "secret_project", "steps": [{"id": "a", "kind": "task"}]}
+    boss = creator("boss", staff=True)
+    boss.is_staff = True
+    boss.save()
+    admin_client(boss).post(
+        reverse("admin:workflows_workflow_add"), {"document": str(secret).replace("'", '"')}
+    )
+    assert WorkflowVersion.objects.filter(workflow_id="secret_project").exists()
+    viewer = user_with("viewer", staff=True)
+    assert "secret_project" not in admin_client(viewer).get("/admin/").content.decode()
 
 
 def test_the_roles_page_refuses_a_post_without_its_csrf_token(billing: WorkflowVersion) -> None:
