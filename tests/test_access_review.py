@@ -19,6 +19,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from runs import services
+from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
 from tests.test_access import BILLING, admin_client, api_for, person, start, user_with
 from workflows import access
@@ -119,14 +120,9 @@ def test_code_that_saves_with_no_user_may_still_call_any_workflow(
     assert definition_save(document=calls_payroll()).created
 
 
-# --- 2. a child run's input skips its own input_schema (open) --------------------------------
+# --- 2. a child run's input skipped its own input_schema (fixed) ------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: a subworkflow child starts with any input; its workflow's input_schema "
-    "(checked by POST /runs) is never checked, so its handlers get what the schema refuses",
-)
 def test_a_child_run_never_gets_an_input_its_input_schema_refuses(
     payroll: WorkflowVersion,
 ) -> None:
@@ -147,6 +143,19 @@ def test_a_child_run_never_gets_an_input_its_input_schema_refuses(
     call = StepRun.objects.get(run=run, step_id="call")
     assert call.status == "failed"
     assert call.error["class"] == "invalid_input"
+    assert "input.amount" in call.error["message"]
+    run_advance(run_id=run.id)  # what the advance message sent on commit does
+    run.refresh_from_db()
+    assert (run.status, run.error["class"], run.error["step"]) == (
+        "failed",
+        "invalid_input",
+        "call",
+    )
+    # An input the schema accepts starts the child as before.
+    fine = calls_payroll("fine", input={"amount": 5})
+    assert api_for(alice).post("/api/v1/definitions", fine, format="json").status_code == 201
+    parent = services.run_start(workflow="fine", user=alice).run
+    assert Run.objects.get(parent_run=parent).input == {"amount": 5}
 
 
 # --- 3. a handler name without a dot (fixed) ---------------------------------------------------

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.utils import timezone
+
 from .. import dispatch
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
@@ -212,6 +214,26 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
         if request_advance(run.id):
             dispatch.advance_on_commit(run.id)
         return
+    if not body:
+        # The child stands for a start of its workflow: its input meets that workflow's
+        # input_schema, as POST /runs requires (else a step could hand the workflow's
+        # handlers what its schema refuses). Not retryable: the same input fails again.
+        from ..services import input_errors
+
+        problems = input_errors(version, start["input"])
+        if problems:
+            detail = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
+            StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
+                status=StepStatus.FAILED,
+                finished_at=timezone.now(),
+                error={
+                    "class": p.INVALID_INPUT,
+                    "message": f"subworkflow '{workflow_id}' refuses this input: {detail}",
+                },
+            )
+            if request_advance(run.id):
+                dispatch.advance_on_commit(run.id)
+            return
     child = Run.objects.create(
         workflow_id=workflow_id,
         version=version,
