@@ -48,7 +48,20 @@ def _run_link(run_id: Any, text: str | None = None) -> str:
     return format_html('<a href="{}">{}</a>', url, text or str(run_id))
 
 
-class StepRunInline(ReadOnlyMixin, admin.TabularInline):
+class RunInline(ReadOnlyMixin, admin.TabularInline):
+    """Rows of the run on its page: shown to whoever may read the run (workflows.access), not
+    only to holders of the model's global view permission, which a role on one workflow
+    does not give."""
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            # Asked without the run by the inline's queryset, whose rows the formset then
+            # narrows to the run of a page that was itself checked.
+            return access.has_any_role(request.user)
+        return access.may_view_run(request.user, obj.workflow_id, obj.created_by_id)
+
+
+class StepRunInline(RunInline):
     """The journal of a run, one row per attempt, in the order it was written."""
 
     model = StepRun
@@ -80,7 +93,7 @@ class StepRunInline(ReadOnlyMixin, admin.TabularInline):
         return shown_text(str(message))
 
 
-class RunActionInline(ReadOnlyMixin, admin.TabularInline):
+class RunActionInline(RunInline):
     """Who cancelled, paused, resumed, retried the run or sent it an event, and when."""
 
     model = RunAction
@@ -129,7 +142,8 @@ class RunAdmin(RunScopedAdmin):
         "finished_at",
         "cost_usd",
     )
-    list_filter = ("status", "workflow")
+    # Related-only: the stock filter lists every workflow id, those the user may not see too.
+    list_filter = ("status", ("workflow", admin.RelatedOnlyFieldListFilter))
     search_fields = ("id", "correlation", "idempotency_key")
     list_select_related = ("version",)
     fields = (
@@ -185,11 +199,20 @@ class RunAdmin(RunScopedAdmin):
         where = f" (step {step.step_id})" if step is not None else ""
         return format_html("{}{}", _run_link(run.parent_run_id), where)
 
+    def get_object(self, request: HttpRequest, object_id: str, from_field: Any = None) -> Any:
+        run = super().get_object(request, object_id, from_field)
+        if run is not None:
+            # For children_links, which has no request: only the children the user may read.
+            run.readable_children = access.run_filter(request.user)
+        return run
+
     @admin.display(description="children")
     def children_links(self, run: Run) -> str:
-        children = run.children.order_by("created_at", "id").values_list(
-            "id", "workflow_id", "status"
-        )
+        children = run.children.order_by("created_at", "id")
+        readable = getattr(run, "readable_children", None)
+        if readable is not None:
+            children = children.filter(readable)
+        children = children.values_list("id", "workflow_id", "status")
         if not children:
             return "—"
         return format_html_join(

@@ -33,17 +33,20 @@ def run_list(
     return runs
 
 
-def run_detail_queryset() -> QuerySet[Run]:
-    """Runs with their journal (every attempt, in the order it was written) and children."""
+def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
+    """Runs with their journal (every attempt, in the order it was written) and the children
+    ``user`` may read (``None``: all): a child of a workflow they may not see is not theirs to
+    know of, by id or status (CONTRACT section 8), though its output is their step's."""
+    children = Run.objects.order_by("created_at", "id").only(
+        "id", "workflow", "status", "parent_run", "created_by"
+    )
+    readable = access.run_filter(user)
+    if readable is not None:
+        children = children.filter(readable)
     return Run.objects.select_related("version", "parent_step_run").prefetch_related(
         Prefetch("steps", queryset=StepRun.objects.order_by("id")),
         Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
-        Prefetch(
-            "children",
-            queryset=Run.objects.order_by("created_at", "id").only(
-                "id", "workflow", "status", "parent_run"
-            ),
-        ),
+        Prefetch("children", queryset=children),
     )
 
 
@@ -54,7 +57,7 @@ def run_get(*, run_id: Any, user: Any = None) -> Run:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = run_detail_queryset().filter(id=key).first()
+    run = run_detail_queryset(user).filter(id=key).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, run)

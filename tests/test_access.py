@@ -496,7 +496,7 @@ def test_a_subworkflow_step_may_call_only_workflows_its_author_may_start(
     access.grant("viewer", "payroll", user=author)
     author = get_user_model().objects.get(pk=author.pk)
     response = api_for(author).post("/api/v1/definitions", calling, format="json")
-    assert response.json()["errors"][0]["message"] == (
+    assert response.json()["errors"][0]["message"].startswith(
         "you may not start runs of workflow 'payroll'"
     )
     access.grant("starter", "payroll", user=author)

@@ -70,6 +70,15 @@ class WorkflowVersionInline(ReadOnlyMixin, admin.TabularInline):
     def get_queryset(self, request: HttpRequest) -> QuerySet[WorkflowVersion]:
         return super().get_queryset(request).select_related("created_by")
 
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Whoever may read the workflow reads its versions (workflows.access): a role on it
+        # gives no global view permission on versions.
+        if obj is None:
+            # Asked without the workflow by the inline's queryset, whose rows the formset
+            # then narrows to the workflow of a page that was itself checked.
+            return access.has_any_role(request.user) or access.sees_all_definitions(request.user)
+        return access.may_see_definition(request.user, obj.pk)
+
     @admin.display(description="hash")
     def hash_prefix(self, version: WorkflowVersion) -> str:
         return format_html("<code>{}</code>", version.content_hash[:HASH_PREFIX_LENGTH])
@@ -344,6 +353,16 @@ class WorkflowAdmin(admin.ModelAdmin):
         }
         return TemplateResponse(request, self.roles_template, context)
 
+    def history_view(
+        self, request: HttpRequest, object_id: str, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        # The history logs every grant and revoke ("Granted operator on billing for zoe"):
+        # it is for those the Roles page admits, not every reader of the workflow.
+        workflow = self.get_object(request, unquote(object_id))
+        if workflow is not None and not access.may_grant(request.user, workflow.pk, access.VIEWER):
+            raise PermissionDenied
+        return super().history_view(request, object_id, extra_context)
+
     # --- diff ---------------------------------------------------------------------------------
 
     def diff_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
@@ -404,9 +423,30 @@ class WorkflowVersionAdmin(ReadOnlyMixin, admin.ModelAdmin):
     """Versions are immutable: they can be looked at, never added, changed or deleted here."""
 
     list_display = ("__str__", "number", "hash_prefix", "description", "created_by", "created_at")
-    list_filter = ("workflow",)
+    # Related-only: the stock filter lists every workflow id, those the user may not see too.
+    list_filter = (("workflow", admin.RelatedOnlyFieldListFilter),)
     search_fields = ("workflow__id", "description")
     list_select_related = ("created_by",)
+
+    # --- who may see what (workflows.access): a version is read by its workflow's readers --
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        user = request.user
+        return (
+            user.is_active
+            and user.is_staff
+            and (access.has_any_role(user) or access.sees_all_definitions(user))
+        )
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            return self.has_module_permission(request)
+        return access.may_see_definition(request.user, obj.workflow_id)
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[WorkflowVersion]:
+        visible = access.visible_workflows(request.user, Workflow.objects.all())
+        return super().get_queryset(request).filter(workflow__in=visible.values("pk"))
+
     fields = (
         "workflow_link",
         "number",

@@ -70,10 +70,18 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     ``user`` must be an author of the workflow, or hold ``workflows.add_workflow`` for a
     new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
     """
+
+    def visible_exists(workflow_id: str, version: int | None) -> bool:
+        # A subworkflow target the user may not see is unknown to them, pinned version or
+        # not: the answer must not tell an invisible workflow from a missing one.
+        return access.may_see_definition(user, workflow_id) and _workflow_exists(
+            workflow_id, version
+        )
+
     prepared = prepare_document(
-        document, workflow_exists=_workflow_exists, approval_rules=approval_rules(user)
+        document, workflow_exists=visible_exists, approval_rules=approval_rules(user)
     )
-    raise_invalid(handler_errors(prepared, user))
+    raise_invalid([*handler_errors(prepared, user), *subworkflow_errors(prepared, user)])
     digest = content_hash(prepared)
     requested = prepared.get("version")
     try:
@@ -145,28 +153,28 @@ def _save_locked(
 def handler_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
     """A step's ``handler`` names a handler of the same workflow, or of a workflow the saving
     user also authors (CONTRACT section 8): else anyone could run anyone's code with any
-    input. A ``subworkflow`` step names a workflow the saving user may start. A handler
-    name's workflow is the part before its first dot (``billing.charge`` belongs to
-    ``billing``), which is how the builder names them."""
+    input (subworkflow targets: :func:`subworkflow_errors`). A handler name's workflow is
+    the part before its first dot (``billing.charge`` belongs to ``billing``), which is how
+    the builder names them."""
     if access.trusted(user):
         return []
     errors = []
     for step, where in every_step(document):
-        target = step.get("workflow")
-        if step.get("kind") == "subworkflow" and isinstance(target, str):
-            # A child run runs as its parent's starter: a workflow may call only workflows its
-            # author may start, or anyone able to start it could start them.
-            if target != document["id"] and access.STARTER not in access.roles(user, target):
-                seen = access.may_see_definition(user, target)
-                message = (
-                    f"you may not start runs of workflow '{target}'"
-                    if seen
-                    else f"unknown workflow '{target}'"
-                )
-                errors.append(FieldError(f"{where}.workflow", message))
-            continue
         name = step.get("handler")
         if step.get("kind") not in HANDLER_KINDS or not isinstance(name, str):
+            continue
+        if "." not in name:
+            # A name without a workflow part (``@handler("refund")``) is no workflow's: only
+            # a global author may name it. Read as its own prefix, anyone who may create
+            # the workflow id "refund" would own it.
+            if access.AUTHOR not in access.global_roles(user):
+                errors.append(
+                    FieldError(
+                        f"{where}.handler",
+                        f"handler '{name}' belongs to no workflow (no '<workflow>.' prefix); "
+                        "only an author of every workflow may name it",
+                    )
+                )
             continue
         owner = name.split(".", 1)[0]
         if owner != document["id"] and access.AUTHOR not in access.roles(user, owner):
@@ -174,6 +182,32 @@ def handler_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> l
                 FieldError(
                     f"{where}.handler",
                     f"handler '{name}' belongs to workflow '{owner}', which you do not author",
+                )
+            )
+    return errors
+
+
+def subworkflow_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
+    """A ``subworkflow`` step starts runs of its ``workflow`` whenever this one runs, with the
+    input this document gives: the saving user must be a starter of it (CONTRACT section 8),
+    as a Step Functions state machine's role needs ``states:StartExecution`` on the machine
+    it calls. One the user may not see was already reported unknown by validation
+    (:func:`definition_save`), as one that does not exist is, so ids do not leak."""
+    if access.trusted(user):
+        return []
+    errors = []
+    for step, where in every_step(document):
+        target = step.get("workflow")
+        if step.get("kind") != "subworkflow" or not isinstance(target, str):
+            continue
+        if target == document["id"]:
+            continue  # recursion: the workflow being saved, which the author may start
+        # Only visible targets get here (validation called the others unknown).
+        if access.STARTER not in access.roles(user, target):
+            errors.append(
+                FieldError(
+                    f"{where}.workflow",
+                    f"you may not start runs of workflow '{target}', so no step of yours may",
                 )
             )
     return errors

@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.utils import timezone
+
+from workflows import secrets
+
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
@@ -215,6 +219,20 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
     except vault.SecretsUnreadable as error:
         _fail_start(run, step_run, str(error))
         return
+    if not body:
+        # The child stands for a start of its workflow: its input meets that workflow's
+        # input_schema, as POST /runs requires (else a step could hand the workflow's
+        # handlers what its schema refuses). Not retryable: the same input fails again.
+        # Checked on the real values; the message shows none of them.
+        from ..services import input_errors
+
+        problems = input_errors(version, secrets.reveal(start["input"], inherited))
+        if problems:
+            mask = secrets.masker(secrets.plaintexts(inherited))
+            detail = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
+            message = f"subworkflow '{workflow_id}' refuses this input: {mask(detail)}"
+            _fail_start(run, step_run, message, error_class=p.INVALID_INPUT)
+            return
     child_input, registry = vault.seal_input(schema, start["input"], inherited)
     child = Run.objects.create(
         workflow_id=workflow_id,
@@ -230,9 +248,11 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
     advance_locked(child)
 
 
-def _fail_start(run: Run, step_run: StepRun, message: str) -> None:
+def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str = "fatal") -> None:
     StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
-        status=StepStatus.FAILED, error={"class": "fatal", "message": message}
+        status=StepStatus.FAILED,
+        finished_at=timezone.now(),
+        error={"class": error_class, "message": message},
     )
     if request_advance(run.id):
         dispatch.advance_on_commit(run.id)
