@@ -15,9 +15,26 @@ from django.urls import reverse
 from django.utils.html import format_html
 
 from config.admin_mixins import ReadOnlyMixin
+from workflows import access
 
 from .models import ApprovalRequest, Approver, Decision, Mail, Notification
 from .outbox import pretty
+
+
+class RunScopedRows:
+    """Rows that belong to a run are shown only to whoever may read that run
+    (workflows.access, CONTRACT section 8), whatever Django model permission let them in;
+    ``run_prefix`` leads from the row to its run (``None``: rows only for those who read
+    every run)."""
+
+    run_prefix: str | None = "run__"
+
+    def get_queryset(self, request: Any) -> Any:
+        queryset = super().get_queryset(request)  # type: ignore[misc]
+        readable = access.run_filter(request.user, self.run_prefix or "")
+        if readable is None:
+            return queryset
+        return queryset.none() if self.run_prefix is None else queryset.filter(readable)
 
 
 def _run_link(run_id: Any) -> str:
@@ -53,7 +70,7 @@ class DecisionInline(ReadOnlyMixin, admin.TabularInline):
 
 
 @admin.register(ApprovalRequest)
-class ApprovalRequestAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class ApprovalRequestAdmin(RunScopedRows, ReadOnlyMixin, admin.ModelAdmin):
     list_display = ("id", "status", "workflow", "run_link", "step_id", "created_at", "deadline")
     list_filter = ("status",)
     search_fields = ("id", "step_id", "run__id", "message")
@@ -103,7 +120,8 @@ class ApprovalRequestAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(Decision)
-class DecisionAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class DecisionAdmin(RunScopedRows, ReadOnlyMixin, admin.ModelAdmin):
+    run_prefix = "request__run__"
     list_display = (
         "created_at",
         "request",
@@ -133,7 +151,7 @@ class DecisionAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(Notification)
-class NotificationAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class NotificationAdmin(RunScopedRows, ReadOnlyMixin, admin.ModelAdmin):
     list_display = ("created_at", "user", "kind", "title", "run_link", "read_at")
     list_filter = ("kind", ("read_at", admin.EmptyFieldListFilter))
     search_fields = ("title", "user__username")
@@ -147,7 +165,8 @@ class NotificationAdmin(ReadOnlyMixin, admin.ModelAdmin):
 
 
 @admin.register(Mail)
-class MailAdmin(ReadOnlyMixin, admin.ModelAdmin):
+class MailAdmin(RunScopedRows, ReadOnlyMixin, admin.ModelAdmin):
+    run_prefix = None  # a mail's run is two joins away: global readers only
     list_display = ("id", "kind", "to", "status", "tries", "created_at", "sent_at", "last_error")
     list_filter = ("status", "kind")
     search_fields = ("to",)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
-from django.db.models import QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
@@ -344,7 +344,16 @@ class StepRunAdmin(RunScopedAdmin):
 @admin.register(Event)
 class EventAdmin(ReadOnlyMixin, admin.ModelAdmin):
     """Events delivered through the API or ``workflows.sdk.send_event``, and the waits that
-    took each."""
+    took each. Whoever does not read every run sees the events they sent and those taken by
+    runs they may read (workflows.access)."""
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Event]:
+        queryset = super().get_queryset(request)
+        readable = access.run_filter(request.user, "run__")
+        if readable is None:
+            return queryset
+        taken = StepRun.objects.filter(event_id=OuterRef("pk")).filter(readable)
+        return queryset.filter(Q(created_by_id=request.user.pk) | Q(Exists(taken)))
 
     list_display = ("id", "name", "key", "created_at", "created_by")
     list_filter = ("name",)

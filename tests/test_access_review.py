@@ -244,15 +244,7 @@ def test_a_run_lists_only_the_children_the_caller_may_read(payroll: WorkflowVers
     assert str(child.id) in page.content.decode()
 
 
-# --- 7. admins outside the role model (open) ----------------------------------------------
-
-
-OUTSIDE = pytest.mark.xfail(
-    strict=True,
-    reason="hole: the Event (and approvals, decisions, notifications, mail) admins answer to "
-    "Django model permissions only, not workflows.access: whoever is given their view "
-    "permission sees every workflow's rows",
-)
+# --- 7. admins outside the role model (fixed) ----------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -260,7 +252,7 @@ OUTSIDE = pytest.mark.xfail(
     [
         # Fixed: the versions admin answered to the model permission only.
         ("view_workflowversion", "admin:workflows_workflowversion_changelist"),
-        pytest.param("view_event", "admin:runs_event_changelist", marks=OUTSIDE),
+        ("view_event", "admin:runs_event_changelist"),
     ],
 )
 def test_admins_of_related_rows_show_only_visible_workflows(
@@ -274,7 +266,6 @@ def test_admins_of_related_rows_show_only_visible_workflows(
     assert "payroll" not in text
 
 
-@OUTSIDE
 @pytest.mark.parametrize(
     ("codename", "url"),
     [
