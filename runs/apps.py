@@ -20,3 +20,25 @@ class RunsConfig(AppConfig):
             forget()
 
         task_prerun.connect(_forget, weak=False, dispatch_uid="djflow-forget-secrets")
+
+        from django.conf import settings
+        from django.db.models.signals import pre_delete
+
+        from .models import Run
+
+        # Idempotency keys are per (workflow, caller). Deleting a user would set their runs'
+        # created_by to NULL and move their keys into the no-user scope that trusted code
+        # (the builder's start, commands) shares: there they would collide with each other
+        # and answer trusted starts with the deleted user's runs. No one can call as a
+        # deleted user again, so their keys are dropped with them (the runs stay).
+        def _drop_keys(sender: Any, instance: Any, **_: Any) -> None:
+            Run.objects.filter(created_by=instance, idempotency_key__isnull=False).update(
+                idempotency_key=None
+            )
+
+        pre_delete.connect(
+            _drop_keys,
+            sender=settings.AUTH_USER_MODEL,
+            weak=False,
+            dispatch_uid="djflow-drop-idempotency-keys",
+        )

@@ -348,12 +348,6 @@ def test_a_workflows_readers_read_its_versions_and_journal_in_the_admin(
 # --- 9. a deleted user's idempotency keys fall into the trusted scope (open) ------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: Run.created_by is SET_NULL, so deleting a user moves their idempotency keys "
-    "into the no-user scope (the SDK's and commands'): a second deletion with the same key is "
-    "an IntegrityError, and trusted code's start with that key returns the deleted user's run",
-)
 def test_deleting_users_keeps_idempotency_keys_in_their_own_scope(
     billing: WorkflowVersion,
 ) -> None:
