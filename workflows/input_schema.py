@@ -102,13 +102,15 @@ def _unevaluated_properties(
     ]
     if not invalid:
         return
+    # jsonschema's own messages, word for word.
+    verb = "was" if len(invalid) == 1 else "were"
     if unevaluated is False:
         shown = ", ".join(repr(key) for key in sorted(invalid, key=str))
-        yield ValidationError(f"Unevaluated properties are not allowed ({shown} unexpected)")
+        yield ValidationError(f"Unevaluated properties are not allowed ({shown} {verb} unexpected)")
     else:
         shown = ", ".join(repr(key) for key in invalid)
         yield ValidationError(
-            f"Unevaluated properties are not valid under the given schema ({shown} "
+            f"Unevaluated properties are not valid under the given schema ({shown} {verb} "
             "unevaluated and invalid)"
         )
 

@@ -81,7 +81,7 @@ def test_unevaluated_properties_match_pattern_properties_on_re2() -> None:
     }
     started = time.monotonic()
     assert _messages(schema, {"a" * 26 + "!": 1}) == [
-        f"Unevaluated properties are not allowed ({'a' * 26 + '!'!r} unexpected)"
+        f"Unevaluated properties are not allowed ({'a' * 26 + '!'!r} was unexpected)"
     ]
     assert time.monotonic() - started < 1.0
     assert _messages(schema, {"a" * 26: 1, "id_7": "x"}) == []
@@ -100,6 +100,6 @@ def test_unevaluated_properties_still_see_every_evaluating_keyword() -> None:
     }
     assert _messages(schema, {"name": "a", "kind": "b", "extra": "c", "n": 1}) == []
     assert _messages(schema, {"name": "a", "other": "x"}) == [
-        "Unevaluated properties are not valid under the given schema ('other' unevaluated and "
-        "invalid)"
+        "Unevaluated properties are not valid under the given schema ('other' was unevaluated "
+        "and invalid)"
     ]
