@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
@@ -44,7 +45,11 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     with the unique constraint as the backstop, so two concurrent saves never share one.
     A rejected document leaves no row.
     """
-    prepared = prepare_document(document, workflow_exists=_workflow_exists)
+    prepared = prepare_document(
+        document,
+        workflow_exists=_workflow_exists,
+        max_steps=settings.DJFLOW["MAX_DOCUMENT_STEPS"],
+    )
     digest = content_hash(prepared)
     requested = prepared.get("version")
     try:

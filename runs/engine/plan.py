@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 from workflows.guards import evaluate
+from workflows.schema import DEFAULT_MAX_ITEMS
 from workflows.templates import resolve
 
 # Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
@@ -46,7 +47,6 @@ SUBWORKFLOW = "subworkflow"
 BODY = "_body"
 # How a child run's end becomes its subworkflow step's end.
 CHILD_FAILED = frozenset({"failed", "cancelled", "timed_out"})
-DEFAULT_MAX_ITEMS = 1000
 DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
