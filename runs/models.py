@@ -51,7 +51,8 @@ class Run(models.Model):
     root_run = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="+", db_index=False
     )
-    depth = models.PositiveSmallIntegerField(default=0)
+    # A database default too: raw inserts of runs (a benchmark, a test) need not name it.
+    depth = models.PositiveSmallIntegerField(default=0, db_default=0)
     # For an anonymous child run (a branch, item or iteration whose body is a list of steps):
     # where its steps are in the version's document, "<composite step id>.do" or
     # "<parallel step id>.branches.<name>". Its input is then the scope it runs in:
