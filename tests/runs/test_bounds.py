@@ -221,8 +221,7 @@ def test_the_reconciler_gives_each_run_one_round_within_its_time(monkeypatch) ->
     assert reconcile.reconcile(budget_seconds=0) == {}
     sent: list[Any] = []
     monkeypatch.setattr("runs.dispatch.advance_many", lambda ids: sent.extend(ids))
-    monkeypatch.setattr(reconcile, "_deadline", 0.0)
-    assert reconcile._advance_each({run.id: None}) == 1
+    assert reconcile._advance_each({run.id: None}, until=0.0) == 1
     assert sent == [run.id]
 
 
