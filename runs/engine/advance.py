@@ -119,10 +119,11 @@ def advance_locked(
     held: StepRun | None = None
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
+        attempts = journal.journal_of(run.id)
         planned = plan(
             journal.document_for(run),
-            journal.run_view(run),
-            journal.journal_of(run.id),
+            journal.run_view(run, attempts),
+            attempts,
             now,
             journal.planner_settings(),
             max_actions=budget.actions,

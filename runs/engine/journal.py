@@ -43,8 +43,15 @@ def body_document(version_id: int, body: str) -> dict[str, Any]:
     return {"id": f"{step_id}-body", "steps": steps, "limits": limits}
 
 
-def run_view(run: Run) -> RunView:
-    tree_used, tree_limit = tree_budget(run)
+def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
+    """The planner's view of ``run``; given its journal (``attempts``), a root run that never
+    started a child costs no query for its tree's count."""
+    alone = (
+        run.root_run_id is None
+        and attempts is not None
+        and not any(a.kind == "subworkflow" for a in attempts)
+    )
+    tree_used, tree_limit = (0, None) if alone else tree_budget(run)
     return RunView(
         id=str(run.id),
         status=run.status,
