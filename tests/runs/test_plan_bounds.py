@@ -235,6 +235,17 @@ BOMB_SCRIPT = textwrap.dedent(
     import json, resource, sys
     # Today's planner built the bomb in full: fail at 1 GiB instead of taking the machine.
     resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+    def peak_kib():
+        # VmHWM: this process's own peak. ru_maxrss would do elsewhere, but Linux carries it
+        # over exec from the forking process (pytest's, some hundred MB in a long session).
+        try:
+            with open("/proc/self/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     from datetime import UTC, datetime
     from runs.engine.plan import RunView, plan
     now = datetime(2026, 1, 1, tzinfo=UTC)
@@ -247,7 +258,7 @@ BOMB_SCRIPT = textwrap.dedent(
         error = out.finish.error["class"] if out.finish else "none"
     except MemoryError:
         error = "MemoryError"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_kib()
     print(json.dumps({"error": error, "peak_kib": peak}))
     """
 )
