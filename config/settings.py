@@ -393,6 +393,8 @@ WORKFLOW_MODULES = env.list("WORKFLOW_MODULES", default=[])
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
+    # Most steps a workflow document may hold, nested ones included (checked at save).
+    "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
     # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
     # again, at_most_once ones fail). Never renewed past the attempt's deadline plus grace.

@@ -50,6 +50,14 @@ class Run(models.Model):
     parent_step_run = models.ForeignKey(
         "StepRun", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # The run at the top of this run's tree (null for a root run), and how many subworkflows
+    # below it this run is (a body run is as deep as the run it is a body of): the root's
+    # max_steps counts the attempts of the whole tree, and chains are at most 8 deep.
+    root_run = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="+", db_index=False
+    )
+    # A database default too: raw inserts of runs (a benchmark, a test) need not name it.
+    depth = models.PositiveSmallIntegerField(default=0, db_default=0)
     # For an anonymous child run (a branch, item or iteration whose body is a list of steps):
     # where its steps are in the version's document, "<composite step id>.do" or
     # "<parallel step id>.branches.<name>". Its input is then the scope it runs in:
@@ -89,6 +97,8 @@ class Run(models.Model):
             models.Index(
                 fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
             ),
+            # Counting a tree's attempts (runs.engine.journal.tree_budget).
+            models.Index(fields=["root_run"], name="run_root", condition=Q(root_run__isnull=False)),
         ]
         constraints = [
             # Idempotency keys are scoped to (workflow, caller) (CONTRACT section 8): one

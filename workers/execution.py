@@ -30,13 +30,14 @@ from django.utils import timezone
 
 from runs import dispatch, vault
 from runs.engine import journal, unservable
-from runs.engine.advance import advance_locked, lock_run
-from runs.engine.plan import WORKER_KINDS
+from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
+from runs.engine.plan import MAX_VALUE_BYTES, WORKER_KINDS
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import registry, secrets
 from workflows.sdk import StepFailure
+from workflows.templates import TooLarge, check_size
 
 from . import task_events
 from .claims import Claimed, claim_attempt
@@ -178,6 +179,14 @@ def _run_handler(
     if status == StepStatus.SUCCEEDED:
         try:
             json.dumps(output)
+            # Every value passed between steps is bounded (contract section 9).
+            check_size(output, MAX_VALUE_BYTES)
+        except TooLarge as exc:
+            status, output = StepStatus.FAILED, None
+            error = {
+                "class": "invalid_input",
+                "message": f"the handler's output is {exc}; the limit is 1 MiB",
+            }
         except (TypeError, ValueError) as exc:
             status, output = StepStatus.FAILED, None
             error = {"class": "fatal", "message": f"the handler's output is not JSON: {exc}"}
@@ -267,7 +276,8 @@ def _record_once(
             Run.objects.filter(id=run.id).update(cost_usd=F("cost_usd") + cost)
         held = None
         if run.status not in RUN_TERMINAL:
-            _, next_attempt = advance_locked(run, hold=True)
+            budget = Budget(ADVANCE_ACTIONS)
+            _, next_attempt = advance_locked(run, hold=True, budget=budget)
             if next_attempt is not None:
                 held = (next_attempt, run.workflow_id)
     return status, held

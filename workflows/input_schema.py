@@ -3,7 +3,8 @@
 Two bounds on what a schema may make the server do:
 
 * Its ``pattern``s and ``patternProperties`` run on RE2 (``workflows.regex``), in time linear
-  in the input; a pattern RE2 cannot compile is refused at save.
+  in the input, wherever jsonschema would match them (``additionalProperties`` and
+  ``unevaluatedProperties`` too); a pattern RE2 cannot compile is refused at save.
 * Its ``$ref``s are local (``#...``). At save any other ``$ref`` is refused; at validation the
   registry retrieves nothing, so even a document stored before that rule cannot make the
   server fetch a URL: such a reference is unresolvable, never fetched.
@@ -85,12 +86,89 @@ def _additional_properties(
         yield ValidationError(f"Additional properties are not allowed ({unexpected} unexpected)")
 
 
+def _unevaluated_properties(
+    validator: Any, unevaluated: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    """jsonschema's own, with the keys ``patternProperties`` evaluates matched on RE2."""
+    if not validator.is_type(instance, "object"):
+        return
+    evaluated = set(_evaluated_keys(validator, instance, schema))
+    invalid = [
+        key
+        for key in instance
+        if key not in evaluated
+        and next(validator.descend(instance[key], unevaluated, path=key, schema_path=key), None)
+        is not None
+    ]
+    if not invalid:
+        return
+    # jsonschema's own messages, word for word.
+    verb = "was" if len(invalid) == 1 else "were"
+    if unevaluated is False:
+        shown = ", ".join(repr(key) for key in sorted(invalid, key=str))
+        yield ValidationError(f"Unevaluated properties are not allowed ({shown} {verb} unexpected)")
+    else:
+        shown = ", ".join(repr(key) for key in invalid)
+        yield ValidationError(
+            f"Unevaluated properties are not valid under the given schema ({shown} {verb} "
+            "unevaluated and invalid)"
+        )
+
+
+def _valid(errors: Iterator[ValidationError]) -> bool:
+    return next(errors, None) is None
+
+
+def _evaluated_keys(validator: Any, instance: Any, schema: Any) -> list[str]:
+    """The keys of ``instance`` that ``schema`` evaluates: jsonschema's
+    ``find_evaluated_property_keys_by_schema``, whose ``patternProperties`` ran on Python's
+    backtracking ``re`` (a ReDoS in an input_schema that only ``unevaluatedProperties`` saw)."""
+    if validator.is_type(schema, "boolean"):
+        return []
+    found: list[str] = []
+    for keyword in ("$ref", "$dynamicRef"):
+        ref = schema.get(keyword)
+        if ref is not None:
+            resolved = validator._resolver.lookup(ref)
+            inner = validator.evolve(schema=resolved.contents, _resolver=resolved.resolver)
+            found += _evaluated_keys(inner, instance, resolved.contents)
+    properties = schema.get("properties")
+    if validator.is_type(properties, "object"):
+        found += properties.keys() & instance.keys()
+    for keyword in ("additionalProperties", "unevaluatedProperties"):
+        subschema = schema.get(keyword)
+        if subschema is not None:
+            found += (
+                key
+                for key, value in instance.items()
+                if _valid(validator.descend(value, subschema))
+            )
+    for pattern in schema.get("patternProperties", {}):
+        found += (key for key in instance if _search(pattern, key))
+    for name, subschema in schema.get("dependentSchemas", {}).items():
+        if name in instance:
+            found += _evaluated_keys(validator, instance, subschema)
+    for keyword in ("allOf", "oneOf", "anyOf"):
+        for subschema in schema.get(keyword, []):
+            if _valid(validator.descend(instance, subschema)):
+                found += _evaluated_keys(validator, instance, subschema)
+    if "if" in schema:
+        if validator.evolve(schema=schema["if"]).is_valid(instance):
+            found += _evaluated_keys(validator, instance, schema["if"])
+            if "then" in schema:
+                found += _evaluated_keys(validator, instance, schema["then"])
+        elif "else" in schema:
+            found += _evaluated_keys(validator, instance, schema["else"])
+    return found
+
+
 _LinearValidator = validators.extend(
     Draft202012Validator,
     {
         "pattern": _pattern,
         "patternProperties": _pattern_properties,
         "additionalProperties": _additional_properties,
+        "unevaluatedProperties": _unevaluated_properties,
     },
 )
 

@@ -15,6 +15,17 @@ SCHEMA_PATH = Path(__file__).with_name("definition.schema.json")
 MAX_DURATION_MS = 315_360_000_000
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
+# A foreach's max_items when it gives none (the planner refuses more items at run time).
+DEFAULT_MAX_ITEMS = 1000
+
+# Bounds on the work one document may ask for (contract section 9), checked at save.
+# Steps in a document, nested ones included, unless DJFLOW_MAX_DOCUMENT_STEPS says otherwise.
+DEFAULT_MAX_DOCUMENT_STEPS = 500
+# Levels of steps inside steps: a top-level step is at level 1.
+MAX_NESTING = 8
+# The product of the bounds of nested loops (max_iterations) and foreach (max_items): how
+# many times the innermost body may run for one run of the outermost step.
+MAX_REPEATS = 100_000
 
 
 @cache

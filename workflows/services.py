@@ -79,7 +79,10 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
         )
 
     prepared = prepare_document(
-        document, workflow_exists=visible_exists, approval_rules=approval_rules(user)
+        document,
+        workflow_exists=visible_exists,
+        approval_rules=approval_rules(user),
+        max_steps=settings.DJFLOW["MAX_DOCUMENT_STEPS"],
     )
     raise_invalid([*handler_errors(prepared, user), *subworkflow_errors(prepared, user)])
     digest = content_hash(prepared)

@@ -31,7 +31,11 @@ At run time templates and guards read one context, whose roots are ``ROOTS``::
 Invariants
 ----------
 * ``lookup`` and ``resolve`` never raise for any string path, JSON template and JSON context;
-  anything that cannot be found resolves to ``None`` (``null``).
+  anything that cannot be found resolves to ``None`` (``null``). The one exception is
+  ``resolve(..., max_bytes=n)``, which raises :class:`TooLarge` when the result, as compact
+  UTF-8 JSON, would be over ``n`` bytes, and never builds much more than that: a template that
+  references a large value many times (a "template bomb": 300 KB of request turned into
+  4.9 GB) is refused while it is rendered, not after.
 * ``resolve`` returns a new value: the template and the context are never mutated and share no
   containers with the result. Substituted values are never resolved again, so a step output
   containing ``${...}`` text cannot inject references.
@@ -55,6 +59,8 @@ __all__ = [
     "REFERENCE",
     "ROOTS",
     "Missing",
+    "TooLarge",
+    "check_size",
     "is_single_reference",
     "is_valid_path",
     "join_location",
@@ -185,34 +191,132 @@ def _unescape(text: str) -> str:
     return text.replace(ESCAPE, "${")
 
 
-def _resolve_string(s: str, context: Mapping[str, Any]) -> Any:
+class TooLarge(ValueError):
+    """A value is (or would be, once rendered) larger than allowed, as compact UTF-8 JSON."""
+
+    def __init__(self, limit: int, size: int | None = None) -> None:
+        self.limit, self.size = limit, size
+        found = f"{size} bytes" if size is not None else "more than that"
+        super().__init__(f"over {limit} bytes as JSON ({found})")
+
+
+def encoded_size(value: Any) -> int:
+    """``value``'s size as compact UTF-8 JSON, the form the bounds are stated in."""
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+class _Budget:
+    """What is left of ``max_bytes`` while a template is rendered.
+
+    Spending uses a lower bound of each piece's encoded size (a character is at least a byte,
+    escapes only add), so a value refused here is over the limit for certain, and what was
+    built before the refusal is at most about the limit. A value referenced many times is
+    measured once (by identity: the context does not change while a template renders).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+        self._sizes: dict[int, int] = {}
+        self._texts: dict[int, str] = {}
+
+    def spend(self, size: int) -> None:
+        self.left -= size
+        if self.left < 0:
+            raise TooLarge(self.limit)
+
+    def spend_on(self, value: Any) -> None:
+        key = id(value)
+        if key not in self._sizes:
+            self._sizes[key] = _least_size(value, self.left)
+        self.spend(self._sizes[key])
+
+    def text_of(self, value: Any) -> str:
+        """``text_form(value)``, paid for; a non-string is measured before it is dumped."""
+        if isinstance(value, str):
+            self.spend(len(value))
+            return value
+        key = id(value)
+        if key not in self._texts:
+            self.spend_on(value)
+            self.left += self._sizes[key]  # paid below, by the text itself
+            self._texts[key] = text_form(value)
+        self.spend(len(self._texts[key]))
+        return self._texts[key]
+
+
+def _least_size(value: Any, limit: int) -> int:
+    """A lower bound of ``value``'s encoded size; stops counting once past ``limit``."""
+    total = 0
+    stack = [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) + 2
+        elif isinstance(item, Mapping):
+            total += 2 + len(item)
+            for key, child in item.items():
+                total += len(str(key)) + 3
+                stack.append(child)
+        elif isinstance(item, list | tuple):
+            total += 2 + len(item)
+            stack.extend(item)
+        else:
+            total += 1
+    return total
+
+
+def check_size(value: Any, max_bytes: int) -> None:
+    """Raise :class:`TooLarge` when ``value`` is over ``max_bytes`` as compact UTF-8 JSON. A
+    value far over is refused by its lower bound, before any text of it is built."""
+    if _least_size(value, max_bytes) > max_bytes:
+        raise TooLarge(max_bytes)
+    size = encoded_size(value)
+    if size > max_bytes:
+        raise TooLarge(max_bytes, size)
+
+
+def _resolve_string(s: str, context: Mapping[str, Any], budget: _Budget | None = None) -> Any:
     path = is_single_reference(s)
     if path is not None:
-        return _copy(lookup(context, path))
+        value = lookup(context, path)
+        if budget is not None:
+            budget.spend_on(value)
+        return _copy(value)
     if "${" not in s:
+        if budget is not None:
+            budget.spend(len(s) + 2)
         return s
     parts: list[str] = []
     end = 0
     for match in REFERENCE.finditer(s):
         parts.append(_unescape(s[end : match.start()]))
-        parts.append(text_form(lookup(context, match.group("path"))))
+        value = lookup(context, match.group("path"))
+        parts.append(text_form(value) if budget is None else budget.text_of(value))
         end = match.end()
     parts.append(_unescape(s[end:]))
+    if budget is not None:
+        budget.spend(len(parts[-1]) + sum(len(p) for p in parts[:-1:2]) + 2)
     return "".join(parts)
 
 
-def _map_strings(value: Any, fn: Callable[[str], Any]) -> Any:
+def _map_strings(value: Any, fn: Callable[[str], Any], budget: _Budget | None = None) -> Any:
     """A copy of ``value`` with every string value (not key) replaced by ``fn(string)``.
 
     Iterative, so deep nesting cannot exhaust the stack. What ``fn`` returns is placed as-is
-    and never walked again.
+    and never walked again. With a ``budget``, every container and key is paid for.
     """
 
     def convert(item: Any) -> tuple[Any, tuple[Any, Any] | None]:
         if isinstance(item, str):
             return fn(item), None
+        if budget is not None:
+            budget.spend(2 + len(item) if isinstance(item, Mapping | list | tuple) else 1)
         if isinstance(item, Mapping):
             new_dict: dict[Any, Any] = {}
+            if budget is not None:
+                budget.spend(sum(len(str(key)) + 3 for key in item))
             return new_dict, (item, new_dict)
         if isinstance(item, list | tuple):
             new_list: list[Any] = []
@@ -241,15 +345,21 @@ def _copy(value: Any) -> Any:
     return _map_strings(value, lambda s: s)
 
 
-def resolve(template: Any, context: Mapping[str, Any]) -> Any:
+def resolve(template: Any, context: Mapping[str, Any], *, max_bytes: int | None = None) -> Any:
     """Resolve every reference in ``template`` against ``context``; return a new value.
 
     Objects and arrays are resolved recursively; keys are not templated. A string that is
     exactly one reference becomes the referenced value with its JSON type (a missing one
     becomes ``None``). In any other string each reference is replaced by ``text_form`` of its
-    value and ``$${`` becomes ``${``. Never raises for JSON input.
+    value and ``$${`` becomes ``${``. Never raises for JSON input, except :class:`TooLarge`
+    when ``max_bytes`` is given and the result would be over it (checked while rendering).
     """
-    return _map_strings(template, lambda s: _resolve_string(s, context))
+    if max_bytes is None:
+        return _map_strings(template, lambda s: _resolve_string(s, context))
+    budget = _Budget(max_bytes)
+    resolved = _map_strings(template, lambda s: _resolve_string(s, context, budget), budget)
+    check_size(resolved, max_bytes)
+    return resolved
 
 
 def join_location(base: str, child: str) -> str:

@@ -5,7 +5,13 @@ One pass that reports every problem at once, of two kinds. The JSON Schema
 structure. A walk over the steps checks what a schema cannot: duplicate ids across nesting
 levels, templates and guards that read a step not declared earlier or a path that step cannot
 produce, ``foreach.items`` that is not a path, waits that outlast ``limits.run_timeout_ms``,
-``input_schema`` that is not a JSON Schema, and ``subworkflow`` targets that do not exist.
+``input_schema`` that is not a JSON Schema, ``subworkflow`` targets that do not exist, and the
+work a document may ask for (contract section 9): the product of nested loops' and foreach's
+bounds.
+
+Two bounds come first, before any other check: the number of steps (nested ones included) and
+how deep steps nest. A document past either is refused with those errors alone, because they
+bound the work of the other checks too (15,000 steps took 7 s to check).
 
 The walk runs beside the schema, not after it, so a user fixing a document sees every problem
 in one answer, not the shape errors first and the duplicate ids only once those are fixed. It
@@ -33,7 +39,15 @@ from .errors import FieldError, InvalidDocument
 from .guards import pattern_error
 from .input_schema import remote_refs, schema_format_checker
 from .regex import linear_pattern_error
-from .schema import DEFAULT_RUN_TIMEOUT_MS, MAX_DURATION_MS, schema_validator
+from .schema import (
+    DEFAULT_MAX_DOCUMENT_STEPS,
+    DEFAULT_MAX_ITEMS,
+    DEFAULT_RUN_TIMEOUT_MS,
+    MAX_DURATION_MS,
+    MAX_NESTING,
+    MAX_REPEATS,
+    schema_validator,
+)
 from .templates import (
     REFERENCE,
     is_valid_path,
@@ -109,6 +123,7 @@ def prepare_document(
     *,
     workflow_exists: WorkflowExists | None = None,
     approval_rules: ApprovalRules | None = None,
+    max_steps: int = DEFAULT_MAX_DOCUMENT_STEPS,
 ) -> dict[str, Any]:
     """Translate legacy template syntax, validate, and return the document to store.
 
@@ -120,7 +135,10 @@ def prepare_document(
         )
     translated = translate_legacy(document)
     errors = validate_document(
-        translated, workflow_exists=workflow_exists, approval_rules=approval_rules
+        translated,
+        workflow_exists=workflow_exists,
+        approval_rules=approval_rules,
+        max_steps=max_steps,
     )
     if errors:
         raise InvalidDocument(errors=errors)
@@ -132,14 +150,71 @@ def validate_document(
     *,
     workflow_exists: WorkflowExists | None = None,
     approval_rules: ApprovalRules | None = None,
+    max_steps: int = DEFAULT_MAX_DOCUMENT_STEPS,
 ) -> list[FieldError]:
     """Every problem with ``document``, or an empty list when it may be saved. Without
     ``approval_rules`` the bounds on approval steps are not checked (saving always gives
-    them: ``workflows.services.definition_save``)."""
+    them: ``workflows.services.definition_save``). ``max_steps`` is the most steps a document
+    may hold (``DJFLOW_MAX_DOCUMENT_STEPS``)."""
     if not isinstance(document, dict):
         return [FieldError("body", "a workflow document must be a JSON object")]
+    too_big = _size_errors(document, max_steps)
+    if too_big:
+        return too_big
     checker = _Checker(document, workflow_exists, approval_rules)
     return _dedupe([*_schema_errors(document), *checker.run()])
+
+
+# --- size: steps and nesting -----------------------------------------------------------------
+
+
+def _size_errors(document: dict[str, Any], max_steps: int) -> list[FieldError]:
+    """Too many steps, or steps nested too deep. Iterative, and cheap on any JSON."""
+    errors: list[FieldError] = []
+    count = 0
+    # (a list of steps or one step, where it is, the level of the steps in it)
+    stack: list[tuple[Any, str, int]] = [(document.get("steps"), "steps", 1)]
+    while stack:
+        body, where, level = stack.pop()
+        steps = list(enumerate(body)) if isinstance(body, list) else [(None, body)]
+        for index, step in steps:
+            if not isinstance(step, dict):
+                continue
+            here = where if index is None else f"{where}[{index}]"
+            count += 1
+            if level > MAX_NESTING:
+                errors.append(
+                    FieldError(
+                        here,
+                        f"is nested {level} levels deep; steps nest at most {MAX_NESTING} levels "
+                        "(a top-level step is level 1)",
+                    )
+                )
+                continue
+            stack.extend((inner, at, level + 1) for inner, at in _bodies(step, here))
+    if count > max_steps:
+        errors.insert(
+            0,
+            FieldError(
+                "steps",
+                f"the document has {count} steps, nested ones included; at most {max_steps} "
+                "are allowed (DJFLOW_MAX_DOCUMENT_STEPS)",
+            ),
+        )
+    return errors
+
+
+def _bodies(step: dict[str, Any], here: str) -> Iterator[tuple[Any, str]]:
+    """The steps inside ``step``: a condition's branches, a parallel's branches, a ``do``."""
+    for name in ("then", "else"):
+        if isinstance(step.get(name), list):
+            yield step[name], f"{here}.{name}"
+    branches = step.get("branches")
+    if isinstance(branches, dict):
+        for name, body in branches.items():
+            yield body, f"{here}.branches.{name}"
+    if "do" in step:
+        yield step["do"], f"{here}.do"
 
 
 # --- shapes: the JSON Schema ---------------------------------------------------------------
@@ -264,6 +339,9 @@ class _Scope:
     steps: dict[str, dict[str, Any]] = field(default_factory=dict)
     in_foreach: bool = False
     in_loop: bool = False
+    # How many times a body here may run for one run of the outermost loop or foreach: the
+    # product of the enclosing loops' and foreach's bounds.
+    repeats: int = 1
 
     def child(self, **changes: Any) -> _Scope:
         return replace(self, steps=dict(self.steps), **changes)
@@ -363,7 +441,33 @@ class _Checker:
 
     def _kind_foreach(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         self._safely(self._check_items, step, where, scope)
-        self._body(step["do"], f"{where}.do", scope.child(in_foreach=True))
+        inner = scope.child(in_foreach=True, repeats=self._repeats(step, where, scope))
+        self._body(step["do"], f"{where}.do", inner)
+
+    def _repeats(self, step: dict[str, Any], where: str, scope: _Scope) -> int:
+        """The body's ``repeats``: this step's bound times the enclosing ones'. A product over
+        MAX_REPEATS is reported once, at the step that first goes over."""
+        items = step.get("items")
+        if step["kind"] == "loop":
+            name, bound = "max_iterations", step.get("max_iterations")
+        elif isinstance(items, list):
+            name, bound = "items", len(items)
+        else:
+            # Without max_items a foreach may take up to its run-time default.
+            name, bound = "max_items", step.get("max_items", DEFAULT_MAX_ITEMS)
+        if not _is_int(bound) or bound < 1:
+            return scope.repeats  # a shape error: the schema reports it
+        repeats = scope.repeats * bound
+        if repeats > MAX_REPEATS >= scope.repeats:
+            given = "" if name in step else f" (not given: {DEFAULT_MAX_ITEMS} by default)"
+            self.fail(
+                f"{where}.{name}",
+                f"{name} {bound}{given} inside loops and foreach that repeat it "
+                f"{scope.repeats} times makes {repeats} runs of its body; the product of "
+                f"nested loops' max_iterations and foreach's max_items (or items) may be at "
+                f"most {MAX_REPEATS}",
+            )
+        return repeats
 
     def _check_items(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         items = step["items"]
@@ -377,13 +481,14 @@ class _Checker:
             else:
                 self._check_template(items.strip(), f"{where}.items", scope)
         else:
-            limit = step.get("max_items", 1000)
+            limit = step.get("max_items", DEFAULT_MAX_ITEMS)
             if len(items) > limit:
                 self.fail(f"{where}.items", f"has {len(items)} items, more than max_items {limit}")
             self._check_template(items, f"{where}.items", scope)
 
     def _kind_loop(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
-        inner = self._body(step["do"], f"{where}.do", scope.child(in_loop=True))
+        repeats = self._repeats(step, where, scope)
+        inner = self._body(step["do"], f"{where}.do", scope.child(in_loop=True, repeats=repeats))
         if "until" in step:
             self._check_guard(step["until"], f"{where}.until", inner)
 

@@ -1,18 +1,26 @@
-"""``advance``: lock the run, plan from the journal, apply, all in one transaction."""
+"""``advance``: lock the run, plan from the journal, apply, all in one transaction.
+
+Planning is bounded (contract section 9): a caller plans at most a budget of actions (about
+one row written each), then hands the rest to a ``runs.advance`` task, which plans on in
+rounds for a time budget and then sends itself to the back of the queue.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection, transaction
 from django.utils import timezone
 
+from .. import dispatch
 from ..models import Run, StepRun
 from . import events, journal
 from .apply import apply_plan
 from .plan import Plan, plan
-from .store import take_advance_request
+from .store import request_advance, take_advance_request
 
 logger = logging.getLogger(__name__)
 
@@ -20,22 +28,58 @@ logger = logging.getLogger(__name__)
 # each round consumes an event, so this only bounds a document of many waits in a row.
 MAX_ROUNDS = 100
 
+# What a request plans inline (POST /runs plans a run's first steps in its own transaction,
+# as do an event delivery and an approval): at most this many actions, children started on the
+# way included. Twenty rows are a few milliseconds here, and a start that needs more (nested
+# loops over engine kinds, a fan-out, a fork of subworkflows) no longer grows with the document:
+# one such start took the web process to 1.8 GB. The rest goes to a runs.advance task.
+REQUEST_ACTIONS = 20
+# A runs.advance task (and a step's worker planning the next step) plans in rounds of at most
+# ADVANCE_ACTIONS actions, one transaction each, for ADVANCE_SECONDS; a run with more to do
+# then asks for another advance (the back of the queue), so one huge run holds no worker long
+# and the runs queued behind it go on. 500 rows are about a quarter of a second here.
+ADVANCE_ACTIONS = 500
+ADVANCE_SECONDS = 1.0
 
-def run_advance(*, run_id: Any) -> Plan | None:
+
+@dataclass
+class Budget:
+    """The actions one caller may still plan; shared by the child runs it starts."""
+
+    actions: int = REQUEST_ACTIONS
+
+
+def hand_over(run_id: Any) -> None:
+    """Ask for an advance of the run after commit: a task plans what the budget left."""
+    if request_advance(run_id):
+        dispatch.advance_on_commit(run_id)
+
+
+def run_advance(*, run_id: Any, seconds: float | None = None) -> Plan | None:
     """Plan and apply the next actions of a run; None when the run does not exist.
+
+    Rounds of at most ADVANCE_ACTIONS actions, each its own transaction, for ``seconds``
+    (ADVANCE_SECONDS; 0 for one round): what is left then is another advance's (asked for).
 
     Idempotent: the run row lock serialises concurrent calls, and each call plans from the
     journal as the previous one left it, so a duplicate finds nothing to do.
     """
-    # Before the journal is read (in a transaction of its own unless the caller has one): a
-    # completion committed after this asks again (see store.request_advance).
-    take_advance_request(run_id)
-    with transaction.atomic():
-        run = lock_run(run_id)
-        if run is None:
-            logger.warning("advance: run %s does not exist", run_id)
-            return None
-        return advance_locked(run)[0]
+    until = time.monotonic() + (ADVANCE_SECONDS if seconds is None else seconds)
+    while True:
+        # Before the journal is read (in a transaction of its own unless the caller has one):
+        # a completion committed after this asks again (see store.request_advance).
+        take_advance_request(run_id)
+        with transaction.atomic():
+            run = lock_run(run_id)
+            if run is None:
+                logger.warning("advance: run %s does not exist", run_id)
+                return None
+            planned = advance_locked(run, budget=Budget(ADVANCE_ACTIONS), hand_over_rest=False)[0]
+            if planned.more and time.monotonic() >= until:
+                hand_over(run.id)
+                return planned
+        if not planned.more:
+            return planned
 
 
 def lock_run(run_id: Any) -> Run | None:
@@ -52,27 +96,45 @@ def lock_run(run_id: Any) -> Run | None:
     return found[0] if found else None
 
 
-def advance_locked(run: Run, *, hold: bool = False) -> tuple[Plan, StepRun | None]:
+def advance_locked(
+    run: Run,
+    *,
+    hold: bool = False,
+    budget: Budget | None = None,
+    hand_over_rest: bool = True,
+) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
     with ``hold``, also the lone new attempt left for the caller to run (see apply_plan).
+
+    Plans at most ``budget`` actions (REQUEST_ACTIONS unless given), child runs it starts
+    included; when there is more to plan (``Plan.more``) an advance task is asked for, unless
+    ``hand_over_rest`` is false (the caller plans on itself).
 
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
     """
+    budget = budget if budget is not None else Budget()
     # An attempt held back in one round (not offered) is the caller's even when a later
     # round, planned again after a hand-off or a taken event, holds nothing.
     held: StepRun | None = None
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
+        attempts = journal.journal_of(run.id)
         planned = plan(
             journal.document_for(run),
-            journal.run_view(run),
-            journal.journal_of(run.id),
+            journal.run_view(run, attempts),
+            attempts,
             now,
             journal.planner_settings(),
+            max_actions=budget.actions,
         )
-        applied = apply_plan(run, planned, now, hold=hold and held is None)
+        budget.actions -= len(planned.actions)
+        applied = apply_plan(run, planned, now, hold=hold and held is None, budget=budget)
         held = held or applied.held
+        if planned.more:
+            if hand_over_rest:
+                hand_over(run.id)
+            return planned, held
         taken = [wait for wait in applied.waits if events.take_event(run, wait)]
         if not taken and not applied.replan:
             return planned, held

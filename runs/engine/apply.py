@@ -39,8 +39,12 @@ class Applied:
     replan: bool = False
 
 
-def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> Applied:
-    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages.
+def apply_plan(
+    run: Run, planned: p.Plan, now: datetime, *, hold: bool = False, budget: Any = None
+) -> Applied:
+    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. A child run
+    it starts is planned in the same transaction while ``budget`` (an ``advance.Budget``)
+    lasts, else handed to an advance task.
 
     With ``hold``, a lone new attempt is not offered but returned: the caller (a worker that
     just finished the previous step) runs it itself. Should that worker die first, the
@@ -103,7 +107,7 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
             if action.kind == "wait_event" and action.status == StepStatus.WAITING:
                 applied.waits.append(opened)
             if action.start is not None:
-                _start_child(run, opened, action.start)
+                _start_child(run, opened, action.start, budget)
         elif isinstance(action, p.Close):
             closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
@@ -188,12 +192,17 @@ def _open_people(run: Run, opened: StepRun, now: datetime) -> bool:
     return True
 
 
-def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
+def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
     """Start a subworkflow's child run, pinned to its version, linked to the step run, and
-    plan its first step, all in this transaction (as ``run_start`` does)."""
+    plan its first step in this transaction (as ``run_start`` does) while the caller's
+    planning budget lasts; past it, an advance task plans the child.
+
+    Planned here, a subworkflow calling itself recursed until Python's stack ran out: every
+    start of a self-call was a 500. The chain's depth (at most 8, see plan) and the budget
+    bound it now."""
     from workflows.models import WorkflowVersion
 
-    from .advance import advance_locked
+    from .advance import Budget, advance_locked
 
     if "body" in start:
         # An anonymous child: the parent's own version, running one body of it.
@@ -244,8 +253,14 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> None:
         parent_step_run=step_run,
         created_by_id=run.created_by_id,
         correlation=run.correlation,
+        root_run_id=run.root_run_id or run.id,
+        depth=run.depth if "body" in start else run.depth + 1,
     )
-    advance_locked(child)
+    budget = budget if budget is not None else Budget()
+    if budget.actions > 0:
+        advance_locked(child, budget=budget)
+    elif request_advance(child.id):
+        dispatch.advance_on_commit(child.id)
 
 
 def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str = "fatal") -> None:

@@ -17,7 +17,7 @@ from django.utils.dateparse import parse_datetime
 from workflows.models import WorkflowVersion
 
 from ..models import Run, StepRun
-from .plan import AttemptView, RunView, Settings
+from .plan import COMPOSITE_KINDS, DEFAULT_MAX_STEPS, AttemptView, RunView, Settings
 
 
 @lru_cache(maxsize=512)
@@ -43,7 +43,15 @@ def body_document(version_id: int, body: str) -> dict[str, Any]:
     return {"id": f"{step_id}-body", "steps": steps, "limits": limits}
 
 
-def run_view(run: Run) -> RunView:
+def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
+    """The planner's view of ``run``; given its journal (``attempts``), a root run that never
+    started a child costs no query for its tree's count."""
+    alone = (
+        run.root_run_id is None
+        and attempts is not None
+        and not any(a.kind == "subworkflow" for a in attempts)
+    )
+    tree_used, tree_limit = (0, None) if alone else tree_budget(run)
     return RunView(
         id=str(run.id),
         status=run.status,
@@ -53,7 +61,52 @@ def run_view(run: Run) -> RunView:
         started_at=run.started_at,
         deadline_at=run.deadline_at,
         scope=run.input if run.body else None,
+        depth=run.depth,
+        tree_used=tree_used,
+        tree_limit=tree_limit,
     )
+
+
+# Attempts as max_steps counts them (plan._counts_as_attempt), in each run's own generation,
+# of every run of the tree but the one planned; runs below the root count from the root's
+# (last) start, so a retried root has its budget afresh. Also the root's version.
+_TREE_SQL = """
+SELECT root.version_id,
+       (SELECT count(*)
+          FROM {table} AS s
+          JOIN {runs} AS d ON d.id = s.run_id
+         WHERE (d.root_run_id = root.id OR d.id = root.id) AND d.id <> %(run)s
+           AND (d.id = root.id OR d.created_at >= COALESCE(root.started_at, root.created_at))
+           AND s.generation = d.generation AND s.status <> 'skipped'
+           AND s.kind NOT IN ({uncounted}))
+  FROM {runs} AS root
+ WHERE root.id = %(root)s
+"""
+
+
+def tree_budget(run: Run) -> tuple[int, int | None]:
+    """(attempts counted by the other runs of ``run``'s tree, the root's max_steps or None
+    when ``run`` is the root). One indexed query; a run alone in its tree counts none.
+
+    Read without a lock: runs of one tree advancing at once may each see the others' last
+    committed count, so a tree can pass its budget by what they plan in one advance each.
+    """
+    root = run.root_run_id or run.id
+    uncounted = ", ".join(f"'{kind}'" for kind in sorted({"condition", *COMPOSITE_KINDS}))
+    sql = _TREE_SQL.format(
+        table=StepRun._meta.db_table, runs=Run._meta.db_table, uncounted=uncounted
+    )
+    prep = Run._meta.pk.get_db_prep_value
+    with connection.cursor() as cursor:
+        cursor.execute(sql, {"run": prep(run.id, connection), "root": prep(root, connection)})
+        row = cursor.fetchone()
+    if row is None:
+        return 0, None
+    version_id, used = row
+    if run.root_run_id is None:
+        return int(used), None
+    limit = document_of(version_id).get("limits", {}).get("max_steps", DEFAULT_MAX_STEPS)
+    return int(used), limit
 
 
 # The planner needs a finish time only to time a retry, and a lease and deadline only for a

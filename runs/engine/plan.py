@@ -14,6 +14,15 @@ Invariants:
   input template but never re-evaluates the guard.
 - Back-off is deterministic: jitter is derived from the run, the step and the attempt, so
   two planners given the same journal agree on when a retry is due.
+- Planning is bounded (contract section 9). With ``max_actions`` the walk stops once it has
+  decided that many actions (re-asked back-off timers aside) and says so (``Plan.more``): the
+  caller applies them and plans again later, from the journal they made. A parallel's
+  branches are never split, so all are still journaled before any is offered. Every value a
+  step passes on is at most ``MAX_VALUE_BYTES``: a resolved input or field over it fails the
+  step (class ``invalid_input``) and is refused while its template renders, never built
+  first. ``max_steps`` (default 1,000) counts the run's attempts and, through
+  ``RunView.tree_used``, those of the whole tree of runs it belongs to; a subworkflow more
+  than ``MAX_SUBWORKFLOW_DEPTH`` deep fails.
 """
 
 from __future__ import annotations
@@ -28,7 +37,8 @@ from enum import Enum
 from typing import Any
 
 from workflows.guards import evaluate
-from workflows.templates import resolve
+from workflows.schema import DEFAULT_MAX_ITEMS
+from workflows.templates import TooLarge, check_size, resolve
 
 # Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
 WORKER_KINDS = frozenset({"task", "agent"})
@@ -46,8 +56,14 @@ SUBWORKFLOW = "subworkflow"
 BODY = "_body"
 # How a child run's end becomes its subworkflow step's end.
 CHILD_FAILED = frozenset({"failed", "cancelled", "timed_out"})
-DEFAULT_MAX_ITEMS = 1000
 DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
+# limits.max_steps when a document gives none.
+DEFAULT_MAX_STEPS = 1000
+# The largest value a step takes or gives (a resolved input or field, an output), as compact
+# UTF-8 JSON: 1 MiB.
+MAX_VALUE_BYTES = 1_048_576
+# The longest chain of subworkflows: a run this many subworkflows below its root starts none.
+MAX_SUBWORKFLOW_DEPTH = 8
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
 DEFAULT_INITIAL_MS = 2_000
@@ -82,6 +98,13 @@ class RunView:
     # An anonymous child run's scope (its steps are a body of its parent's document):
     # {"input", "steps", "default", "item"/"index" or "iter"}; None for a run of a workflow.
     scope: Mapping[str, Any] | None = None
+    # How many subworkflows below its root run this run is (a body run is as deep as the run
+    # it is a body of).
+    depth: int = 0
+    # Attempts counted (as max_steps counts them) by the other runs of its tree: its root and
+    # every run below the root. And the root's max_steps, None for a root.
+    tree_used: int = 0
+    tree_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +250,8 @@ class Plan:
     waiting: bool = False
     # Among what holds it, an approval: it shows ``pending_approval``.
     approval: bool = False
+    # The walk stopped at its ``max_actions``: plan again to go on.
+    more: bool = False
 
     def of(self, kind: type) -> list[Any]:
         return [a for a in self.actions if isinstance(a, kind)]
@@ -262,9 +287,19 @@ def plan(
     journal: Sequence[AttemptView],
     now: datetime,
     settings: Settings | None = None,
+    *,
+    max_actions: int | None = None,
 ) -> Plan:
-    """Decide what to do next for ``run``. See the module docstring for the invariants."""
-    return _Planner(document, run, journal, now, settings or Settings()).run()
+    """Decide what to do next for ``run``, at most about ``max_actions`` actions of it (at
+    least one). See the module docstring for the invariants."""
+    planner = _Planner(document, run, journal, now, settings or Settings())
+    planner.max_actions = None if max_actions is None else max(max_actions, 1)
+    return planner.run()
+
+
+class _Refused(Exception):
+    """A field of a step resolved to a value too large to use: its attempt fails (class
+    invalid_input), and the message names the field."""
 
 
 class _Planner:
@@ -309,6 +344,12 @@ class _Planner:
         self.failure: dict[str, Any] = {}
         # Where in the document the body being visited is ("fan.do"), for body runs.
         self._body_ref = ""
+        # The planning budget (see plan()); Wakes are asked for again on every plan and are
+        # no progress, so they do not count.
+        self.max_actions: int | None = None
+        self._wakes = 0
+        # The step about to be visited heads a parallel's branch: never stopped before.
+        self._branch_head = False
 
     # entry
 
@@ -419,7 +460,13 @@ class _Planner:
 
     def _complete(self) -> None:
         if "output" in self.document:
-            output = resolve(self.document["output"], self.context)
+            try:
+                output = resolve(self.document["output"], self.context, max_bytes=MAX_VALUE_BYTES)
+            except TooLarge as error:
+                message = f"output: the resolved output is {error}; the limit is 1 MiB"
+                failure = {"class": INVALID_INPUT, "message": message, "step": None}
+                self.out.actions.append(Finish("failed", error=failure))
+                return
         else:
             output = self.previous_output if self.ran_before else None
         self.out.actions.append(Finish("completed", output=output))
@@ -433,7 +480,17 @@ class _Planner:
                 return go
         return _Go.CONTINUE
 
+    def _over_budget(self) -> bool:
+        head, self._branch_head = self._branch_head, False
+        if head or self.max_actions is None:
+            return False
+        return len(self.out.actions) - self._wakes >= self.max_actions
+
     def _visit(self, step: Mapping[str, Any], path: str) -> _Go:
+        if self._over_budget():
+            # Stop here; what is planned so far is applied, and the next plan goes on.
+            self.out.more = self.busy = True
+            return _Go.BLOCKED
         if step["kind"] == "condition":
             return self._condition(step, path)
         if step["kind"] in COMPOSITE_KINDS:
@@ -488,6 +545,7 @@ class _Planner:
             if due <= self.now:
                 return self._schedule(step, path, attempt=latest.attempt + 1)
             self.out.actions.append(Wake(due, "retry_backoff", f"retry:{latest.id}"))
+            self._wakes += 1
             self.busy = True
             return _Go.BLOCKED
         if continues:
@@ -558,26 +616,70 @@ class _Planner:
                 )
             )
             return _Go.STOP
-        max_steps = self.limits.get("max_steps")
-        if max_steps is not None and self.counted >= max_steps:
-            self.out.actions.append(
-                Finish(
-                    "failed",
-                    error={
-                        "class": LIMIT,
-                        "message": f"limits.max_steps ({max_steps}) reached",
-                        "step": step["id"],
-                    },
-                )
-            )
+        if self._out_of_steps(step["id"]):
             return _Go.STOP
         self.counted += 1
+        try:
+            return self._begin(step, path, attempt)
+        except _Refused as refused:
+            error = {"class": INVALID_INPUT, "message": str(refused)}
+            return self._fail_new(step, path, attempt, error)
+
+    def _out_of_steps(self, step_id: str) -> bool:
+        """Whether limits.max_steps is reached, by this run or by its tree of runs (then the
+        run fails: a Finish is planned)."""
+        own = self.limits.get("max_steps", DEFAULT_MAX_STEPS)
+        view = self.run_view
+        tree = own if view.tree_limit is None else view.tree_limit
+        if self.counted >= own:
+            message = f"limits.max_steps ({own}) reached"
+        elif self.counted + view.tree_used >= tree:
+            message = (
+                f"limits.max_steps ({tree}) reached by the run, its subworkflows and their "
+                f"bodies together ({self.counted + view.tree_used} attempts)"
+            )
+        else:
+            return False
+        error = {"class": LIMIT, "message": message, "step": step_id}
+        self.out.actions.append(Finish("failed", error=error))
+        return True
+
+    def _fail_new(
+        self, step: Mapping[str, Any], path: str, attempt: int, error: Mapping[str, Any]
+    ) -> _Go:
+        """A new attempt that fails before it starts: its row is written failed, and the step
+        goes on as after any failure (invalid_input is never retried)."""
+        self._open(step, path, attempt, status="failed", error=error)
+        view = AttemptView(
+            id=0,
+            step_id=step["id"],
+            attempt=attempt,
+            status="failed",
+            kind=step["kind"],
+            path=path,
+            generation=self.run_view.generation,
+            error=error,
+            finished_at=self.now,
+        )
+        attempts = [*self.by_step.get((path, step["id"]), []), view]
+        return self._after_failure(step, path, attempts, view)
+
+    def _resolve(self, template: Any, field: str) -> Any:
+        """A step field's template resolved, at most MAX_VALUE_BYTES (else _Refused)."""
+        try:
+            return resolve(template, self.context, max_bytes=MAX_VALUE_BYTES)
+        except TooLarge as error:
+            raise _Refused(f"{field}: the resolved value is {error}; the limit is 1 MiB") from None
+
+    def _begin(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
+        """The new attempt of an engine or worker step, by kind (counted already)."""
+        kind = step["kind"]
         if kind == APPROVAL:
             return self._open_approval(step, path, attempt)
         if kind in WAIT_KINDS:
             return self._open_wait(step, path, attempt)
         if kind == HANDOFF:
-            message = resolve(step.get("message"), self.context)
+            message = self._resolve(step.get("message"), "message")
             self._open(
                 step,
                 path,
@@ -588,6 +690,12 @@ class _Planner:
             self.busy = True
             return _Go.BLOCKED
         if kind == SUBWORKFLOW:
+            if self.run_view.depth >= MAX_SUBWORKFLOW_DEPTH:
+                raise _Refused(
+                    f"workflow: '{step['workflow']}' would start a run "
+                    f"{self.run_view.depth + 1} subworkflows below its root run; chains of "
+                    f"subworkflows are at most {MAX_SUBWORKFLOW_DEPTH} deep"
+                )
             child_input = self._input(step)
             start = {
                 "workflow": step["workflow"],
@@ -597,6 +705,7 @@ class _Planner:
             self._open(step, path, attempt, status="waiting", input=child_input, start=start)
             self.waiting = True
             return _Go.BLOCKED
+        step_input = self._input(step)
         # Work offered now: the run shows running even when a sibling branch waits.
         self.busy = True
         self.out.actions.append(
@@ -606,7 +715,7 @@ class _Planner:
                 kind=kind,
                 attempt=attempt,
                 generation=self.run_view.generation,
-                input=self._input(step),
+                input=step_input,
                 effect=step.get("effect", "at_least_once"),
                 queue=step.get("queue", "default"),
                 timeout_ms=step.get(
@@ -641,7 +750,7 @@ class _Planner:
         timeout = step.get("timeout_ms")
         due = self._after(timeout)
         request = {
-            "message": resolve(step.get("message"), self.context),
+            "message": self._resolve(step.get("message"), "message"),
             "details": self._input(step),
             "approvers": copy.deepcopy(step["approvers"]),
             "quorum": step.get("quorum", 1),
@@ -661,7 +770,7 @@ class _Planner:
         step done (or failed) at once when its time has already come."""
         kind = step["kind"]
         if kind == "wait_event":
-            key = key_text(resolve(step.get("key", ""), self.context))
+            key = key_text(self._resolve(step.get("key", ""), "key"))
             due = self._after(step.get("timeout_ms"))
             self._open(
                 step,
@@ -679,7 +788,7 @@ class _Planner:
             wait_input: dict[str, Any] = {"ms": step["ms"]}
             due = self.now + timedelta(milliseconds=step["ms"])
         else:
-            until = resolve(step["until"], self.context)
+            until = self._resolve(step["until"], "until")
             wait_input = {"until": until}
             try:
                 due = parse_until(until)
@@ -775,9 +884,14 @@ class _Planner:
 
     def _input(self, step: Mapping[str, Any]) -> Any:
         if "input" in step:
-            return resolve(step["input"], self.context)
+            return self._resolve(step["input"], "input")
         # The default: the run input for the first step, else the previous step's output.
-        return copy.deepcopy(self.previous_output if self.ran_before else self.run_view.input)
+        default = self.previous_output if self.ran_before else self.run_view.input
+        try:
+            check_size(default, MAX_VALUE_BYTES)
+        except TooLarge as error:
+            raise _Refused(f"input: the default input is {error}; the limit is 1 MiB") from None
+        return copy.deepcopy(default)
 
     def _already_settled(self, step: Mapping[str, Any], latest: AttemptView | None) -> bool:
         """An engine row (a condition's, a composite's) that already ended well: its output,
@@ -883,6 +997,15 @@ class _Planner:
                 go, output = self._foreach(step, inner)
             else:
                 go, output = self._loop(step, inner)
+            if go is _Go.CONTINUE:
+                # The outputs of all its branches, items or iterations: bounded like any.
+                try:
+                    check_size(output, MAX_VALUE_BYTES)
+                except TooLarge as error:
+                    message = f"output: the step's output is {error}; the limit is 1 MiB"
+                    raise _Refused(message) from None
+        except _Refused as refused:
+            go, output = self._fail_inside(step, str(refused)), None
         finally:
             self.context, self.previous_output, self.ran_before = saved
         if go is _Go.FAILED:
@@ -921,6 +1044,9 @@ class _Planner:
         ``roots["default"]``. Returns how it went and, when settled, its output."""
         default = roots.pop("default")
         if isinstance(body, list) and len(body) > 1:
+            if self._over_budget():
+                self.out.more = self.busy = True
+                return _Go.BLOCKED, None
             return self._body_run(path, roots, default)
         body = _one(body)
         self.context = {**self.context, **roots, "steps": dict(self.context["steps"])}
@@ -936,12 +1062,23 @@ class _Planner:
         attempts = self.by_step.get((path, BODY), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
+            if self._out_of_steps(BODY):
+                return _Go.STOP, None
             scope = {
                 "input": self.context["input"],
                 "steps": self.context["steps"],
                 **roots,
                 "default": default,
             }
+            try:
+                # The body run's input: it is copied into every body run, so it is bounded.
+                check_size(scope, MAX_VALUE_BYTES)
+            except TooLarge as error:
+                message = (
+                    f"input: the body's scope (the run input, the outputs of the steps before "
+                    f"it, its item or iteration) is {error}; the limit is 1 MiB"
+                )
+                return self._fail(stand_in, {"class": INVALID_INPUT, "message": message}), None
             self.counted += 1
             self.out.actions.append(
                 Open(
@@ -990,6 +1127,7 @@ class _Planner:
         for name, body in step["branches"].items():
             self._body_ref = f"{step['id']}.branches.{name}"
             self.context = scope[0]
+            self._branch_head = True
             go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
             if go is _Go.CONTINUE:
                 outputs[name] = output
@@ -1002,7 +1140,7 @@ class _Planner:
     def _foreach(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Items in order; at most ``concurrency`` in flight at any moment (a sliding window:
         a finished item lets the next one start). The output is in item order."""
-        items = resolve(step["items"], self.context)
+        items = self._resolve(step["items"], "items")
         if not isinstance(items, list):
             shown = "null" if items is None else type(items).__name__
             return self._fail_inside(step, f"items: expected an array, got {shown}"), None

@@ -15,6 +15,11 @@ worker or a crash left behind, and put it right. Bounded work per tick.
   for one (``unservable.py``: it fails if none comes);
 - fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted.
 
+A tick has a time budget (half of ``RECONCILE_SECONDS``): the runs it advances get one
+bounded round each (``advance.ADVANCE_ACTIONS``; a run with more asks a worker for the rest),
+and once the budget is spent the runs left are handed to workers as advance messages and the
+parts not reached wait for the next tick.
+
 Two reconcilers at once (two beats) are safe: on Postgres a session advisory lock lets one
 run at a time, and each action is itself conditional (a re-offer updates ``scheduled_at``
 from the value it read, a stuck run is claimed by updating ``updated_at`` from the value it
@@ -25,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -42,30 +48,43 @@ from .plan import WORKER_KINDS
 
 logger = logging.getLogger(__name__)
 
+# A time budget that never ends (a part called on its own, outside a tick).
+_NO_END = float("inf")
 # Any constant shared by every reconciler of one database.
 _LOCK_ID = 0x646A666C6F77  # "djflow"
 
 
-def reconcile() -> dict[str, int]:
+def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
     """One reconciler tick; returns how many rows each part acted on (empty when another
-    reconciler holds the lock)."""
+    reconciler holds the lock). Parts not reached within ``budget_seconds`` (half of
+    RECONCILE_SECONDS) are left for the next tick and not listed."""
     with _only_one() as alone:
         if not alone:
             return {}
+        # Half the period: a slow tick must not run into the next one.
+        seconds = settings.DJFLOW["RECONCILE_SECONDS"] / 2
+        until = time.monotonic() + (seconds if budget_seconds is None else budget_seconds)
         now = timezone.now()
         batch = settings.DJFLOW["RECONCILE_BATCH"]
-        return {
+        parts: list[tuple[str, Callable[[], int]]] = [
             # Before re-offering, which makes the lost attempts look just offered.
-            "unservable": unservable.arm_unclaimed(now, batch),
-            "reoffered": reoffer_lost(now, batch),
-            "lost_workers": advance_lost_workers(now, batch),
-            "stuck_runs": advance_stuck(now, batch),
-            "requested": advance_requested(now, batch),
-            "missed_events": events.match_missed(batch),
-            "timers_pruned": prune_timers(now, batch),
-            "mails_reoffered": _reoffer_mails(now, batch),
-            "reminders_restored": _restore_reminders(now, batch),
-        }
+            ("unservable", lambda: unservable.arm_unclaimed(now, batch)),
+            ("reoffered", lambda: reoffer_lost(now, batch)),
+            ("lost_workers", lambda: advance_lost_workers(now, batch, until=until)),
+            ("stuck_runs", lambda: advance_stuck(now, batch, until=until)),
+            ("requested", lambda: advance_requested(now, batch, until=until)),
+            ("missed_events", lambda: events.match_missed(batch)),
+            ("timers_pruned", lambda: prune_timers(now, batch)),
+            ("mails_reoffered", lambda: _reoffer_mails(now, batch)),
+            ("reminders_restored", lambda: _restore_reminders(now, batch)),
+        ]
+        counts: dict[str, int] = {}
+        for name, part in parts:
+            if time.monotonic() >= until:
+                logger.warning("reconcile: out of time; %s and after wait a tick", name)
+                break
+            counts[name] = part()
+        return counts
 
 
 def _restore_reminders(now: datetime, batch: int) -> int:
@@ -125,7 +144,7 @@ def reoffer_lost(now: datetime, batch: int) -> int:
     return offered
 
 
-def advance_lost_workers(now: datetime, batch: int) -> int:
+def advance_lost_workers(now: datetime, batch: int, *, until: float = _NO_END) -> int:
     """Advance the runs of running attempts whose lease lapsed (the lease never outlives the
     attempt's deadline plus grace, so this also catches a body past its deadline)."""
     run_ids = list(
@@ -133,10 +152,10 @@ def advance_lost_workers(now: datetime, batch: int) -> int:
         .order_by("lease_expires_at")
         .values_list("run_id", flat=True)[:batch]
     )
-    return _advance_each(dict.fromkeys(run_ids))
+    return _advance_each(dict.fromkeys(run_ids), until)
 
 
-def advance_stuck(now: datetime, batch: int) -> int:
+def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
     """Advance runs that should be moving but have not for ``LOST_MESSAGE_SECONDS``."""
     tunables = settings.DJFLOW
     quiet = now - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"])
@@ -178,10 +197,10 @@ def advance_stuck(now: datetime, batch: int) -> int:
         # The claim: only one reconciler moves updated_at from the value it read.
         if Run.objects.filter(id=run_id, updated_at=updated_at).update(updated_at=now):
             claimed[run_id] = None
-    return _advance_each(claimed)
+    return _advance_each(claimed, until)
 
 
-def advance_requested(now: datetime, batch: int) -> int:
+def advance_requested(now: datetime, batch: int, *, until: float = _NO_END) -> int:
     """Advance runs whose advance request has been pending for ``LOST_MESSAGE_SECONDS``:
     the message sent with it was lost, and later completions found it pending."""
     quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
@@ -190,14 +209,23 @@ def advance_requested(now: datetime, batch: int) -> int:
         .order_by("requested_at")
         .values_list("run_id", flat=True)[:batch]
     )
-    return _advance_each(dict.fromkeys(stale))
+    return _advance_each(dict.fromkeys(stale), until)
 
 
-def _advance_each(run_ids: dict) -> int:
+def _advance_each(run_ids: dict, until: float = _NO_END) -> int:
+    """Advance each run one bounded round until ``until`` (monotonic); hand the rest to
+    workers. Returns how many runs were advanced or handed over."""
     advanced = 0
-    for run_id in run_ids:
+    pending = list(run_ids)
+    for index, run_id in enumerate(pending):
+        if time.monotonic() >= until:
+            # Out of time: workers advance the rest (their messages may be lost too; the
+            # next tick finds those runs again).
+            dispatch.advance_many(pending[index:])
+            return advanced + len(pending) - index
         try:
-            run_advance(run_id=run_id)
+            # One bounded round; a run with more to plan asks a worker for the rest.
+            run_advance(run_id=run_id, seconds=0)
             advanced += 1
         except DatabaseError:
             # Log and go on: the next tick tries again (a scheduler must not die on a blip).

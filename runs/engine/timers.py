@@ -9,6 +9,10 @@ advancing anything.
 
 A handful of runs is advanced by the tick itself; more are handed to workers as ``advance``
 messages. Should such a message be lost, the reconciler finds the run (see reconcile.py).
+
+The tick has a time budget (``TIMER_TICK_SECONDS``): it stops claiming once it is spent, and
+what it advances itself is one bounded round per run (``advance.ADVANCE_ACTIONS``), only while
+the budget lasts; the rest goes to workers. One huge run cannot hold everyone's timers.
 """
 
 from __future__ import annotations
@@ -52,15 +56,15 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
     tunables = settings.DJFLOW
     budget = tunables["TIMER_TICK_SECONDS"] if budget_seconds is None else budget_seconds
     batch = tunables["TIMER_BATCH"]
-    started = time.monotonic()
+    until = time.monotonic() + budget
     fired = 0
     while True:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
         _remind([step for _, purpose, step in claimed if purpose == TimerPurpose.APPROVAL_REMINDER])
         _end_waits([step for _, purpose, step in claimed if purpose == TimerPurpose.UNSERVABLE])
-        _advance(_runs_to_advance(claimed))
-        if len(claimed) < batch or time.monotonic() - started >= budget:
+        _advance(_runs_to_advance(claimed), until)
+        if len(claimed) < batch or time.monotonic() >= until:
             return fired
 
 
@@ -126,13 +130,18 @@ def _end_waits(step_run_ids: list[int | None]) -> None:
         unservable_expire(step_run_ids=waits)
 
 
-def _advance(run_ids: list[Any]) -> None:
+def _advance(run_ids: list[Any], until: float) -> None:
     if len(run_ids) > settings.DJFLOW["TIMER_INLINE_RUNS"]:
         dispatch.advance_many(run_ids)
         return
-    for run_id in run_ids:
+    for index, run_id in enumerate(run_ids):
+        if time.monotonic() >= until:
+            # The tick's time is spent: workers advance the rest.
+            dispatch.advance_many(run_ids[index:])
+            return
         try:
-            run_advance(run_id=run_id)
+            # One bounded round; a run with more to plan asks a worker for the rest.
+            run_advance(run_id=run_id, seconds=0)
         except DatabaseError:
             # The timer is fired; the reconciler advances a run left behind.
             logger.exception("timers: advancing run %s failed", run_id)

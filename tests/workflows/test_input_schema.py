@@ -68,3 +68,38 @@ def test_remote_refs_finds_every_non_local_ref() -> None:
         ("$defs.a.allOf.1.$dynamicRef", "http://x/y"),
         ("properties.y.$ref", 5),
     ]
+
+
+def test_unevaluated_properties_match_pattern_properties_on_re2() -> None:
+    # jsonschema's own unevaluatedProperties matched patternProperties with Python's re:
+    # 26 "a" and a "!" took seconds there (doubling with each "a"), and \z, which RE2 has and
+    # re has not, raised inside validation.
+    schema = {
+        "type": "object",
+        "patternProperties": {REDOS: {"type": "integer"}, r"^id_[0-9]+\z": {}},
+        "unevaluatedProperties": False,
+    }
+    started = time.monotonic()
+    assert _messages(schema, {"a" * 26 + "!": 1}) == [
+        f"Unevaluated properties are not allowed ({'a' * 26 + '!'!r} was unexpected)"
+    ]
+    assert time.monotonic() - started < 1.0
+    assert _messages(schema, {"a" * 26: 1, "id_7": "x"}) == []
+    assert len(_messages(schema, {"id_7x": 1})) == 1
+
+
+def test_unevaluated_properties_still_see_every_evaluating_keyword() -> None:
+    schema = {
+        "type": "object",
+        "$defs": {"named": {"properties": {"name": {}}}},
+        "allOf": [{"$ref": "#/$defs/named"}],
+        "if": {"required": ["kind"]},
+        "then": {"properties": {"kind": {}}},
+        "dependentSchemas": {"kind": {"properties": {"extra": {}}}},
+        "unevaluatedProperties": {"type": "integer"},
+    }
+    assert _messages(schema, {"name": "a", "kind": "b", "extra": "c", "n": 1}) == []
+    assert _messages(schema, {"name": "a", "other": "x"}) == [
+        "Unevaluated properties are not valid under the given schema ('other' was unevaluated "
+        "and invalid)"
+    ]
