@@ -180,12 +180,6 @@ def test_a_handler_name_without_a_workflow_part_is_no_persons_to_claim() -> None
 # --- 4. squatting a namespace the deployment's workers serve (open) -------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: a handler belongs to the workflow named by its prefix, and the first person "
-    "to save that id becomes its author: `@handler('shared.send_email')` on a worker, with no "
-    "workflow 'shared' synced, is anyone's with add_workflow",
-)
 def test_a_new_workflow_id_cannot_claim_handlers_a_live_worker_serves() -> None:
     now = timezone.now()
     WorkerHeartbeat.objects.create(
@@ -201,7 +195,11 @@ def test_a_new_workflow_id_cannot_claim_handlers_a_live_worker_serves() -> None:
         "steps": [{"id": "x", "kind": "task", "handler": "shared.send_email"}],
     }
     response = api_for(mallory).post("/api/v1/definitions", document, format="json")
-    assert response.status_code in (400, 403)
+    assert response.status_code == 403
+    assert "belongs to the deployment" in response.json()["errors"][0]["message"]
+    # Another id, whose name no served handler starts with, is anyone's with add_workflow.
+    other = {"id": "sharedx", "steps": [{"id": "x", "kind": "task"}]}
+    assert api_for(mallory).post("/api/v1/definitions", other, format="json").status_code == 201
 
 
 # --- 5. the admin's workflow filter lists every workflow (fixed) ----------------------------

@@ -107,6 +107,17 @@ def workers_live(*, now: datetime | None = None) -> list[WorkerHeartbeat]:
     return [w for w in workers_seen(since=live_since(now)) if is_live(w, now)]
 
 
+def served_under(prefix: str, *, now: datetime | None = None) -> list[str]:
+    """The handlers live workers serve whose names start with ``prefix``, sorted."""
+    found = {
+        name
+        for worker in workers_live(now=now)
+        for name in worker.handlers
+        if name.startswith(prefix)
+    }
+    return sorted(found)
+
+
 def serves(worker: WorkerHeartbeat, handler: str, queue: str) -> bool:
     return handler in worker.handlers and queue in worker.queues
 

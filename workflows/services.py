@@ -11,8 +11,8 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
-from . import access
-from .errors import Conflict, FieldError, InvalidDocument
+from . import access, heartbeats
+from .errors import Conflict, FieldError, Forbidden, InvalidDocument
 from .models import Workflow, WorkflowVersion
 from .validation import ApprovalRules, every_step, prepare_document
 
@@ -113,6 +113,23 @@ def _save_locked(
     # the first's version 1 and needs the first's grant.
     first = not versions.exists()
     access.require_author(user, workflow_id, exists=not first)
+    if first and access.AUTHOR not in access.global_roles(user):
+        # Handlers belong to the workflow their name starts with: the first person to save
+        # an id that deployed code already serves would become the author of that code.
+        # Such a workflow is the deployment's (its module's sync, a superuser or a global
+        # author, who authors every workflow anyway, creates it).
+        served = heartbeats.served_under(f"{workflow_id}.")
+        if served:
+            raise Forbidden(
+                errors=[
+                    FieldError(
+                        "id",
+                        f"workflow '{workflow_id}' belongs to the deployment: running workers "
+                        f"serve its handlers ({', '.join(served[:3])}); it is created by "
+                        "sync_workflows or a superuser, whose authors then grant roles",
+                    )
+                ]
+            )
 
     if requested is not None:
         existing = versions.filter(number=requested).first()
