@@ -288,7 +288,11 @@ def test_cancelling_a_parent_cancels_children_and_grandchildren_and_starts_nothi
     assert set(rows.filter(id__in=in_flight).values_list("status", flat=True)) == {"cancelled"}
     # Every kind of row was in flight: worker attempts, subworkflow rows, foreach, parallel.
     kinds = Counter(rows.filter(id__in=in_flight).values_list("kind", flat=True))
-    assert kinds == {"task": 6, "subworkflow": 6, "foreach": 1, "parallel": 3}, kinds
+    # Six bodies, four running; the two waiting ones may be planned, or (bounded work: a start
+    # plans a few actions inline, an advance task queued behind the four busy pool processes
+    # plans the rest) one may not be yet. Either way nothing starts after the cancel.
+    assert kinds["task"] in (5, 6), kinds
+    assert {**kinds, "task": 6} == {"task": 6, "subworkflow": 6, "foreach": 1, "parallel": 3}
     assert not rows.filter(kind="task", output__isnull=False).exists()
     started = [(step, began, ended) for run in tree for step, _, _, began, ended in effects(run.id)]
     late = [(step, began - cancelled_at) for step, began, _ in started if began > cancelled_at]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
 from django.db import connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -87,7 +88,8 @@ def test_a_real_worker_gets_the_secret_and_nothing_stores_or_shows_it(
     assert f"Use key {MASK} for T-9?" in mail
     assert KEY not in mail and not TOKEN.search(mail)
 
-    # The API.
+    # The API, read by someone who may read every run (the approver alone may not).
+    ann.user_permissions.add(Permission.objects.get(codename="view_run"))
     api = APIClient()
     token, _ = Token.objects.get_or_create(user=ann)
     api.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
