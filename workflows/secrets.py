@@ -47,7 +47,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
 
-from .templates import text_form
+from .templates import map_json, text_form
 
 __all__ = [
     "MASK",
@@ -85,47 +85,6 @@ def _identity(value: Any) -> tuple[str, Any]:
     return (type(value).__name__, value)
 
 
-def _map(
-    value: Any,
-    fn: Callable[[Any], Any],
-    *,
-    keys: Callable[[str], str] | None = None,
-    scalars: bool = False,
-) -> Any:
-    """A copy of the JSON-like ``value`` with each string value (with ``scalars``, each
-    scalar) replaced by ``fn(value)`` and, with ``keys``, each string key by ``keys(key)``.
-    Iterative: depth cannot exhaust the stack. Tuples come back as lists (JSON has none)."""
-
-    def convert(item: Any) -> tuple[Any, tuple[Any, Any] | None]:
-        if isinstance(item, str):
-            return fn(item), None
-        if isinstance(item, Mapping):
-            new_dict: dict[Any, Any] = {}
-            return new_dict, (item, new_dict)
-        if isinstance(item, list | tuple):
-            new_list: list[Any] = []
-            return new_list, (item, new_list)
-        return (fn(item) if scalars else item), None
-
-    result, pending = convert(value)
-    stack = [pending] if pending is not None else []
-    while stack:
-        source, target = stack.pop()
-        if isinstance(target, dict):
-            for key, child in source.items():
-                name = keys(key) if keys is not None and isinstance(key, str) else key
-                target[name], pending = convert(child)
-                if pending is not None:
-                    stack.append(pending)
-        else:
-            for child in source:
-                new_child, pending = convert(child)
-                target.append(new_child)
-                if pending is not None:
-                    stack.append(pending)
-    return result
-
-
 # --- sealing a run's input --------------------------------------------------------------------
 
 
@@ -158,7 +117,7 @@ def seal(
 
     def seal_tree(node: Any) -> Any:
         # Every scalar leaf, strings and numbers alike, becomes a token; the shape stays.
-        return _map(node, token_for, scalars=True)
+        return map_json(node, token_for, scalars=True)
 
     sealed = copy.deepcopy(value)
     for path, _ in sorted(found, key=lambda item: len(item[0])):
@@ -194,7 +153,7 @@ def reveal(value: Any, registry: Mapping[str, Any]) -> Any:
             return copy.deepcopy(registry[text])
         return inside(text)
 
-    return _map(value, whole, keys=inside)
+    return map_json(value, whole, keys=inside)
 
 
 @dataclass(frozen=True)
@@ -244,7 +203,7 @@ def conceal(value: Any, registry: Mapping[str, Any]) -> Any:
             return numbers.get(_identity(item), item)
         return item
 
-    return _map(value, one, keys=texts.replace, scalars=True)
+    return map_json(value, one, keys=texts.replace, scalars=True)
 
 
 def plaintexts(registry: Mapping[str, Any]) -> list[str]:
@@ -297,7 +256,7 @@ def shown(value: Any) -> Any:
     (every run without secrets) is returned as it is, not copied."""
     if not _mentions_token(value):
         return value
-    return _map(value, shown_text, keys=shown_text)
+    return map_json(value, shown_text, keys=shown_text)
 
 
 def _mentions_token(value: Any) -> bool:
@@ -374,7 +333,7 @@ def scrub_text(text: str) -> str:
 def scrub(value: Any) -> Any:
     """A copy of a JSON-like value (a Sentry event) with :func:`scrub_text` applied to every
     string and key."""
-    return _map(value, scrub_text, keys=scrub_text)
+    return map_json(value, scrub_text, keys=scrub_text)
 
 
 def _scrub_record(record: logging.LogRecord) -> None:

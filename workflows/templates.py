@@ -301,8 +301,17 @@ def _resolve_string(s: str, context: Mapping[str, Any], budget: _Budget | None =
     return "".join(parts)
 
 
-def _map_strings(value: Any, fn: Callable[[str], Any], budget: _Budget | None = None) -> Any:
-    """A copy of ``value`` with every string value (not key) replaced by ``fn(string)``.
+def map_json(
+    value: Any,
+    fn: Callable[[Any], Any],
+    *,
+    keys: Callable[[str], str] | None = None,
+    scalars: bool = False,
+    budget: _Budget | None = None,
+) -> Any:
+    """A copy of the JSON-like ``value`` with every string value replaced by ``fn(string)``;
+    with ``scalars``, every other scalar by ``fn(scalar)`` too; with ``keys``, every string key
+    by ``keys(key)``. Tuples come back as lists (JSON has none).
 
     Iterative, so deep nesting cannot exhaust the stack. What ``fn`` returns is placed as-is
     and never walked again. With a ``budget``, every container and key is paid for.
@@ -321,7 +330,7 @@ def _map_strings(value: Any, fn: Callable[[str], Any], budget: _Budget | None = 
         if isinstance(item, list | tuple):
             new_list: list[Any] = []
             return new_list, (item, new_list)
-        return item, None
+        return (fn(item) if scalars else item), None
 
     result, pending = convert(value)
     stack = [pending] if pending is not None else []
@@ -329,7 +338,8 @@ def _map_strings(value: Any, fn: Callable[[str], Any], budget: _Budget | None = 
         source, target = stack.pop()
         if isinstance(target, dict):
             for key, child in source.items():
-                target[key], pending = convert(child)
+                name = keys(key) if keys is not None and isinstance(key, str) else key
+                target[name], pending = convert(child)
                 if pending is not None:
                     stack.append(pending)
         else:
@@ -342,7 +352,7 @@ def _map_strings(value: Any, fn: Callable[[str], Any], budget: _Budget | None = 
 
 
 def _copy(value: Any) -> Any:
-    return _map_strings(value, lambda s: s)
+    return map_json(value, lambda s: s)
 
 
 def resolve(template: Any, context: Mapping[str, Any], *, max_bytes: int | None = None) -> Any:
@@ -355,9 +365,9 @@ def resolve(template: Any, context: Mapping[str, Any], *, max_bytes: int | None 
     when ``max_bytes`` is given and the result would be over it (checked while rendering).
     """
     if max_bytes is None:
-        return _map_strings(template, lambda s: _resolve_string(s, context))
+        return map_json(template, lambda s: _resolve_string(s, context))
     budget = _Budget(max_bytes)
-    resolved = _map_strings(template, lambda s: _resolve_string(s, context, budget), budget)
+    resolved = map_json(template, lambda s: _resolve_string(s, context, budget), budget=budget)
     check_size(resolved, max_bytes)
     return resolved
 
@@ -473,4 +483,4 @@ def translate_legacy(template: Any) -> Any:
     read as the ``$${`` escape). String values only, never keys. Returns a new value;
     idempotent.
     """
-    return _map_strings(template, _translate_string)
+    return map_json(template, _translate_string)
