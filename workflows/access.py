@@ -162,6 +162,15 @@ def may_author(user: Any, workflow_id: str, *, exists: bool) -> bool:
         return False
     if exists:
         return AUTHOR in roles(user, workflow_id)
+    return may_create(user)
+
+
+def may_create(user: Any) -> bool:
+    """May ``user`` save version 1 of a new workflow id (and so become its first author)?"""
+    if trusted(user):
+        return True
+    if not _person(user):
+        return False
     return user.has_perm("workflows.add_workflow") or AUTHOR in global_roles(user)
 
 

@@ -112,7 +112,7 @@ class WorkflowAdmin(admin.ModelAdmin):
         return (
             user.is_active
             and user.is_staff
-            and (access.has_any_role(user) or access.may_author(user, "", exists=False))
+            and (access.has_any_role(user) or access.may_create(user))
         )
 
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
@@ -121,7 +121,7 @@ class WorkflowAdmin(admin.ModelAdmin):
         return access.may_see_definition(request.user, obj.pk)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
-        return access.may_author(request.user, "", exists=False)
+        return access.may_create(request.user)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # "Change" is authoring: a new version through the "New version" page.
