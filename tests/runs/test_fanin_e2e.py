@@ -225,10 +225,15 @@ def test_a_worker_killed_in_a_200_item_fan_out_loses_and_doubles_no_output(
         # Any attempt before it was lost with the worker (at_least_once: offered again).
         assert all(r.status == "failed" and r.error["class"] == "lost" for r in rows[:-1])
         lost += len(rows) - 1
-        # Each claimed attempt's body ran once; a lost one ran in the killed worker, before
-        # the kill (it may have got past its body, not as far as recording it).
+        # The attempt that succeeded ran its body once. A lost attempt ran its body at most
+        # once, in the killed worker, before the kill: the kill can land after the claim
+        # committed and before the body's first line (CI saw it on RabbitMQ), or after the
+        # body and before its result was recorded.
         ran = sorted(executions[index])
-        assert [a for a, *_ in ran] == [r.attempt for r in rows], (index, ran)
+        attempts = [a for a, *_ in ran]
+        assert len(attempts) == len(set(attempts)), (index, ran)
+        assert set(attempts) <= {r.attempt for r in rows}, (index, ran)
+        assert attempts[-1] == rows[-1].attempt, (index, ran)
         assert all(pid in doomed_pids and began < killed_at for _, pid, began, _ in ran[:-1])
         assert ran[-1][3] is not None
     assert lost >= 1, "the kill hit no running body"
