@@ -12,6 +12,9 @@ class RunsConfig(AppConfig):
 
         from workflows.secrets import forget, install_log_scrubber
 
+        # The engine's own step kinds, in the registry before any document is checked.
+        from . import kinds  # noqa: F401
+
         # Every process that runs the engine (web, worker, beat) masks secrets in its logs.
         install_log_scrubber()
 

@@ -11,13 +11,11 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
-from referencing.exceptions import Unresolvable
 
 from workflows import access, heartbeats, secrets
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
-from workflows.input_schema import input_validator, write_only_values
+from workflows.inputs import input_errors
 from workflows.models import WorkflowVersion
-from workflows.validation import field_path
 
 from . import dispatch, vault
 from .engine import events
@@ -47,35 +45,6 @@ def _version_for(workflow: str, version: int | None) -> WorkflowVersion:
             )
         raise NotFound(errors=[FieldError("workflow", f"unknown workflow '{workflow}'")])
     return found
-
-
-def input_errors(version: WorkflowVersion, value: Any) -> list[FieldError]:
-    """Problems with a run input against the version's ``input_schema``, each naming its field."""
-    schema = version.document.get("input_schema")
-    if schema is None:
-        return []
-    validator = input_validator(schema)
-    try:
-        found = sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path))
-        # jsonschema's messages repeat the value ("'sk-…' does not match ..."): not a secret's.
-        marked = write_only_values(schema, value) if found else []
-        hide = secrets.masker(secret for _, secret in marked)
-    except Unresolvable as exc:
-        # Only a document stored before remote $refs were refused at save gets here; the
-        # registry fetched nothing.
-        return [FieldError("input", f"input_schema has a reference that is not local: {exc}")]
-    errors = []
-    for error in found:
-        path = field_path(["input", *error.absolute_path])
-        if error.validator == "required":
-            for name in error.validator_value:
-                if isinstance(error.instance, dict) and name not in error.instance:
-                    errors.append(
-                        FieldError(f"{path}.{name}", f"required field '{name}' is missing")
-                    )
-        else:
-            errors.append(FieldError(path, hide(error.message)))
-    return errors
 
 
 def run_start(

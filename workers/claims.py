@@ -43,6 +43,8 @@ class Claimed:
     path: str = ""
     # The run's secrets as stored (encrypted; "" for none): the input's tokens stand for them.
     secrets: str = ""
+    # The step's kind: its module in the registry says how the attempt runs.
+    kind: str = "task"
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -66,7 +68,7 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
-          s.path, r.secrets
+          s.path, r.secrets, s.kind
 ), deadline AS (
 INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
 SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
@@ -122,6 +124,7 @@ def _claim_postgres(
         deadline_at=from_timestamp(row[12]),
         path=row[13],
         secrets=row[14],
+        kind=row[15],
     )
 
 
@@ -143,6 +146,7 @@ def _claim_portable(
             "refusals",
             "celery_task_id",
             "path",
+            "kind",
             "run__workflow_id",
             "run__version_id",
             "run__secrets",
@@ -192,4 +196,5 @@ def _claim_portable(
         deadline_at=deadline,
         path=row.path,
         secrets=row.run.secrets,
+        kind=row.kind,
     )

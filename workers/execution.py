@@ -31,11 +31,11 @@ from django.utils import timezone
 from runs import dispatch, vault
 from runs.engine import journal, unservable
 from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
-from runs.engine.plan import MAX_VALUE_BYTES, WORKER_KINDS
+from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
-from workflows import registry, secrets
+from workflows import kinds, secrets
 from workflows.sdk import StepFailure
 from workflows.templates import TooLarge, check_size
 
@@ -119,7 +119,10 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
     claim, deadline = row.claim, row.deadline_at
 
     step = journal.steps_of(row.version_id)[row.step_id]
-    handler = registry.lookup(row.workflow_id, row.step_id, step.get("handler"))
+    kind = kinds.get(row.kind)
+    # The kind's body: for task and agent, the handler this worker's WORKFLOW_MODULES
+    # registered. A worker without it (or without the kind) hands the attempt back.
+    handler = kind.body(step, row.workflow_id) if kind and kind.body else None
     if handler is None:
         _hand_back(row, claim, row.workflow_id)
         return HANDED_BACK, None
@@ -332,7 +335,7 @@ def _may_change_the_plan(row: Claimed, status: str) -> bool:
     others = StepRun.objects.filter(
         run_id=row.run_id, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
     ).exclude(id=row.id)
-    return not others.filter(kind__in=WORKER_KINDS).exists()
+    return not others.filter(kind__in=kinds.names(kinds.Role.WORKER)).exists()
 
 
 def _reconnecting(operation: Callable[[], T]) -> T:

@@ -21,13 +21,12 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from . import kinds
 from .errors import FieldError
 from .models import WorkerHeartbeat
 from .registry import step_handler
 from .validation import field_path
 
-# The kinds whose body is a handler a worker must have (runs.engine.plan.WORKER_KINDS).
-HANDLER_KINDS = frozenset({"task", "agent"})
 DEFAULT_QUEUE = "default"
 
 
@@ -46,8 +45,10 @@ def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
     the handler it is looked up by (its ``handler``, else ``<workflow id>.<step id>``)."""
     workflow_id = str(document.get("id", ""))
     found = []
+    # The kinds whose body is a handler a worker must have.
+    handler_kinds = kinds.handler_kinds()
     for path, step in _walk(document.get("steps", []), ["steps"]):
-        if step.get("kind") in HANDLER_KINDS:
+        if step.get("kind") in handler_kinds:
             found.append(
                 StepHandler(
                     field=field_path([*path, "handler"]),

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
-from functools import cache
+from collections.abc import Mapping
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
 from jsonschema import Draft202012Validator
+
+from . import kinds
 
 SCHEMA_PATH = Path(__file__).with_name("definition.schema.json")
 
@@ -34,11 +38,52 @@ def load_schema() -> dict[str, Any]:
         return json.load(f)
 
 
-@cache
 def schema_validator() -> Draft202012Validator:
-    schema = load_schema()
+    """The validator of documents: the published schema, plus the steps of kinds registered
+    outside it (``workflows.kinds``; rebuilt when one is registered)."""
+    return _validator(kinds.generation())
+
+
+@lru_cache(maxsize=2)
+def _validator(generation: int) -> Draft202012Validator:
+    schema = with_registered_kinds(load_schema(), kinds.extra_schemas())
     Draft202012Validator.check_schema(schema)
     return Draft202012Validator(schema, format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+# The fields every step has, as the published schema gives them for a task (less its handler).
+_COMMON = ("id", "input", "when", "retry", "on_error", "effect", "timeout_ms", "queue")
+
+
+def with_registered_kinds(
+    schema: dict[str, Any], extra: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """``schema`` with a step definition for each kind in ``extra``: the common step fields,
+    plus the kind's own ``properties`` and ``required`` (its ``Kind.schema``)."""
+    if not extra:
+        return schema
+    schema = copy.deepcopy(schema)
+    defs = schema["$defs"]
+    step = defs["step"]
+    common = {name: defs["task_step"]["properties"][name] for name in _COMMON}
+    for name, own in extra.items():
+        if name in step["properties"]["kind"]["enum"]:
+            continue  # a kind the published schema describes keeps its definition
+        step["properties"]["kind"]["enum"].append(name)
+        defs[f"{name}_step"] = {
+            "description": own.get("description", f"A step of the registered kind '{name}'."),
+            "type": "object",
+            "required": ["id", "kind", *own.get("required", [])],
+            "additionalProperties": False,
+            "properties": {**common, "kind": {"const": name}, **own.get("properties", {})},
+        }
+        step["allOf"].append(
+            {
+                "if": {"properties": {"kind": {"const": name}}, "required": ["kind"]},
+                "then": {"$ref": f"#/$defs/{name}_step"},
+            }
+        )
+    return schema
 
 
 def step_kinds() -> list[str]:

@@ -11,13 +11,11 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 
-from . import access, heartbeats
+from . import access, heartbeats, kinds
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument
 from .models import Workflow, WorkflowVersion
 from .validation import ApprovalRules, every_step, prepare_document
 
-# Kinds whose ``handler`` names Python code a worker runs.
-HANDLER_KINDS = ("task", "agent")
 # Held by whoever may name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS (declared
 # by the approvals app, ``ApprovalRequest.Meta.permissions``).
 MAIL_EXTERNAL = "approvals.mail_external"
@@ -181,7 +179,8 @@ def handler_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> l
     errors = []
     for step, where in every_step(document):
         name = step.get("handler")
-        if step.get("kind") not in HANDLER_KINDS or not isinstance(name, str):
+        # Kinds whose ``handler`` names Python code a worker runs.
+        if step.get("kind") not in kinds.handler_kinds() or not isinstance(name, str):
             continue
         if "." not in name:
             # A name without a workflow part (``@handler("refund")``) is no workflow's: only

@@ -129,8 +129,18 @@ def advance_locked(
             max_actions=budget.actions,
         )
         budget.actions -= len(planned.actions)
-        applied = apply_plan(run, planned, now, hold=hold and held is None, budget=budget)
+        applied = apply_plan(run, planned, now, hold=hold and held is None)
         held = held or applied.held
+        for child in applied.children:
+            # A child run's first steps are planned in this transaction (as run_start plans
+            # a run's) while the budget lasts; past it, an advance task plans them. A
+            # subworkflow calling itself once recursed here until Python's stack ran out (a
+            # 500 on every start): the chain's depth (at most 8, see plan) and the budget
+            # bound it now.
+            if budget.actions > 0:
+                advance_locked(child, budget=budget)
+            else:
+                hand_over(child.id)
         if planned.more:
             if hand_over_rest:
                 hand_over(run.id)

@@ -16,7 +16,9 @@ from typing import Any
 
 from django.utils import timezone
 
-from workflows import secrets
+from workflows import kinds, secrets
+from workflows.inputs import input_errors
+from workflows.kinds import Role
 
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
@@ -37,14 +39,14 @@ class Applied:
     # A row this plan opened was ended at once by what opening it found (a hand-off sent,
     # an approval whose approvers do not resolve): the caller plans again.
     replan: bool = False
+    # Child runs this plan started: the caller plans their first steps (see _start_child).
+    children: list[Run] = field(default_factory=list)
 
 
-def apply_plan(
-    run: Run, planned: p.Plan, now: datetime, *, hold: bool = False, budget: Any = None
-) -> Applied:
-    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. A child run
-    it starts is planned in the same transaction while ``budget`` (an ``advance.Budget``)
-    lasts, else handed to an advance task.
+def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> Applied:
+    """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. The child
+    runs it starts are returned (``Applied.children``) for the caller to plan in the same
+    transaction.
 
     With ``hold``, a lone new attempt is not offered but returned: the caller (a worker that
     just finished the previous step) runs it itself. Should that worker die first, the
@@ -88,11 +90,7 @@ def apply_plan(
             )
         elif isinstance(action, p.Open):
             opened = _open(run, action, now)
-            ended_here = (
-                action.kind in (p.APPROVAL, p.HANDOFF)
-                and action.status in OPEN
-                and _open_people(run, opened, now)
-            )
+            ended_here = action.status in OPEN and _ended_on_open(run, opened, now)
             applied.replan |= ended_here
             if action.timer is not None and action.not_before is not None and not ended_here:
                 timers.append(
@@ -104,19 +102,20 @@ def apply_plan(
                         fire_at=action.not_before,
                     )
                 )
-            if action.kind == "wait_event" and action.status == StepStatus.WAITING:
+            if action.wait_key and action.status == StepStatus.WAITING:
                 applied.waits.append(opened)
             if action.start is not None:
-                _start_child(run, opened, action.start, budget)
+                child = _start_child(run, opened, action.start)
+                if child is not None:
+                    applied.children.append(child)
         elif isinstance(action, p.Close):
             closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
                 status=action.status, output=action.output, error=action.error, finished_at=now
             )
-            if closed and action.status == StepStatus.TIMED_OUT:
+            kind = kinds.get(action.kind)
+            if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
                 # An approval past its deadline: the request expires (escalation goes out).
-                from approvals import gates
-
-                gates.expire(action.attempt_id, now)
+                kind.timed_out([action.attempt_id], now)
         elif isinstance(action, p.Cancel):
             _cancel(action.attempt_ids, now)
         elif isinstance(action, p.Expire):
@@ -163,46 +162,51 @@ def apply_plan(
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
-    from approvals import gates
-
     doomed = StepRun.objects.filter(id__in=attempt_ids, status__in=IN_FLIGHT)
-    task_ids = list(doomed.exclude(celery_task_id="").values_list("celery_task_id", flat=True))
-    _cancel_children(doomed.filter(kind="subworkflow"), "its subworkflow step was cancelled")
-    gates.cancel(doomed.filter(kind=p.APPROVAL).values_list("id", flat=True), now)
-    doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
-    dispatch.revoke_on_commit(task_ids)
-
-
-def _open_people(run: Run, opened: StepRun, now: datetime) -> bool:
-    """Open an approval's request, or send a hand-off's notifications (``approvals.gates``).
-    True when the row ended here and the run must be planned again: a hand-off always
-    (it never blocks), an approval when its approvers do not resolve (the step fails)."""
-    from approvals import gates
-
-    if opened.kind == p.APPROVAL:
-        error = gates.open_request(run, opened, now)
-    else:
-        error = gates.handoff(run, opened)
-    if error is None and opened.kind == p.APPROVAL:
-        return False
-    ended = (
-        {"status": StepStatus.FAILED, "error": error} if error else {"status": StepStatus.SUCCEEDED}
+    left = list(doomed.values_list("id", "kind", "celery_task_id"))
+    _let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
+    _cancel_children(
+        [row_id for row_id, kind, _ in left if kinds.role_of(kind) is Role.CHILD],
+        "its subworkflow step was cancelled",
     )
-    StepRun.objects.filter(id=opened.id, status__in=OPEN).update(finished_at=now, **ended)
+    doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
+    dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
+
+
+def _let_kinds_close(rows: list[tuple[int, str]], now: datetime) -> None:
+    """Open rows about to be cancelled: each kind that keeps something of its own beside
+    the row (an approval's request) closes it."""
+    by_kind: dict[str, list[int]] = {}
+    for row_id, kind in rows:
+        by_kind.setdefault(kind, []).append(row_id)
+    for name, ids in by_kind.items():
+        kind = kinds.get(name)
+        if kind is not None and kind.cancelled is not None:
+            kind.cancelled(ids, now)
+
+
+def _ended_on_open(run: Run, opened: StepRun, now: datetime) -> bool:
+    """Run the ``opened`` hook of the row's kind (an approval's request opened and mailed, a
+    hand-off's notices sent) in this transaction. True when the row ended here and the run
+    must be planned again: a hand-off always (it never blocks), an approval when its
+    approvers do not resolve (the step fails)."""
+    kind = kinds.get(opened.kind)
+    if kind is None or kind.opened is None:
+        return False
+    ending = kind.opened(run, opened, now)
+    if ending is None:
+        return False
+    StepRun.objects.filter(id=opened.id, status__in=OPEN).update(
+        status=ending.status, output=ending.output, error=ending.error, finished_at=now
+    )
     return True
 
 
-def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
-    """Start a subworkflow's child run, pinned to its version, linked to the step run, and
-    plan its first step in this transaction (as ``run_start`` does) while the caller's
-    planning budget lasts; past it, an advance task plans the child.
-
-    Planned here, a subworkflow calling itself recursed until Python's stack ran out: every
-    start of a self-call was a 500. The chain's depth (at most 8, see plan) and the budget
-    bound it now."""
+def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
+    """Start a subworkflow's child run, pinned to its version, linked to the step run; the
+    caller plans its first steps (``advance.advance_locked``, within its budget). None when
+    the start failed the step instead."""
     from workflows.models import WorkflowVersion
-
-    from .advance import Budget, advance_locked
 
     if "body" in start:
         # An anonymous child: the parent's own version, running one body of it.
@@ -219,7 +223,7 @@ def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
             f"{start.get('version') or 'latest'} does not exist"
         )
         _fail_start(run, step_run, message)
-        return
+        return None
     # The child's input carries the parent's tokens (resolved from its templates): it holds
     # the parent's secrets too, plus what its own input_schema marks.
     schema = version.document.get("input_schema") if not body else None
@@ -227,21 +231,19 @@ def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
         inherited = vault.decrypt(run.secrets, run_id=run.id)
     except vault.SecretsUnreadable as error:
         _fail_start(run, step_run, str(error))
-        return
+        return None
     if not body:
         # The child stands for a start of its workflow: its input meets that workflow's
         # input_schema, as POST /runs requires (else a step could hand the workflow's
         # handlers what its schema refuses). Not retryable: the same input fails again.
         # Checked on the real values; the message shows none of them.
-        from ..services import input_errors
-
         problems = input_errors(version, secrets.reveal(start["input"], inherited))
         if problems:
             mask = secrets.masker(secrets.plaintexts(inherited))
             detail = "; ".join(f"{problem.field}: {problem.message}" for problem in problems)
             message = f"subworkflow '{workflow_id}' refuses this input: {mask(detail)}"
             _fail_start(run, step_run, message, error_class=p.INVALID_INPUT)
-            return
+            return None
     child_input, registry = vault.seal_input(schema, start["input"], inherited)
     child = Run.objects.create(
         workflow_id=workflow_id,
@@ -256,11 +258,7 @@ def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
         root_run_id=run.root_run_id or run.id,
         depth=run.depth if "body" in start else run.depth + 1,
     )
-    budget = budget if budget is not None else Budget()
-    if budget.actions > 0:
-        advance_locked(child, budget=budget)
-    elif request_advance(child.id):
-        dispatch.advance_on_commit(child.id)
+    return child
 
 
 def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str = "fatal") -> None:
@@ -375,15 +373,14 @@ def _finish(run: Run, action: p.Finish, now: datetime) -> None:
     # One read, and writes only when something is left (a run that completes has nothing).
     left = list(in_flight.values_list("id", "kind", "celery_task_id"))
     if left:
-        from approvals import gates
-
-        gates.cancel([row_id for row_id, kind, _ in left if kind == p.APPROVAL], now)
-        children = [row_id for row_id, kind, _ in left if kind == p.SUBWORKFLOW]
+        _let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
+        children = [row_id for row_id, kind, _ in left if kinds.role_of(kind) is Role.CHILD]
         if children:
             reason = f"its parent run {action.status}"
-            _cancel_children(StepRun.objects.filter(id__in=children), reason)
+            _cancel_children(children, reason)
         ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
-        in_flight.filter(kind="condition").update(status=ended, finished_at=now)
+        branches = kinds.names(Role.BRANCH)
+        in_flight.filter(kind__in=branches).update(status=ended, finished_at=now)
         in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
         dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
     # An ended run needs no timer: the tick would find nothing to do for it.

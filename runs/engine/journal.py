@@ -14,10 +14,11 @@ from django.conf import settings
 from django.db import connection
 from django.utils.dateparse import parse_datetime
 
+from workflows import kinds
 from workflows.models import WorkflowVersion
 
 from ..models import Run, StepRun
-from .plan import COMPOSITE_KINDS, DEFAULT_MAX_STEPS, AttemptView, RunView, Settings
+from .plan import DEFAULT_MAX_STEPS, HOLDERS, AttemptView, RunView, Settings
 
 
 @lru_cache(maxsize=512)
@@ -92,7 +93,7 @@ def tree_budget(run: Run) -> tuple[int, int | None]:
     committed count, so a tree can pass its budget by what they plan in one advance each.
     """
     root = run.root_run_id or run.id
-    uncounted = ", ".join(f"'{kind}'" for kind in sorted({"condition", *COMPOSITE_KINDS}))
+    uncounted = ", ".join(f"'{kind}'" for kind in sorted(kinds.names(*HOLDERS)))
     sql = _TREE_SQL.format(
         table=StepRun._meta.db_table, runs=Run._meta.db_table, uncounted=uncounted
     )

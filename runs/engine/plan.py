@@ -29,41 +29,36 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any
 
+from workflows import kinds
 from workflows.guards import evaluate
+from workflows.kinds import Opening, Role
 from workflows.schema import DEFAULT_MAX_ITEMS
 from workflows.templates import TooLarge, check_size, resolve
 
-# Kinds a worker runs (the step body is a Python callable). The rest run in the engine.
-WORKER_KINDS = frozenset({"task", "agent"})
-# Kinds that wait in the engine: a row ``waiting`` and a timer, no process alive. An
-# approval waits for people too: its request is opened and closed by ``approvals``.
-WAIT_KINDS = frozenset({"sleep", "sleep_until", "wait_event", "approval"})
-APPROVAL = "approval"
-# A hand-off notifies people and never blocks: its row is opened ``running`` and ended by
-# ``approvals.gates`` in the same transaction, then the run is planned again.
-HANDOFF = "handoff"
-# Kinds that hold other steps: their row is open while the steps inside run.
-COMPOSITE_KINDS = frozenset({"parallel", "foreach", "loop"})
-SUBWORKFLOW = "subworkflow"
-# The step id of the row that stands for a body of several steps (an anonymous child run).
+# The engine's own kinds register themselves on import; their helpers are re-exported here.
+from ..kinds.subworkflow import MAX_SUBWORKFLOW_DEPTH
+from ..kinds.time import parse_until
+from ..kinds.wait_event import key_text, wait_key
+
+__all__ = ["MAX_SUBWORKFLOW_DEPTH", "key_text", "parse_until", "plan", "wait_key"]
+
+# The step id of the row that stands for a body of several steps (an anonymous child run),
+# and that row's kind.
 BODY = "_body"
+BODY_KIND = "subworkflow"
 # How a child run's end becomes its subworkflow step's end.
 CHILD_FAILED = frozenset({"failed", "cancelled", "timed_out"})
-DEFAULT_MAX_ATTEMPTS = {"recipe": 3, "http": 3, "mcp_tool": 3}
 # limits.max_steps when a document gives none.
 DEFAULT_MAX_STEPS = 1000
 # The largest value a step takes or gives (a resolved input or field, an output), as compact
 # UTF-8 JSON: 1 MiB.
 MAX_VALUE_BYTES = 1_048_576
-# The longest chain of subworkflows: a run this many subworkflows below its root starts none.
-MAX_SUBWORKFLOW_DEPTH = 8
 DEFAULT_RUN_TIMEOUT_MS = 300_000
 DEFAULT_STEP_TIMEOUT_MS = 60_000
 DEFAULT_INITIAL_MS = 2_000
@@ -81,6 +76,8 @@ REJECTED = "rejected"  # an approver rejected an approval step
 UNSUPPORTED = "unsupported"
 
 IN_FLIGHT = frozenset({"scheduled", "running", "waiting"})
+# The roles of steps that hold other steps: their rows are not attempts.
+HOLDERS = frozenset({Role.COMPOSITE, Role.BRANCH})
 
 
 # --- what the planner reads ---------------------------------------------------------------
@@ -201,6 +198,8 @@ class Close:
     status: str
     output: Any = None
     error: Mapping[str, Any] | None = None
+    # The row's kind, for the kind's hooks when it ends so (a timed-out approval's request).
+    kind: str = ""
 
 
 @dataclass(frozen=True)
@@ -297,9 +296,9 @@ def plan(
     return planner.run()
 
 
-class _Refused(Exception):
-    """A field of a step resolved to a value too large to use: its attempt fails (class
-    invalid_input), and the message names the field."""
+# A field of a step resolved to a value too large to use: its attempt fails (class
+# invalid_input), and the message names the field. Kinds raise it too.
+_Refused = kinds.Refused
 
 
 class _Planner:
@@ -402,7 +401,7 @@ class _Planner:
         plan on as if they had failed so."""
         grace = self.settings.deadline_grace
         for index, attempt in enumerate(self.journal):
-            if attempt.status != "running" or attempt.kind not in WORKER_KINDS:
+            if attempt.status != "running" or kinds.role_of(attempt.kind) is not Role.WORKER:
                 continue
             if attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace:
                 expired = Expire(
@@ -491,18 +490,21 @@ class _Planner:
             # Stop here; what is planned so far is applied, and the next plan goes on.
             self.out.more = self.busy = True
             return _Go.BLOCKED
-        if step["kind"] == "condition":
+        role = kinds.role_of(step["kind"])
+        if role is Role.BRANCH:
             return self._condition(step, path)
-        if step["kind"] in COMPOSITE_KINDS:
+        if role is Role.COMPOSITE:
             return self._composite(step, path)
         attempts = self.by_step.get((path, step["id"]), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
             return self._first(step, path)
-        if latest.status == "waiting" and latest.kind in WAIT_KINDS:
-            return self._waiting(step, path, attempts, latest)
-        if latest.status == "waiting" and latest.kind == SUBWORKFLOW:
-            return self._child_waiting(step, path, attempts, latest)
+        if latest.status == "waiting":
+            held_by = kinds.role_of(latest.kind)
+            if held_by in kinds.WAITING_ROLES:
+                return self._waiting(step, path, attempts, latest)
+            if held_by is Role.CHILD:
+                return self._child_waiting(step, path, attempts, latest)
         if latest.status in IN_FLIGHT:
             self.busy = True
             return _Go.BLOCKED
@@ -585,7 +587,8 @@ class _Planner:
             # A timed-out body may have done its effect before the limit hit it.
             return None
         policy = step.get("retry", {})
-        max_attempts = policy.get("max_attempts", DEFAULT_MAX_ATTEMPTS.get(step["kind"], 1))
+        kind = kinds.get(step["kind"])
+        max_attempts = policy.get("max_attempts", kind.max_attempts if kind else 1)
         generation = self.run_view.generation
         used = sum(
             1
@@ -600,11 +603,7 @@ class _Planner:
 
     def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
         kind = step["kind"]
-        if (
-            kind not in WORKER_KINDS
-            and kind not in WAIT_KINDS
-            and kind not in (SUBWORKFLOW, HANDOFF)
-        ):
+        if kinds.get(kind) is None:
             self.out.actions.append(
                 Finish(
                     "failed",
@@ -672,39 +671,12 @@ class _Planner:
             raise _Refused(f"{field}: the resolved value is {error}; the limit is 1 MiB") from None
 
     def _begin(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
-        """The new attempt of an engine or worker step, by kind (counted already)."""
-        kind = step["kind"]
-        if kind == APPROVAL:
-            return self._open_approval(step, path, attempt)
-        if kind in WAIT_KINDS:
-            return self._open_wait(step, path, attempt)
-        if kind == HANDOFF:
-            message = self._resolve(step.get("message"), "message")
-            self._open(
-                step,
-                path,
-                attempt,
-                status="running",
-                input={"group": step["group"], "message": message},
-            )
-            self.busy = True
-            return _Go.BLOCKED
-        if kind == SUBWORKFLOW:
-            if self.run_view.depth >= MAX_SUBWORKFLOW_DEPTH:
-                raise _Refused(
-                    f"workflow: '{step['workflow']}' would start a run "
-                    f"{self.run_view.depth + 1} subworkflows below its root run; chains of "
-                    f"subworkflows are at most {MAX_SUBWORKFLOW_DEPTH} deep"
-                )
-            child_input = self._input(step)
-            start = {
-                "workflow": step["workflow"],
-                "version": step.get("version"),
-                "input": child_input,
-            }
-            self._open(step, path, attempt, status="waiting", input=child_input, start=start)
-            self.waiting = True
-            return _Go.BLOCKED
+        """The new attempt of a step, by its kind's role (counted already)."""
+        kind = kinds.get(step["kind"])
+        assert kind is not None  # _schedule refused an unknown kind
+        if kind.role is not Role.WORKER:
+            assert kind.open is not None  # Kind requires it of every other role reaching here
+            return self._opened(step, path, attempt, kind, kind.open(step, self))
         step_input = self._input(step)
         # Work offered now: the run shows running even when a sibling branch waits.
         self.busy = True
@@ -712,7 +684,7 @@ class _Planner:
             Schedule(
                 step_id=step["id"],
                 path=path,
-                kind=kind,
+                kind=kind.name,
                 attempt=attempt,
                 generation=self.run_view.generation,
                 input=step_input,
@@ -724,6 +696,50 @@ class _Planner:
             )
         )
         return _Go.BLOCKED
+
+    def _opened(
+        self, step: Mapping[str, Any], path: str, attempt: int, kind: kinds.Kind, row: Opening
+    ) -> _Go:
+        """Write the row a kind opened and go on as its status says: a wait holds the run, a
+        running row (a hand-off, ended by its kind when applied) keeps it busy, a row over at
+        once is settled or failed like any."""
+        self._open(
+            step,
+            path,
+            attempt,
+            status=row.status,
+            input=row.input,
+            output=row.output,
+            error=row.error,
+            not_before=row.not_before,
+            timer=row.timer,
+            wait_key=row.wait_key,
+            start=row.start,
+        )
+        if row.status == "waiting":
+            self.waiting = True
+            # Waiting for people: the run shows pending_approval.
+            self.approval = self.approval or kind.role is Role.PEOPLE
+            return _Go.BLOCKED
+        if row.status == "running":
+            self.busy = True
+            return _Go.BLOCKED
+        if row.status == "succeeded":
+            self._settle(step, "succeeded", row.output, None)
+            return _Go.CONTINUE
+        view = AttemptView(
+            id=0,
+            step_id=step["id"],
+            attempt=attempt,
+            status=row.status,
+            kind=kind.name,
+            path=path,
+            generation=self.run_view.generation,
+            error=row.error,
+            finished_at=self.now,
+        )
+        attempts = [*self.by_step.get((path, step["id"]), []), view]
+        return self._after_failure(step, path, attempts, view)
 
     def _open(self, step: Mapping[str, Any], path: str, attempt: int, **row: Any) -> None:
         """Open this step's engine row (its kind, in this generation)."""
@@ -738,86 +754,21 @@ class _Planner:
             )
         )
 
-    def _after(self, timeout_ms: int | None) -> datetime | None:
+    # what a kind opening its step sees (workflows.kinds.Scope)
+
+    @property
+    def depth(self) -> int:
+        return self.run_view.depth
+
+    def resolve(self, template: Any, field: str) -> Any:
+        return self._resolve(template, field)
+
+    def input(self, step: Mapping[str, Any]) -> Any:
+        return self._input(step)
+
+    def after(self, timeout_ms: int | None) -> datetime | None:
         """When a wait with this ``timeout_ms`` times out (None: it does not)."""
         return self.now + timedelta(milliseconds=timeout_ms) if timeout_ms is not None else None
-
-    # sleeps, waits and approvals
-
-    def _open_approval(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
-        """Reach an approval: a ``waiting`` row whose input is what the request shows (the
-        resolved message, the step's input as the details) and a timer at its deadline."""
-        timeout = step.get("timeout_ms")
-        due = self._after(timeout)
-        request = {
-            "message": self._resolve(step.get("message"), "message"),
-            "details": self._input(step),
-            "approvers": copy.deepcopy(step["approvers"]),
-            "quorum": step.get("quorum", 1),
-            "timeout_ms": timeout,
-            "remind_after_ms": step.get("remind_after_ms"),
-            "escalate_to": copy.deepcopy(step.get("escalate_to")),
-        }
-        timer = "approval_timeout" if due is not None else None
-        self._open(
-            step, path, attempt, status="waiting", input=request, not_before=due, timer=timer
-        )
-        self.waiting = self.approval = True
-        return _Go.BLOCKED
-
-    def _open_wait(self, step: Mapping[str, Any], path: str, attempt: int) -> _Go:
-        """Reach a sleep, sleep_until or wait_event: a ``waiting`` row and its timer, or the
-        step done (or failed) at once when its time has already come."""
-        kind = step["kind"]
-        if kind == "wait_event":
-            key = key_text(self._resolve(step.get("key", ""), "key"))
-            due = self._after(step.get("timeout_ms"))
-            self._open(
-                step,
-                path,
-                attempt,
-                status="waiting",
-                input={"event": step["event"], "key": key},
-                not_before=due,
-                timer="wait_timeout" if due is not None else None,
-                wait_key=wait_key(step["event"], key),
-            )
-            self.waiting = True
-            return _Go.BLOCKED
-        if kind == "sleep":
-            wait_input: dict[str, Any] = {"ms": step["ms"]}
-            due = self.now + timedelta(milliseconds=step["ms"])
-        else:
-            until = self._resolve(step["until"], "until")
-            wait_input = {"until": until}
-            try:
-                due = parse_until(until)
-            except ValueError as error:
-                failure = {"class": INVALID_INPUT, "message": f"until: {error}"}
-                self._open(step, path, attempt, status="failed", input=wait_input, error=failure)
-                view = AttemptView(
-                    id=0,
-                    step_id=step["id"],
-                    attempt=attempt,
-                    status="failed",
-                    kind=kind,
-                    path=path,
-                    generation=self.run_view.generation,
-                    error=failure,
-                    finished_at=self.now,
-                )
-                attempts = [*self.by_step.get((path, step["id"]), []), view]
-                return self._after_failure(step, path, attempts, view)
-        if due <= self.now:
-            # A time already past fires at once, within this plan.
-            self._open(step, path, attempt, status="succeeded", input=wait_input)
-            self._settle(step, "succeeded", None, None)
-            return _Go.CONTINUE
-        self._open(
-            step, path, attempt, status="waiting", input=wait_input, not_before=due, timer="sleep"
-        )
-        self.waiting = True
-        return _Go.BLOCKED
 
     def _waiting(
         self,
@@ -826,28 +777,24 @@ class _Planner:
         attempts: list[AttemptView],
         latest: AttemptView,
     ) -> _Go:
-        """A sleep, wait or approval already waiting: over once its time has come. (A
+        """A wait already waiting: over, as its kind says, once its time has come. (A
         wait_event that took an event is ``succeeded`` by the delivery, and an approval that
         was decided is ended by the decision, not here.)"""
+        kind = kinds.get(latest.kind)
+        assert kind is not None and kind.due is not None
         if latest.not_before is None or self.now < latest.not_before:
             self.waiting = True
-            self.approval = self.approval or latest.kind == APPROVAL
+            self.approval = self.approval or kind.role is Role.PEOPLE
             return _Go.BLOCKED
-        if latest.kind not in ("wait_event", APPROVAL):
-            self.out.actions.append(Close(latest.id, "succeeded"))
-            self._settle(step, "succeeded", None, None)
+        ended = kind.due(step, latest)
+        self.out.actions.append(
+            Close(latest.id, ended.status, output=ended.output, error=ended.error, kind=kind.name)
+        )
+        if ended.status == "succeeded":
+            self._settle(step, "succeeded", ended.output, None)
             return _Go.CONTINUE
-        if latest.kind == APPROVAL:
-            message = f"no decision within timeout_ms ({step.get('timeout_ms')} ms)"
-        else:
-            message = (
-                f"no event '{step['event']}' arrived within timeout_ms "
-                f"({step.get('timeout_ms')} ms)"
-            )
-        error = {"class": TIMEOUT, "message": message}
-        self.out.actions.append(Close(latest.id, "timed_out", error=error))
-        timed_out = replace(latest, status="timed_out", error=error, finished_at=self.now)
-        return self._after_failure(step, path, [*attempts[:-1], timed_out], timed_out)
+        over = replace(latest, status=ended.status, error=ended.error, finished_at=self.now)
+        return self._after_failure(step, path, [*attempts[:-1], over], over)
 
     def _child_waiting(
         self,
@@ -1058,7 +1005,7 @@ class _Planner:
     def _body_run(self, path: str, roots: dict[str, Any], default: Any) -> tuple[_Go, Any]:
         """A body of several steps runs as an anonymous child run (its own journal, so waits
         and approvals work at any depth): a subworkflow row here, the steps in the child."""
-        stand_in = {"id": BODY, "kind": SUBWORKFLOW}
+        stand_in = {"id": BODY, "kind": BODY_KIND}
         attempts = self.by_step.get((path, BODY), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
@@ -1084,7 +1031,7 @@ class _Planner:
                 Open(
                     BODY,
                     path,
-                    SUBWORKFLOW,
+                    BODY_KIND,
                     attempt=1,
                     generation=self.run_view.generation,
                     status="waiting",
@@ -1252,11 +1199,7 @@ def _one(body: Any) -> Mapping[str, Any]:
 def _counts_as_attempt(attempt: AttemptView) -> bool:
     """``max_steps`` counts every attempt of a step body; skips, condition rows and the rows
     of composite steps (which hold other steps) are not."""
-    return (
-        attempt.status != "skipped"
-        and attempt.kind != "condition"
-        and attempt.kind not in COMPOSITE_KINDS
-    )
+    return attempt.status != "skipped" and kinds.role_of(attempt.kind) not in HOLDERS
 
 
 def backoff_ms(policy: Mapping[str, Any], failures: int, *, seed: str) -> int:
@@ -1274,62 +1217,3 @@ def backoff_ms(policy: Mapping[str, Any], failures: int, *, seed: str) -> int:
         fraction = int.from_bytes(digest[:8], "big") / 2**64
         jitter = int(base * JITTER_SHARE * fraction)
     return int(min(ceiling, base + jitter))
-
-
-def key_text(value: Any) -> str:
-    """A wait_event's resolved key as the text events are matched on: a string as it is,
-    anything else (a number from a template, say) as compact JSON, so 42 matches "42"."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
-
-
-def wait_key(name: str, key: str) -> str:
-    """The digest waits and events are matched on: no separator can be confused."""
-    return hashlib.sha256(json.dumps([name, key]).encode()).hexdigest()
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-# The widest time zone displacement Postgres stores.
-_MAX_OFFSET = timedelta(hours=15, minutes=59)
-
-
-def parse_until(value: Any) -> datetime:
-    """A ``sleep_until`` time, in UTC: epoch milliseconds (a number, or digits in a string) or
-    ISO-8601 (a time without an offset is UTC). Raises ValueError naming what was given.
-
-    Only times the database can store come back: an offset within ±15:59 (Postgres refuses a
-    wider one, and no zone has one) and, in UTC, a year from 1 to 9999. Anything else raised
-    inside the database or the reconciler on every pass, until the run's deadline.
-    """
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value.strip())
-    if isinstance(value, int | float):
-        try:
-            return _EPOCH + timedelta(milliseconds=value)
-        except (OverflowError, ValueError):
-            raise ValueError(
-                f"epoch milliseconds {value!r} are out of range (years 1 to 9999)"
-            ) from None
-    if isinstance(value, str):
-        try:
-            parsed = datetime.fromisoformat(value.strip())
-        except ValueError:
-            raise ValueError(
-                f"{value!r} is neither ISO-8601 nor epoch milliseconds (or is out of range: "
-                "years 1 to 9999, offsets within ±15:59)"
-            ) from None
-        offset = parsed.utcoffset()
-        if offset is not None and abs(offset) > _MAX_OFFSET:
-            raise ValueError(f"{value!r} has an offset beyond ±15:59")
-        try:
-            return parsed.replace(tzinfo=UTC) if offset is None else parsed.astimezone(UTC)
-        except OverflowError:
-            raise ValueError(
-                f"{value!r} is out of range: in UTC it is not in years 1 to 9999"
-            ) from None
-    raise ValueError(f"{value!r} is neither ISO-8601 nor epoch milliseconds")

@@ -33,18 +33,21 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from functools import partial
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from workflows import kinds
+from workflows.kinds import Role
+
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import events, unservable
+from . import events, hooks, unservable
 from .advance import run_advance
-from .plan import WORKER_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +78,9 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("requested", lambda: advance_requested(now, batch, until=until)),
             ("missed_events", lambda: events.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
-            ("mails_reoffered", lambda: _reoffer_mails(now, batch)),
-            ("reminders_restored", lambda: _restore_reminders(now, batch)),
         ]
+        # The repairs of apps above the engine (approvals' mails and reminders).
+        parts += [(name, partial(repair, now, batch)) for name, repair in hooks.repairs()]
         counts: dict[str, int] = {}
         for name, part in parts:
             if time.monotonic() >= until:
@@ -85,20 +88,6 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
                 break
             counts[name] = part()
         return counts
-
-
-def _restore_reminders(now: datetime, batch: int) -> int:
-    """Approval reminders whose timer fired but whose mails were never queued."""
-    from approvals.gates import restore_reminders
-
-    return restore_reminders(now, batch)
-
-
-def _reoffer_mails(now: datetime, batch: int) -> int:
-    """Approval and hand-off e-mails whose message was lost (``approvals.outbox``)."""
-    from approvals.outbox import reoffer_unsent
-
-    return reoffer_unsent(now, batch)
 
 
 @contextlib.contextmanager
@@ -164,7 +153,7 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
     busy = StepRun.objects.filter(
         run_id=OuterRef("id"),
         status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING],
-        kind__in=WORKER_KINDS,
+        kind__in=kinds.names(Role.WORKER),
     )
     # A sleep just due is the tick's to end; one still waiting this long after is left over.
     due_wait = StepRun.objects.filter(

@@ -29,6 +29,7 @@ from django.utils import timezone
 from .. import dispatch
 from ..models import StepRun, Timer, TimerPurpose
 from ..status import StepStatus
+from . import hooks
 from .advance import run_advance
 from .unservable import unservable_expire
 
@@ -61,7 +62,7 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
     while True:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
-        _remind([step for _, purpose, step in claimed if purpose == TimerPurpose.APPROVAL_REMINDER])
+        _fire_hooks(claimed)
         _end_waits([step for _, purpose, step in claimed if purpose == TimerPurpose.UNSERVABLE])
         _advance(_runs_to_advance(claimed), until)
         if len(claimed) < batch or time.monotonic() >= until:
@@ -101,25 +102,19 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
     )
     runs: dict[Any, None] = {}
     for run_id, purpose, step in claimed:
-        if purpose in (TimerPurpose.APPROVAL_REMINDER, TimerPurpose.UNSERVABLE):
+        if purpose == TimerPurpose.UNSERVABLE or purpose in hooks.timer_purposes():
             continue  # mails only, or an attempt's wait that advances its run if it fails
         if purpose != TimerPurpose.STEP_DEADLINE or step in still_running:
             runs[run_id] = None
     return list(runs)
 
 
-def _remind(step_run_ids: list[int | None]) -> None:
-    """Reminders are sent by the tick itself: one short transaction each, mails after it."""
-    from approvals.gates import remind
-
-    for step_run_id in step_run_ids:
-        if step_run_id is None:
-            continue
-        try:
-            remind(step_run_id=step_run_id)
-        except DatabaseError:
-            # The timer is fired; the reconciler sends a reminder left uncovered.
-            logger.exception("timers: reminding approvers of step run %s failed", step_run_id)
+def _fire_hooks(claimed: list[tuple[Any, str, int | None]]) -> None:
+    """Timers of an app's own purpose (an approval's reminder) do what it registered."""
+    for _, purpose, step_run_id in claimed:
+        fire = hooks.timer_handler(purpose)
+        if fire is not None and step_run_id is not None:
+            fire(step_run_id)
 
 
 def _end_waits(step_run_ids: list[int | None]) -> None:

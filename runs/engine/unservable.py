@@ -36,7 +36,7 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from workflows import heartbeats
+from workflows import heartbeats, kinds
 from workflows.registry import step_handler
 
 from .. import dispatch
@@ -44,7 +44,6 @@ from ..models import StepRun, Timer, TimerPurpose
 from ..status import StepStatus
 from . import journal
 from .advance import run_advance
-from .plan import WORKER_KINDS
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +145,8 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
     rows = list(
         StepRun.objects.filter(
             status=StepStatus.SCHEDULED,
-            kind__in=WORKER_KINDS,
+            # Kinds whose body is a handler: what workers' heartbeats say they serve.
+            kind__in=kinds.handler_kinds(),
             scheduled_at__lte=lost,
             waiting_since__isnull=True,
         )

@@ -1,0 +1,11 @@
+"""The engine's own step kinds, one module each, registered in ``workflows.kinds`` when this
+package is imported (the planner imports it, so they are there wherever plans are made).
+
+``approval`` and ``handoff`` are ``approvals``' (registered from its ``AppConfig.ready()``);
+``recipe``, ``http``, ``write_kb`` and ``mcp_tool`` are accepted in documents but have no
+module yet: a run that reaches one fails with class ``unsupported``.
+"""
+
+from . import structure, subworkflow, task, time, wait_event
+
+__all__ = ["structure", "subworkflow", "task", "time", "wait_event"]

@@ -1,0 +1,82 @@
+"""A worker kind registered from one test module (``tests.runs.flows_toy_kind``), nothing
+else edited: documents with it validate, the planner schedules it with the kind's own
+defaults, and a real worker runs it end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from runs import services
+from runs.models import Run, StepRun
+from tests.processes import wait_for
+from workflows import kinds
+from workflows.errors import InvalidDocument
+from workflows.services import definition_save
+from workflows.validation import prepare_document
+
+from . import flows_toy_kind
+
+TERMINAL = ("completed", "failed", "cancelled", "timed_out")
+
+
+@pytest.fixture(autouse=True)
+def _toy_kind() -> Iterator[None]:
+    """Registered for the test only: other tests see the built-in kinds alone."""
+    kinds.register(flows_toy_kind.SHOUT)
+    yield
+    kinds.unregister("shout")
+
+
+def _document(**step: object) -> dict:
+    return {"id": "toy_doc", "steps": [{"id": "loud", "kind": "shout", **step}]}
+
+
+def test_a_registered_kind_validates_with_its_own_fields() -> None:
+    prepare_document(_document(times=3))
+    with pytest.raises(InvalidDocument) as refused:
+        prepare_document(_document(times=9))
+    assert [e.field for e in refused.value.errors] == ["steps[0].times"]
+    with pytest.raises(InvalidDocument) as refused:
+        prepare_document(_document(times=1, loudness=3))
+    assert "loudness" in str([e.message for e in refused.value.errors])
+
+
+def test_an_unregistered_kind_is_refused_at_save() -> None:
+    kinds.unregister("shout")
+    with pytest.raises(InvalidDocument) as refused:
+        prepare_document(_document(times=1))
+    assert [e.field for e in refused.value.errors] == ["steps[0].kind"]
+
+
+@pytest.mark.django_db
+def test_the_planner_schedules_it_on_a_worker_with_the_kinds_defaults() -> None:
+    definition_save(document=_document(times=1))
+    run = services.run_start(workflow="toy_doc", input={"text": "hi"}).run
+    [row] = StepRun.objects.filter(run=run)
+    assert (row.kind, row.status, row.input) == ("shout", "scheduled", {"text": "hi"})
+
+
+def test_a_real_worker_runs_the_kind_end_to_end_and_retries_by_its_default(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    celery_worker(workflow_modules=["tests.runs.flows_toy_kind"])
+    celery_beat()  # the retry's back-off is a timer
+    runs = [
+        services.run_start(workflow="toy_kind", input={"text": "hey"}).run,
+        services.run_start(workflow="toy_kind", input={"text": "oh", "stumble": True}).run,
+    ]
+
+    def ended() -> list[Run] | None:
+        found = [Run.objects.get(id=run.id) for run in runs]
+        return found if all(run.status in TERMINAL for run in found) else None
+
+    plain, stumbled = wait_for(ended, timeout=30, interval=0.1, message=celery_processes.logs)
+    assert plain.status == "completed", plain.error
+    assert plain.output == {"text": "HEY HEY", "attempt": 1}
+    # No retry policy in the document: the kind's default of two attempts applies.
+    assert stumbled.status == "completed", stumbled.error
+    assert stumbled.output == {"text": "OH OH", "attempt": 2}
+    attempts = StepRun.objects.filter(run=stumbled).order_by("attempt")
+    assert [(r.attempt, r.status) for r in attempts] == [(1, "failed"), (2, "succeeded")]
