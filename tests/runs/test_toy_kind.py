@@ -4,7 +4,9 @@ defaults, and a real worker runs it end to end."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,18 @@ def test_a_real_worker_runs_the_kind_end_to_end_and_retries_by_its_default(
     assert stumbled.output == {"text": "OH OH", "attempt": 2}
     attempts = StepRun.objects.filter(run=stumbled).order_by("attempt")
     assert [(r.attempt, r.status) for r in attempts] == [(1, "failed"), (2, "succeeded")]
+
+
+def test_the_readmes_kind_works_pasted_as_written() -> None:
+    """The README's "Adding a step kind" block, run as written, registers a kind that
+    documents may use and whose body does what the README says."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Adding a step kind", 1)[1]
+    [block] = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    kinds.unregister("shout")
+    exec(compile(block, "README.md", "exec"), {})
+    kind = kinds.get("shout")
+    assert kind is not None and kind is not flows_toy_kind.SHOUT
+    prepare_document(_document(times=2))
+    body = kind.body({"id": "loud", "kind": "shout", "times": 2}, "toy_doc")
+    assert body(None, {"text": "hi"}, None) == {"text": "HI HI"}
