@@ -50,7 +50,7 @@ def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
     alone = (
         run.root_run_id is None
         and attempts is not None
-        and not any(a.kind == "subworkflow" for a in attempts)
+        and not any(kinds.role_of(a.kind) is kinds.Role.CHILD for a in attempts)
     )
     tree_used, tree_limit = (0, None) if alone else tree_budget(run)
     return RunView(

@@ -861,7 +861,7 @@ class _Planner:
         if latest is None:
             guard = step.get("when")
             if guard is not None and not evaluate(guard, self.context):
-                self.out.actions.append(Skip(step["id"], path, "condition", generation))
+                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
                 self._settle_skipped(step)
                 return _Go.CONTINUE
         position = len(self.out.actions)
@@ -882,7 +882,7 @@ class _Planner:
                 Open(
                     step["id"],
                     path,
-                    "condition",
+                    step["kind"],
                     attempt=(latest.attempt + 1) if latest else 1,
                     generation=generation,
                     branch=branch,
