@@ -121,7 +121,8 @@ def _claim_postgres(
         workflow_id=row[10],
         version_id=row[11],
         claim=claim,
-        deadline_at=from_timestamp(row[12]),
+        # The claim sets it (from the attempt's timeout_ms): never NULL here.
+        deadline_at=from_timestamp(row[12]) or now,
         path=row[13],
         secrets=row[14],
         kind=row[15],

@@ -159,7 +159,8 @@ def _run_handler(
     own_alarm: bool,
 ) -> tuple[str, Held | None]:
     keeper.hold(row.id, claim, deadline)
-    status, output, error = StepStatus.SUCCEEDED, None, None
+    status, output = StepStatus.SUCCEEDED, None
+    error: dict[str, Any] | None = None
     try:
         with _time_limit(row.timeout_ms / 1000 if own_alarm else None):
             given = secrets.reveal(row.input, run_secrets)
@@ -169,7 +170,7 @@ def _run_handler(
             keeper.release(row.id)
             _hand_back(row, claim, row.workflow_id)
             return HANDED_BACK, None
-        status, error = StepStatus.FAILED, failure.as_error()
+        status, error = StepStatus.FAILED, dict(failure.as_error())
         if failure.retry_after_ms is not None:
             error["retry_after_ms"] = failure.retry_after_ms
     except SoftTimeLimitExceeded:

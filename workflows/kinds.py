@@ -126,9 +126,10 @@ class Kind:
     # Applier, in the transaction that wrote an open row: (run, step_run, now) -> an Ending
     # that ends the row now (the run is planned again), or None to leave it open.
     opened: Callable[[Any, Any, datetime], Ending | None] | None = None
-    # Applier: open rows of this kind (ids) timed out, or were cancelled; (ids, now).
-    timed_out: Callable[[list[int], datetime], None] | None = None
-    cancelled: Callable[[list[int], datetime], None] | None = None
+    # Applier: open rows of this kind (ids) timed out, or were cancelled; (ids, now). What
+    # they return is not used.
+    timed_out: Callable[[list[int], datetime], object] | None = None
+    cancelled: Callable[[list[int], datetime], object] | None = None
     # Worker: (step, workflow_id) -> the callable ``(ctx, input, prior) -> output`` that runs
     # the attempt, or None when this worker cannot serve it (the attempt is handed back to
     # a worker that can).

@@ -180,9 +180,9 @@ def _let_kinds_close(rows: list[tuple[int, str]], now: datetime) -> None:
     for row_id, kind in rows:
         by_kind.setdefault(kind, []).append(row_id)
     for name, ids in by_kind.items():
-        kind = kinds.get(name)
-        if kind is not None and kind.cancelled is not None:
-            kind.cancelled(ids, now)
+        spec = kinds.get(name)
+        if spec is not None and spec.cancelled is not None:
+            spec.cancelled(ids, now)
 
 
 def _ended_on_open(run: Run, opened: StepRun, now: datetime) -> bool:

@@ -958,7 +958,7 @@ class _Planner:
         if go is _Go.FAILED:
             self._abandon(inner, position)
         status = {_Go.CONTINUE: "succeeded", _Go.FAILED: "failed"}.get(go, "running")
-        error = dict(self.failure) if go is _Go.FAILED else None
+        failure = dict(self.failure) if go is _Go.FAILED else None
         if opening:
             self.out.actions.insert(
                 position,
@@ -970,17 +970,17 @@ class _Planner:
                     generation=generation,
                     status=status,
                     output=output if go is _Go.CONTINUE else None,
-                    error=error,
+                    error=failure,
                 ),
             )
         elif status != "running" and latest is not None:
-            self.out.actions.append(Close(latest.id, status, output=output, error=error))
+            self.out.actions.append(Close(latest.id, status, output=output, error=failure))
         if go is _Go.CONTINUE:
             self._settle(step, "succeeded", output, None)
             return _Go.CONTINUE
         if go is _Go.FAILED:
             if step.get("on_error", "fail_run") == "continue":
-                self._settle(step, "failed", None, error)
+                self._settle(step, "failed", None, failure)
                 return _Go.CONTINUE
             return self._fail(step, self.failure)
         return go
