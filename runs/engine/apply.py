@@ -10,6 +10,7 @@ writer left it.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -52,113 +53,154 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
     just finished the previous step) runs it itself. Should that worker die first, the
     attempt stays ``scheduled`` and the reconciler offers it after ``LOST_MESSAGE_SECONDS``.
     """
-    applied = Applied()
-    fields: set[str] = set()
-    timers: list[Timer] = []
-    schedules: list[p.Schedule] = []
+    writer = _Writer(run, now)
     for action in planned.actions:
-        if isinstance(action, p.StartRun):
-            if run.status == RunStatus.PENDING:
-                check_run_move(run.status, RunStatus.RUNNING)
-                run.status = RunStatus.RUNNING
-                fields.add("status")
-            run.started_at, run.deadline_at = action.started_at, action.deadline_at
-            fields |= {"started_at", "deadline_at"}
-            timers.append(
+        _WRITE[type(action)](writer, action)
+    return writer.done(planned, hold=hold)
+
+
+class _Writer:
+    """One plan's writes: each action's own (rows, hooks), then the run row, the timers and
+    the new attempts together (see ``done``)."""
+
+    def __init__(self, run: Run, now: datetime) -> None:
+        self.run, self.now = run, now
+        self.applied = Applied()
+        # The run row's fields this plan changed, written once at the end.
+        self.fields: set[str] = set()
+        self.timers: list[Timer] = []
+        self.schedules: list[p.Schedule] = []
+
+    def start_run(self, action: p.StartRun) -> None:
+        run = self.run
+        if run.status == RunStatus.PENDING:
+            check_run_move(run.status, RunStatus.RUNNING)
+            run.status = RunStatus.RUNNING
+            self.fields.add("status")
+        run.started_at, run.deadline_at = action.started_at, action.deadline_at
+        self.fields |= {"started_at", "deadline_at"}
+        self.timers.append(
+            Timer(
+                run=run,
+                purpose=TimerPurpose.RUN_DEADLINE,
+                key=f"deadline:{run.generation}:{action.deadline_at.isoformat()}",
+                fire_at=action.deadline_at,
+            )
+        )
+
+    def schedule(self, action: p.Schedule) -> None:
+        # Inserted in done(): the run's own changes ride on the last insert.
+        self.schedules.append(action)
+        self.run.attempts += 1
+        self.fields.add("attempts")
+
+    def skip(self, action: p.Skip) -> None:
+        StepRun.objects.create(
+            run=self.run,
+            step_id=action.step_id,
+            path=action.path,
+            kind=action.kind,
+            attempt=1,
+            generation=action.generation,
+            status=StepStatus.SKIPPED,
+            scheduled_at=self.now,
+            finished_at=self.now,
+        )
+
+    def open(self, action: p.Open) -> None:
+        run, now = self.run, self.now
+        opened = _open(run, action, now)
+        ended_here = action.status in OPEN and _ended_on_open(run, opened, now)
+        self.applied.replan |= ended_here
+        if action.timer is not None and action.not_before is not None and not ended_here:
+            self.timers.append(
                 Timer(
                     run=run,
-                    purpose=TimerPurpose.RUN_DEADLINE,
-                    key=f"deadline:{run.generation}:{action.deadline_at.isoformat()}",
-                    fire_at=action.deadline_at,
+                    step_run=opened,
+                    purpose=action.timer,
+                    key=f"{action.timer}:{opened.id}",
+                    fire_at=action.not_before,
                 )
             )
-        elif isinstance(action, p.Schedule):
-            schedules.append(action)
-            run.attempts += 1
-            fields.add("attempts")
-        elif isinstance(action, p.Skip):
-            StepRun.objects.create(
-                run=run,
-                step_id=action.step_id,
-                path=action.path,
-                kind=action.kind,
-                attempt=1,
-                generation=action.generation,
-                status=StepStatus.SKIPPED,
-                scheduled_at=now,
-                finished_at=now,
-            )
-        elif isinstance(action, p.Open):
-            opened = _open(run, action, now)
-            ended_here = action.status in OPEN and _ended_on_open(run, opened, now)
-            applied.replan |= ended_here
-            if action.timer is not None and action.not_before is not None and not ended_here:
-                timers.append(
-                    Timer(
-                        run=run,
-                        step_run=opened,
-                        purpose=action.timer,
-                        key=f"{action.timer}:{opened.id}",
-                        fire_at=action.not_before,
-                    )
-                )
-            if action.wait_key and action.status == StepStatus.WAITING:
-                applied.waits.append(opened)
-            if action.start is not None:
-                child = _start_child(run, opened, action.start)
-                if child is not None:
-                    applied.children.append(child)
-        elif isinstance(action, p.Close):
-            closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
-                status=action.status, output=action.output, error=action.error, finished_at=now
-            )
-            kind = kinds.get(action.kind)
-            if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
-                # An approval past its deadline: the request expires (escalation goes out).
-                kind.timed_out([action.attempt_id], now)
-        elif isinstance(action, p.Cancel):
-            _cancel(action.attempt_ids, now)
-        elif isinstance(action, p.Expire):
-            task_ids = list(
-                StepRun.objects.filter(id=action.attempt_id).values_list(
-                    "celery_task_id", flat=True
-                )
-            )
-            changed = StepRun.objects.filter(
-                id=action.attempt_id, status=StepStatus.RUNNING
-            ).update(status=action.status, error=action.error, finished_at=now, claim=None)
-            if changed:
-                dispatch.revoke_on_commit(task_ids)
-        elif isinstance(action, p.Wake):
-            timers.append(Timer(run=run, purpose=action.purpose, key=action.key, fire_at=action.at))
-        elif isinstance(action, p.Finish):
-            _finish(run, action, now)
-            fields |= {"status", "output", "error", "finished_at"}
-    if planned.finish is None:
-        _show_waiting(run, planned, fields)
-    if timers and planned.finish is None:
-        # The same journal planned twice asks for the same keys: one row each.
-        Timer.objects.bulk_create(timers, ignore_conflicts=True)
-    run_changes = {name: getattr(run, name) for name in sorted(fields)}
-    if run_changes:
-        run.updated_at = now
-        run_changes["updated_at"] = now
-    inserted = []
-    for index, action in enumerate(schedules):
-        # The run's own changes ride on the last insert (one statement on Postgres).
-        last = index == len(schedules) - 1
-        inserted.append(_schedule(run, action, now, run_changes if last else None))
-    if hold and len(inserted) == 1:
-        applied.held = inserted[0]
-    elif len(inserted) == 1:
-        dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
-    elif inserted:
-        # Branches and items fanned out together go as one chord whose body is an advance:
-        # a notification only, since every attempt's completion advances the run itself.
-        dispatch.offer_chord_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
-    if run_changes and not schedules:
-        update_run(run.id, run_changes)
-    return applied
+        if action.wait_key and action.status == StepStatus.WAITING:
+            self.applied.waits.append(opened)
+        if action.start is not None:
+            child = _start_child(run, opened, action.start)
+            if child is not None:
+                self.applied.children.append(child)
+
+    def close(self, action: p.Close) -> None:
+        closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
+            status=action.status, output=action.output, error=action.error, finished_at=self.now
+        )
+        kind = kinds.get(action.kind)
+        if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
+            # An approval past its deadline: the request expires (escalation goes out).
+            kind.timed_out([action.attempt_id], self.now)
+
+    def cancel(self, action: p.Cancel) -> None:
+        _cancel(action.attempt_ids, self.now)
+
+    def expire(self, action: p.Expire) -> None:
+        attempt = StepRun.objects.filter(id=action.attempt_id)
+        task_ids = list(attempt.values_list("celery_task_id", flat=True))
+        changed = attempt.filter(status=StepStatus.RUNNING).update(
+            status=action.status, error=action.error, finished_at=self.now, claim=None
+        )
+        if changed:
+            dispatch.revoke_on_commit(task_ids)
+
+    def wake(self, action: p.Wake) -> None:
+        self.timers.append(
+            Timer(run=self.run, purpose=action.purpose, key=action.key, fire_at=action.at)
+        )
+
+    def finish(self, action: p.Finish) -> None:
+        _finish(self.run, action, self.now)
+        self.fields |= {"status", "output", "error", "finished_at"}
+
+    def done(self, planned: p.Plan, *, hold: bool) -> Applied:
+        run, now, applied = self.run, self.now, self.applied
+        if planned.finish is None:
+            _show_waiting(run, planned, self.fields)
+            if self.timers:
+                # The same journal planned twice asks for the same keys: one row each.
+                Timer.objects.bulk_create(self.timers, ignore_conflicts=True)
+        run_changes = {name: getattr(run, name) for name in sorted(self.fields)}
+        if run_changes:
+            run.updated_at = now
+            run_changes["updated_at"] = now
+        inserted = []
+        for index, action in enumerate(self.schedules):
+            # The run's own changes ride on the last insert (one statement on Postgres).
+            last = index == len(self.schedules) - 1
+            inserted.append(_schedule(run, action, now, run_changes if last else None))
+        if hold and len(inserted) == 1:
+            applied.held = inserted[0]
+        elif len(inserted) == 1:
+            dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
+        elif inserted:
+            # Branches and items fanned out together go as one chord whose body is an
+            # advance: a notification only, since every attempt's completion advances the
+            # run itself.
+            dispatch.offer_chord_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
+        if run_changes and not self.schedules:
+            update_run(run.id, run_changes)
+        return applied
+
+
+# Each kind of action the planner decides, and how it is written.
+_WRITE: dict[type, Callable[[_Writer, Any], None]] = {
+    p.StartRun: _Writer.start_run,
+    p.Schedule: _Writer.schedule,
+    p.Skip: _Writer.skip,
+    p.Open: _Writer.open,
+    p.Close: _Writer.close,
+    p.Cancel: _Writer.cancel,
+    p.Expire: _Writer.expire,
+    p.Wake: _Writer.wake,
+    p.Finish: _Writer.finish,
+}
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
