@@ -27,7 +27,7 @@ def save_workflow_modules(**_: object) -> None:
     fails validation stops the worker instead of running stale code."""
     from django.conf import settings
 
-    from workflows.sdk import sync_modules
+    from workflows.sync import sync_modules
 
     for workflow_id, result in sync_modules(settings.WORKFLOW_MODULES):
         state = "created" if result.created else "unchanged"

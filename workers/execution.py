@@ -36,7 +36,7 @@ from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
-from workflows.sdk import StepFailure
+from workflows.failures import StepFailure
 from workflows.templates import TooLarge, check_size
 
 from . import task_events

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .sdk import Workflow
+    from .builder import Workflow
 
 Handler = Callable[..., Any]
 
@@ -112,7 +112,7 @@ def handler_names() -> list[str]:
 
 
 def add_builder(builder: Workflow) -> None:
-    """Record a builder; called by ``workflows.sdk.Workflow`` when it is created."""
+    """Record a builder; called by ``workflows.builder.Workflow`` when it is created."""
     with _lock:
         old = _builders.get(builder.id)
         if old is not None and old is not builder and old.module != builder.module:

@@ -18,7 +18,7 @@ from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
 from tests.processes import wait_for
 from workers.tasks import execute_step
-from workflows.sdk import sync_modules
+from workflows.sync import sync_modules
 
 from .flows import effects, ensure_effects_table
 

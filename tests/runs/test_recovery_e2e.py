@@ -30,7 +30,7 @@ from django.db import connection
 from runs import services
 from runs.models import Run, StepRun
 from tests.processes import wait_for
-from workflows.sdk import sync_modules
+from workflows.sync import sync_modules
 
 from .flows import effects, ensure_effects_table
 from .flows_recovery import RELAY_EFFECTS

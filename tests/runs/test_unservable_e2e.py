@@ -16,7 +16,7 @@ from tests.test_flower_events import FlowerView, flower  # noqa: F401 (a fixture
 from workers.task_events import CARRIER
 from workflows.errors import InvalidInput
 from workflows.models import WorkerHeartbeat
-from workflows.sdk import sync_modules
+from workflows.sync import sync_modules
 
 pytestmark = [pytest.mark.slow]
 

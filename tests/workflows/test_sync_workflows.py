@@ -1,4 +1,4 @@
-"""``manage.py sync_workflows`` and ``workflows.sdk.sync_modules``."""
+"""``manage.py sync_workflows`` and ``workflows.sync.sync_modules``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from django.core.management.base import CommandError
 
 from workflows import registry
 from workflows.models import WorkflowVersion
-from workflows.sdk import SyncError, sync_modules
+from workflows.sync import SyncError, sync_modules
 
 SAMPLES = "tests.workflows.sample_modules"
 GOOD = f"{SAMPLES}.good"

@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from workflows.sdk import SyncError, sync_modules
+from workflows.sync import SyncError, sync_modules
 
 
 class Command(BaseCommand):

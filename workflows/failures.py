@@ -1,0 +1,62 @@
+"""What a step handler raises to fail its attempt with a chosen error class (contract
+section 5).
+
+Handlers raise :class:`StepFailure` and the worker (``workers/execution.py``) catches it, so
+this module stands apart from the builder: the worker needs the exception, not the document
+builder. Handlers import it from :mod:`workflows.sdk` as before. It imports nothing of Django.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ERROR_CLASSES", "StepFailure"]
+
+ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
+# The contract's bound on every *_ms field, as workflows.schema.MAX_DURATION_MS (not imported
+# from there: that would load jsonschema into every process that imports a handler).
+MAX_DURATION_MS = 315_360_000_000  # 3650 days
+
+
+class StepFailure(Exception):
+    """Raised by a handler to fail its attempt with a chosen error class (contract section 5).
+
+    ``retryable`` is tried again while the retry budget lasts, no sooner than
+    ``retry_after_ms``; ``fatal`` and ``invalid_input`` are never retried; ``unservable`` means
+    this worker lacks what the step needs, and the attempt is offered to another worker without
+    spending the budget.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        class_: str = "fatal",
+        retry_after_ms: int | None = None,
+    ) -> None:
+        if class_ not in ERROR_CLASSES:
+            raise ValueError(
+                f"StepFailure class_ must be one of {', '.join(ERROR_CLASSES)}, got {class_!r}"
+            )
+        if retry_after_ms is not None and (
+            isinstance(retry_after_ms, bool)
+            or not isinstance(retry_after_ms, int)
+            or not 0 <= retry_after_ms <= MAX_DURATION_MS
+        ):
+            raise ValueError(
+                f"StepFailure retry_after_ms must be an integer from 0 to {MAX_DURATION_MS} "
+                f"(3650 days), got {retry_after_ms!r}"
+            )
+        super().__init__(message)
+        self.message = str(message)
+        self.error_class = class_
+        self.retry_after_ms = retry_after_ms
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The default reduces to ``StepFailure(message)`` and would lose the class.
+        return (type(self), (self.message, self.error_class, self.retry_after_ms))
+
+    def __repr__(self) -> str:
+        return f"StepFailure({self.message!r}, class_={self.error_class!r})"
+
+    def as_error(self) -> dict[str, str]:
+        return {"class": self.error_class, "message": self.message}
