@@ -42,7 +42,7 @@ from django.utils import timezone
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import events, unservable
+from . import delivery, unservable
 from .advance import run_advance
 from .plan import WORKER_KINDS
 
@@ -73,7 +73,7 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("lost_workers", lambda: advance_lost_workers(now, batch, until=until)),
             ("stuck_runs", lambda: advance_stuck(now, batch, until=until)),
             ("requested", lambda: advance_requested(now, batch, until=until)),
-            ("missed_events", lambda: events.match_missed(batch)),
+            ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
             ("mails_reoffered", lambda: _reoffer_mails(now, batch)),
             ("reminders_restored", lambda: _restore_reminders(now, batch)),
