@@ -23,7 +23,10 @@ from .plan import COMPOSITE_KINDS, DEFAULT_MAX_STEPS, AttemptView, RunView, Sett
 @lru_cache(maxsize=512)
 def document_of(version_id: int) -> dict[str, Any]:
     """The document of a workflow version. Versions never change, so caching is safe."""
-    return WorkflowVersion.objects.values_list("document", flat=True).get(id=version_id)
+    document: dict[str, Any] = WorkflowVersion.objects.values_list("document", flat=True).get(
+        id=version_id
+    )
+    return document
 
 
 def document_for(run: Run) -> dict[str, Any]:

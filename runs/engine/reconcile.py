@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from uuid import UUID
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
@@ -192,7 +193,7 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
         .order_by("updated_at")
         .values_list("id", "updated_at")[:batch]
     )
-    claimed = {}
+    claimed: dict[UUID, None] = {}
     for run_id, updated_at in list(candidates):
         # The claim: only one reconciler moves updated_at from the value it read.
         if Run.objects.filter(id=run_id, updated_at=updated_at).update(updated_at=now):
@@ -212,7 +213,7 @@ def advance_requested(now: datetime, batch: int, *, until: float = _NO_END) -> i
     return _advance_each(dict.fromkeys(stale), until)
 
 
-def _advance_each(run_ids: dict, until: float = _NO_END) -> int:
+def _advance_each(run_ids: dict[UUID, None], until: float = _NO_END) -> int:
     """Advance each run one bounded round until ``until`` (monotonic); hand the rest to
     workers. Returns how many runs were advanced or handed over."""
     advanced = 0
