@@ -6,6 +6,8 @@ import smtplib
 
 from celery import shared_task
 
+from . import outbox
+
 # SMTP refusing, a connection reset or a DNS hiccup: worth another try.
 RETRIED = (smtplib.SMTPException, OSError)
 
@@ -20,8 +22,6 @@ RETRIED = (smtplib.SMTPException, OSError)
     max_retries=8,
 )
 def send_mail(self, mail_id: int) -> bool:
-    from . import outbox
-
     try:
         return outbox.deliver(mail_id)
     except RETRIED as error:

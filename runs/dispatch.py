@@ -2,6 +2,14 @@
 
 Every message may arrive twice, late or never; the receiving task is idempotent and the
 reconciler finds what a lost message left behind.
+
+Tasks are sent by name, through the current Celery app: the dispatcher imports neither the
+tasks it sends (the worker's ``workers.tasks`` is above ``runs``; ``runs.tasks`` imports the
+engine, which imports this module) nor ``config.celery``. A process that has not imported a
+task's module sends it with Celery's ``send_task``, which knows none of the task's declared
+options: each message names what the task declares for its sender (``ignore_result``), and
+the queue comes from the message (an attempt's queue) or ``CELERY_TASK_ROUTES`` (the engine's
+tasks), as it did when the task objects were imported.
 """
 
 from __future__ import annotations
@@ -10,17 +18,27 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from celery import chord, current_app
+from django.conf import settings
 from django.db import transaction
 
 logger = logging.getLogger(__name__)
 
+# Names as the tasks declare them (runs.tasks, workers.tasks).
+ADVANCE = "runs.advance"
+EXECUTE_STEP = "workers.execute_step"
+
+
+def _advance_signature(run_id: Any, **options: Any) -> Any:
+    return current_app.signature(ADVANCE, (str(run_id),), **options)
+
 
 def advance_on_commit(run_id: Any) -> None:
-    from .tasks import advance
-
     # robust: a broker outage must not turn a committed change into an error; the
     # reconciler advances a run that stays quiet with nothing in flight.
-    transaction.on_commit(lambda: advance.delay(str(run_id)), robust=True)
+    transaction.on_commit(
+        lambda: _advance_signature(run_id, ignore_result=True).apply_async(), robust=True
+    )
 
 
 def revoke_on_commit(task_ids: Iterable[str]) -> None:
@@ -29,10 +47,8 @@ def revoke_on_commit(task_ids: Iterable[str]) -> None:
         return
 
     def revoke() -> None:
-        from config.celery import app
-
         try:
-            app.control.revoke(ids)
+            current_app.control.revoke(ids)
         except Exception:  # best-effort: the attempt is already cancelled in the journal
             logger.warning("could not revoke tasks %s", ids, exc_info=True)
 
@@ -56,15 +72,13 @@ def offer(step_run: Any, *, workflow_id: str) -> None:
 
 
 def _execute_signature(step_run: Any, **options: Any) -> Any:
-    from django.conf import settings
-
-    from workers.tasks import execute_step
-
     # The step's own limit is a SIGALRM in the worker (workers.execution). Celery's limits
     # are the backstop, set past it by the time a worker may spend running the run's next
     # steps in the same task.
     soft = step_run.timeout_ms / 1000 + settings.DJFLOW["INLINE_SECONDS"]
-    return execute_step.signature(
+    options.setdefault("ignore_result", True)
+    return current_app.signature(
+        EXECUTE_STEP,
         (step_run.id,),
         task_id=step_run.celery_task_id,
         queue=step_run.queue,
@@ -84,12 +98,8 @@ def offer_chord_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str
     """
 
     def send() -> None:
-        from celery import chord
-
-        from .tasks import advance
-
         header = [_execute_signature(s, ignore_result=False) for s in step_runs]
-        chord(header)(advance.si(str(run_id)))
+        chord(header)(_advance_signature(run_id, immutable=True))
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler
     # offers them again one by one.
@@ -109,10 +119,8 @@ def offer_now(step_run: Any, *, workflow_id: str) -> None:
 def advance_now(run_id: Any) -> None:
     """Send an ``advance`` message now (nothing to wait for: the caller has committed).
     A broker outage is logged, not raised: the reconciler advances the run later."""
-    from .tasks import advance
-
     try:
-        advance.delay(str(run_id))
+        _advance_signature(run_id, ignore_result=True).apply_async()
     except Exception:
         logger.warning("could not send advance for run %s", run_id, exc_info=True)
 
@@ -121,13 +129,9 @@ def advance_many(run_ids: list[Any]) -> None:
     """Send ``advance`` messages for many runs through one producer (acquiring one per
     message cost about half a second per thousand). A broker outage is logged, not raised:
     the reconciler advances the runs left behind."""
-    from config.celery import app
-
-    from .tasks import advance
-
     try:
-        with app.producer_or_acquire() as producer:
+        with current_app.producer_or_acquire() as producer:
             for run_id in run_ids:
-                advance.apply_async((str(run_id),), producer=producer)
+                _advance_signature(run_id, ignore_result=True).apply_async(producer=producer)
     except Exception:
         logger.warning("could not send advance for %d runs", len(run_ids), exc_info=True)

@@ -18,7 +18,7 @@ from workflows.inputs import input_errors
 from workflows.models import WorkflowVersion
 
 from . import dispatch, vault
-from .engine import events
+from .engine import delivery
 from .engine.advance import advance_locked
 from .engine.store import request_advance
 from .models import Event, Run, RunAction, StepRun, Timer
@@ -254,7 +254,7 @@ def event_send(
     # Only waits of runs whose workflow the caller operates (CONTRACT section 8): anyone
     # else's event could otherwise satisfy another team's approval gate.
     workflows = access.operated_workflow_ids(user)
-    event, resumed = events.deliver(
+    event, resumed = delivery.deliver(
         name=name, key=key, payload=payload, user=user, workflows=workflows
     )
     for run_id in resumed:

@@ -6,6 +6,10 @@ import logging
 
 from celery import shared_task
 
+from .engine.advance import run_advance
+from .engine.reconcile import reconcile as reconcile_once
+from .engine.timers import fire_due
+
 logger = logging.getLogger(__name__)
 
 # Rows the reconciler acted on that are housekeeping, not a repair: said at debug only.
@@ -15,8 +19,6 @@ _RECONCILE_HOUSEKEEPING = frozenset({"timers_pruned"})
 @shared_task(name="runs.advance", ignore_result=True, acks_late=True)
 def advance(run_id: str) -> None:
     """Plan and apply the next actions of a run. A second delivery finds nothing to do."""
-    from .engine.advance import run_advance
-
     run_advance(run_id=run_id)
 
 
@@ -28,8 +30,6 @@ def fire_timers() -> int:
     """The engine's clock tick (beat, every second): fire due timers, advance their runs.
     Said at info only when it fired some: an idle tick is debug (config.logging drops
     Celery's own lines about it)."""
-    from .engine.timers import fire_due
-
     fired = fire_due()
     logger.log(logging.INFO if fired else logging.DEBUG, "timers: fired %d due timer(s)", fired)
     return fired
@@ -38,8 +38,6 @@ def fire_timers() -> int:
 @shared_task(name="runs.reconcile", ignore_result=True)
 def reconcile() -> dict[str, int]:
     """The reconciler (beat, every RECONCILE_SECONDS): recover lost messages and workers."""
-    from .engine.reconcile import reconcile as reconcile_once
-
     counts = reconcile_once()
     repaired = {part: n for part, n in counts.items() if n and part not in _RECONCILE_HOUSEKEEPING}
     if repaired:

@@ -21,7 +21,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from runs import services
-from runs.engine.events import match_missed
+from runs.engine.delivery import match_missed
 from runs.models import Event, Run, RunAction, StepRun
 from runs.status import RunStatus, StepStatus
 from workflows import access

@@ -86,7 +86,7 @@ class StepContext:
     attempt: int
     idempotency_key: str
     workflow_id: str
-    logger: logging.LoggerAdapter
+    logger: logging.LoggerAdapter[logging.Logger]
     spans: list[Span] = field(default_factory=list)
 
     @contextmanager
@@ -117,7 +117,7 @@ class StepContext:
         return sum((s.cost_usd or Decimal(0) for s in self.spans), Decimal(0))
 
 
-class _StepLogger(logging.LoggerAdapter):
+class _StepLogger(logging.LoggerAdapter[logging.Logger]):
     """Prefixes every line with the run, step and attempt, and passes them as ``extra``."""
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -127,7 +127,7 @@ class _StepLogger(logging.LoggerAdapter):
         return f"{prefix} {msg}", kwargs
 
 
-def bound_logger(run_id: str, step_id: str, attempt: int) -> logging.LoggerAdapter:
+def bound_logger(run_id: str, step_id: str, attempt: int) -> logging.LoggerAdapter[logging.Logger]:
     return _StepLogger(
         logging.getLogger("workflows.step"),
         {"run_id": run_id, "step_id": step_id, "attempt": attempt},

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 from celery.exceptions import Retry
 
 from . import execution
 
 
 @shared_task(name="workers.execute_step", bind=True, ignore_result=True)
-def execute_step(self, step_run_id: int) -> str:
+def execute_step(self: Task[Any, Any], step_run_id: int) -> str:
     """Idempotent: a duplicate delivery finds the attempt claimed and does nothing. Its own
     attempt handed back (this worker lacks the handler), it ends RETRY."""
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"

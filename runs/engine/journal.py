@@ -24,7 +24,10 @@ from .plan import DEFAULT_MAX_STEPS, HOLDERS, AttemptView, RunView, Settings
 @lru_cache(maxsize=512)
 def document_of(version_id: int) -> dict[str, Any]:
     """The document of a workflow version. Versions never change, so caching is safe."""
-    return WorkflowVersion.objects.values_list("document", flat=True).get(id=version_id)
+    document: dict[str, Any] = WorkflowVersion.objects.values_list("document", flat=True).get(
+        id=version_id
+    )
+    return document
 
 
 def document_for(run: Run) -> dict[str, Any]:

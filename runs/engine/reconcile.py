@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from functools import partial
+from uuid import UUID
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
@@ -46,7 +47,7 @@ from workflows.kinds import Role
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import events, hooks, unservable
+from . import delivery, hooks, unservable
 from .advance import run_advance
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("lost_workers", lambda: advance_lost_workers(now, batch, until=until)),
             ("stuck_runs", lambda: advance_stuck(now, batch, until=until)),
             ("requested", lambda: advance_requested(now, batch, until=until)),
-            ("missed_events", lambda: events.match_missed(batch)),
+            ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
         ]
         # The repairs of apps above the engine (approvals' mails and reminders).
@@ -181,7 +182,7 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
         .order_by("updated_at")
         .values_list("id", "updated_at")[:batch]
     )
-    claimed = {}
+    claimed: dict[UUID, None] = {}
     for run_id, updated_at in list(candidates):
         # The claim: only one reconciler moves updated_at from the value it read.
         if Run.objects.filter(id=run_id, updated_at=updated_at).update(updated_at=now):
@@ -201,7 +202,7 @@ def advance_requested(now: datetime, batch: int, *, until: float = _NO_END) -> i
     return _advance_each(dict.fromkeys(stale), until)
 
 
-def _advance_each(run_ids: dict, until: float = _NO_END) -> int:
+def _advance_each(run_ids: dict[UUID, None], until: float = _NO_END) -> int:
     """Advance each run one bounded round until ``until`` (monotonic); hand the rest to
     workers. Returns how many runs were advanced or handed over."""
     advanced = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import connection
-from django.db.models import Model
+from django.db.models import Field, Model
 
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import StepStatus
@@ -19,12 +19,27 @@ from ..status import StepStatus
 _TABLE = StepRun._meta.db_table
 
 
+def _field(name: str, model: type[Model] = StepRun) -> Field[Any, Any]:
+    field = model._meta.get_field(name)
+    # A reverse relation has no column of its own: every name written here is a column.
+    if not isinstance(field, Field):
+        raise TypeError(f"{model.__name__}.{name} is a relation, not a column")
+    return field
+
+
+def _column(name: str, model: type[Model] = StepRun) -> str:
+    column = _field(name, model).column
+    if column is None:
+        raise TypeError(f"{model.__name__}.{name} has no column")
+    return column
+
+
 def _prep(name: str, value: Any, model: type[Model] = StepRun) -> Any:
-    return model._meta.get_field(name).get_db_prep_save(value, connection)
+    return _field(name, model).get_db_prep_save(value, connection)
 
 
 def _run_update(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
-    assignments = ", ".join(f"{Run._meta.get_field(n).column} = %s" for n in changes)
+    assignments = ", ".join(f"{_column(n, Run)} = %s" for n in changes)
     params = [_prep(name, value, Run) for name, value in changes.items()]
     params.append(_prep("id", run_id, Run))
     return f"UPDATE {Run._meta.db_table} SET {assignments} WHERE id = %s", params
@@ -45,7 +60,7 @@ def insert_attempt(
     ``run_changes`` (the run's own changed fields) are written too: on Postgres in the same
     statement, as a data-modifying WITH, which spares a round trip on every step.
     """
-    columns = [StepRun._meta.get_field(name).column for name in values]
+    columns = [_column(name) for name in values]
     params = [_prep(name, value) for name, value in values.items()]
     placeholders = ", ".join(["%s"] * len(columns))
     insert = f"INSERT INTO {_TABLE} ({', '.join(columns)}) VALUES ({placeholders})"
@@ -57,14 +72,16 @@ def insert_attempt(
             cursor.execute(
                 f"WITH run_update AS ({update}) {insert} RETURNING id", update_params + params
             )
-            return cursor.fetchone()[0]
+            inserted: int = cursor.fetchone()[0]
+            return inserted
         if run_changes:
             update_run(run_id, run_changes)
         if not returning:
             cursor.execute(insert, params)
             return connection.ops.last_insert_id(cursor, _TABLE, "id")
         cursor.execute(f"{insert} RETURNING id", params)
-        return cursor.fetchone()[0]
+        inserted = cursor.fetchone()[0]
+        return inserted
 
 
 def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
@@ -75,7 +92,7 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     (on Postgres in the same statement): a finished attempt needs no deadline, and the tick
     need not fire it.
     """
-    assignments = ", ".join(f"{StepRun._meta.get_field(n).column} = %s" for n in values)
+    assignments = ", ".join(f"{_column(n)} = %s" for n in values)
     params = [_prep(name, value) for name, value in values.items()]
     sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
     params += [step_run_id, StepStatus.RUNNING.value, _prep("claim", claim)]
@@ -83,7 +100,7 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
         f"DELETE FROM {Timer._meta.db_table} WHERE step_run_id = %s AND purpose = %s"
         " AND fired_at IS NULL"
     )
-    drop_params = [step_run_id, TimerPurpose.STEP_DEADLINE.value]
+    drop_params: list[Any] = [step_run_id, TimerPurpose.STEP_DEADLINE.value]
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
@@ -92,7 +109,8 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
                 " SELECT count(*) FROM recorded",
                 params + drop_params,
             )
-            return cursor.fetchone()[0] == 1
+            recorded: int = cursor.fetchone()[0]
+            return recorded == 1
         cursor.execute(sql, params)
         if cursor.rowcount != 1:
             return False

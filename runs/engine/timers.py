@@ -84,7 +84,7 @@ def claim_due(now: datetime, batch: int) -> list[tuple[Any, str, int | None]]:
             .order_by("fire_at")
             .values_list("id", "run_id", "purpose", "step_run_id")[:batch]
         )
-        claimed = []
+        claimed: list[tuple[Any, str, int | None]] = []
         for timer_id, run_id, purpose, step_run in due:
             if Timer.objects.filter(id=timer_id, fired_at__isnull=True).update(
                 fired_at=now, fires=1
@@ -94,7 +94,11 @@ def claim_due(now: datetime, batch: int) -> list[tuple[Any, str, int | None]]:
 
 
 def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
-    deadlines = {step for _, purpose, step in claimed if purpose == TimerPurpose.STEP_DEADLINE}
+    deadlines = {
+        step
+        for _, purpose, step in claimed
+        if purpose == TimerPurpose.STEP_DEADLINE and step is not None
+    }
     still_running = set(
         StepRun.objects.filter(id__in=deadlines, status=StepStatus.RUNNING).values_list(
             "id", flat=True

@@ -109,7 +109,7 @@ def _expire_one(step_run_id: int) -> bool:
         .select_related("run")
         .first()
     )
-    if found is None:
+    if found is None or found.waiting_since is None:
         return False  # taken, cancelled, or its wait called off meanwhile
     step = heartbeats.StepHandler("", found.step_id, found.waiting_for, found.queue)
     with transaction.atomic():

@@ -1,7 +1,7 @@
 """The runs API (contract sections 5 and 7) over HTTP, against Postgres.
 
 No worker runs here: the services' messages are sent after commit, and these tests either
-capture those callbacks (with ``advance.delay`` patched) or never commit at all.
+capture those callbacks (with ``advance`` messages patched) or never commit at all.
 """
 
 from __future__ import annotations
@@ -77,8 +77,11 @@ def version():
 
 @pytest.fixture
 def advance_delay():
-    """``runs.tasks.advance.delay``, patched: what the on-commit callbacks would send."""
-    with mock.patch("runs.tasks.advance.delay") as delay:
+    """What the on-commit callbacks would send to ``runs.advance``, called as ``delay`` is
+    (the run id). The dispatcher sends by name; the task's ``apply_async`` is what sends."""
+    delay = mock.Mock()
+    with mock.patch("runs.tasks.advance.apply_async") as apply_async:
+        apply_async.side_effect = lambda args, kwargs=None, **_: delay(*args, **(kwargs or {}))
         yield delay
 
 

@@ -185,7 +185,7 @@ class Backoff:
         if uptime >= self.steady:
             self.crashes = 0
         self.crashes += 1
-        return min(self.first * 2 ** (self.crashes - 1), self.most)
+        return min(self.first * 2.0 ** (self.crashes - 1), self.most)
 
 
 @dataclass

@@ -1,0 +1,106 @@
+"""Tasks are sent by name (issue 13): ``runs.dispatch`` and ``approvals.outbox`` import no
+task module, and the messages they send carry what the tasks declare for their sender (name,
+queue, ``ignore_result``, time limits), whether or not the sending process imported the
+tasks' modules. A web process imports neither ``runs.tasks`` nor ``workers.tasks``: there
+Celery sends with ``send_task``, which knows none of a task's declared options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.conf import settings
+
+from approvals import outbox
+from config.celery import app
+from runs import dispatch
+
+TASKS = ("runs.advance", "workers.execute_step", "approvals.send_mail")
+
+
+@pytest.fixture(params=["imported", "not imported"])
+def sent(request) -> Iterator[list[dict[str, Any]]]:
+    """The messages published, in order, with on_commit callbacks run at once."""
+    # Importing a task's module registers it with the app.
+    import approvals.tasks  # noqa: F401
+    import runs.tasks  # noqa: F401
+    import workers.tasks  # noqa: F401
+
+    messages: list[dict[str, Any]] = []
+
+    def publish(producer: Any, name: str, message: Any, **options: Any) -> None:
+        headers, _, (args, _, embed), _ = message
+        queue = options.get("queue")
+        messages.append(
+            {
+                "task": name,
+                "args": list(args),
+                "id": headers["id"],
+                "ignore_result": headers["ignore_result"],
+                "timelimit": tuple(headers["timelimit"]),
+                "queue": getattr(queue, "name", queue),
+                "chord": embed.get("chord"),
+            }
+        )
+
+    with (
+        mock.patch.dict(app.tasks),
+        mock.patch.object(app.amqp, "send_task_message", side_effect=publish),
+        mock.patch("django.db.transaction.on_commit", side_effect=lambda f, robust=False: f()),
+    ):
+        if request.param == "not imported":
+            for name in TASKS:
+                del app.tasks[name]
+        yield messages
+
+
+def attempt(id: int) -> Any:
+    return SimpleNamespace(id=id, celery_task_id=f"task-{id}", queue="gpu", timeout_ms=5000)
+
+
+def test_advance_goes_to_the_engine_queue_without_a_result(sent) -> None:
+    dispatch.advance_on_commit("r1")
+    dispatch.advance_now("r2")
+    dispatch.advance_many(["r3", "r4"])
+    assert [(m["task"], m["args"], m["queue"], m["ignore_result"]) for m in sent] == [
+        ("runs.advance", [run], "engine", True) for run in ("r1", "r2", "r3", "r4")
+    ]
+
+
+def test_an_attempt_goes_to_its_queue_with_its_task_id_and_limits(sent) -> None:
+    dispatch.offer(attempt(1), workflow_id="w")
+    dispatch.offer_on_commit(attempt(2), workflow_id="w")
+    soft = 5 + settings.DJFLOW["INLINE_SECONDS"]
+    assert sent == [
+        {
+            "task": "workers.execute_step",
+            "args": [n],
+            "id": f"task-{n}",
+            "ignore_result": True,
+            "timelimit": (soft + 10, soft),
+            "queue": "gpu",
+            "chord": None,
+        }
+        for n in (1, 2)
+    ]
+
+
+def test_a_fan_out_is_a_chord_of_attempts_that_keep_a_result_then_advance(sent) -> None:
+    dispatch.offer_chord_on_commit([attempt(3), attempt(4)], run_id="r5", workflow_id="w")
+    assert [(m["task"], m["args"], m["id"], m["ignore_result"], m["queue"]) for m in sent] == [
+        ("workers.execute_step", [3], "task-3", False, "gpu"),
+        ("workers.execute_step", [4], "task-4", False, "gpu"),
+    ]
+    body = sent[0]["chord"]
+    assert (body["task"], list(body["args"]), body["immutable"]) == ("runs.advance", ["r5"], True)
+
+
+def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
+    outbox.offer_on_commit([7, 8])
+    assert [(m["task"], m["args"], m["queue"], m["ignore_result"]) for m in sent] == [
+        ("approvals.send_mail", [7], "mail", True),
+        ("approvals.send_mail", [8], "mail", True),
+    ]
