@@ -1193,7 +1193,8 @@ class _Planner:
 
 def _one(body: Any) -> Mapping[str, Any]:
     """A body given as one step, or as a list holding one step, is that step."""
-    return body[0] if isinstance(body, list) else body
+    step: Mapping[str, Any] = body[0] if isinstance(body, list) else body
+    return step
 
 
 def _counts_as_attempt(attempt: AttemptView) -> bool:
