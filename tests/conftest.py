@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,6 +11,7 @@ from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker
 
 
@@ -19,6 +21,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "celery_processes" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.worker_e2e)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker, request) -> Iterator[None]:
+    """The test database, with the status tables installed as triggers (tests/moves.py):
+    every test that writes a run or a step run, in this process or in the worker processes
+    it starts, fails on a move the tables do not list. ``DJFLOW_MOVES_REPORT=1`` lists, at
+    the end, the moves the tables allow that no test made."""
+    with django_db_blocker.unblock():
+        moves.install()
+    yield
+    if os.environ.get("DJFLOW_MOVES_REPORT"):
+        with django_db_blocker.unblock():
+            never = moves.moves_never_made()
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line("")
+            reporter.write_line(f"status moves the tables allow that no test made: {len(never)}")
+            for move in never:
+                reporter.write_line(f"  {move}")
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,7 @@ from workflows import secrets
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus, check_run_move
+from . import ending
 from . import plan as p
 from .store import insert_attempt, request_advance, update_run
 
@@ -208,10 +209,8 @@ def _start_child(run: Run, step_run: StepRun, start: Any, budget: Any) -> None:
         # An anonymous child: the parent's own version, running one body of it.
         workflow_id, version, body = run.workflow_id, run.version, start["body"]
     else:
-        versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
-        if start.get("version") is not None:
-            versions = versions.filter(number=start["version"])
-        workflow_id, version, body = start["workflow"], versions.order_by("-number").first(), ""
+        version = WorkflowVersion.objects.resolve(start["workflow"], start.get("version"))
+        workflow_id, body = start["workflow"], ""
     if version is None:
         # Validation at save refuses an unknown workflow; one deleted since fails the step.
         message = (
@@ -275,12 +274,7 @@ def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str =
 
 def _cancel_children(rows: Any, reason: str) -> None:
     """Cancel, transitively, the child runs of these subworkflow step runs."""
-    from ..services import run_cancel
-    from ..status import RUN_TERMINAL
-
-    children = Run.objects.filter(parent_step_run__in=rows).exclude(status__in=RUN_TERMINAL)
-    for child_id in children.values_list("id", flat=True):
-        run_cancel(run_id=child_id, reason=reason)
+    ending.cancel_children(rows, reason=reason, now=timezone.now())
 
 
 HELD = (RunStatus.RUNNING, RunStatus.WAITING, RunStatus.PENDING_APPROVAL)
@@ -364,31 +358,5 @@ def _schedule(
 
 
 def _finish(run: Run, action: p.Finish, now: datetime) -> None:
-    check_run_move(run.status, action.status)
-    run.status = action.status
-    run.output = action.output
-    run.error = dict(action.error) if action.error else None
-    run.finished_at = now
-    # Nothing may go on once the run has ended: attempts still offered or running are
-    # cancelled (a running body's result will be refused), open engine rows closed.
-    in_flight = StepRun.objects.filter(run=run, status__in=IN_FLIGHT)
-    # One read, and writes only when something is left (a run that completes has nothing).
-    left = list(in_flight.values_list("id", "kind", "celery_task_id"))
-    if left:
-        from approvals import gates
-
-        gates.cancel([row_id for row_id, kind, _ in left if kind == p.APPROVAL], now)
-        children = [row_id for row_id, kind, _ in left if kind == p.SUBWORKFLOW]
-        if children:
-            reason = f"its parent run {action.status}"
-            _cancel_children(StepRun.objects.filter(id__in=children), reason)
-        ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
-        in_flight.filter(kind="condition").update(status=ended, finished_at=now)
-        in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
-        dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
-    # An ended run needs no timer: the tick would find nothing to do for it.
-    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
-    if run.parent_run_id is not None and request_advance(run.parent_run_id):
-        # A child's end is its subworkflow step's: the parent plans on from the journal.
-        # Asked for, not done here: the parent's lock is never taken under a child's.
-        dispatch.advance_on_commit(run.parent_run_id)
+    # Nothing may go on once the run has ended: see ending.end_run.
+    ending.end_run(run, action.status, now=now, output=action.output, error=action.error)

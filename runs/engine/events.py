@@ -22,6 +22,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from ..models import Event, EventScope, Run, StepRun
+from ..moves import move_steps
 from ..status import StepStatus
 from .plan import wait_key
 
@@ -58,15 +59,15 @@ def take_event(run: Run, wait: StepRun) -> bool:
     )
     if event is None:
         return False
-    return (
-        StepRun.objects.filter(id=wait.id, status=StepStatus.WAITING).update(
-            status=StepStatus.SUCCEEDED,
-            output=event.payload,
-            event=event,
-            finished_at=timezone.now(),
-        )
-        == 1
+    resumed = move_steps(
+        StepRun.objects.filter(id=wait.id),
+        StepStatus.SUCCEEDED,
+        sources=[StepStatus.WAITING],
+        output=event.payload,
+        event=event,
+        finished_at=timezone.now(),
     )
+    return resumed == 1
 
 
 def resume_wait(wait_id: int, run_id: Any) -> bool:
