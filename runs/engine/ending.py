@@ -58,6 +58,8 @@ def end_run(
     """End ``run`` (locked by the caller) with ``status``: see the module's docstring. A
     move the table forbids (the run has ended already, say) raises ``IllegalTransition``
     before anything is written."""
+    if status not in RUN_TERMINAL:
+        raise ValueError(f"{status} is not an end")
     _end(run, status, now=now, output=output, error=error)
     _wake_parent(run)
 
@@ -85,7 +87,7 @@ def _end(
     )
     in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
     # One read, and writes only when something is left (a run that completes has nothing).
-    left = list(in_flight.values_list("id", "kind", "celery_task_id"))
+    left = list(in_flight.order_by().values_list("id", "kind", "celery_task_id"))
     if left:
         from approvals import gates
 
