@@ -34,13 +34,17 @@ def django_db_setup(django_db_setup, django_db_blocker, request) -> Iterator[Non
     yield
     if os.environ.get("DJFLOW_MOVES_REPORT"):
         with django_db_blocker.unblock():
-            never = moves.moves_never_made()
-        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line("")
-            reporter.write_line(f"status moves the tables allow that no test made: {len(never)}")
-            for move in never:
-                reporter.write_line(f"  {move}")
+            request.config.stash[_MOVES_NEVER_MADE] = moves.moves_never_made()
+
+
+_MOVES_NEVER_MADE = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    never = config.stash.get(_MOVES_NEVER_MADE, None)
+    if never is not None:
+        terminalreporter.section("status moves the tables allow that no test made")
+        terminalreporter.write_line(f"{len(never)}: " + (", ".join(never) or "none"))
 
 
 @pytest.fixture(autouse=True)

@@ -7,12 +7,13 @@ table does not list, or an INSERT with a status no row may start in (``RUN_INITI
 database exists, so every test of the session is also a test of the tables, and so is every
 worker and beat process a test starts (they use the same database).
 
-Each move made is also noted (an unlogged table, no index, so concurrent transactions never
-wait on one another to note the same move): :func:`moves_never_made` lists the moves the
-tables allow that nothing made.
+Each move made is also counted, on a sequence per move: ``nextval`` is kept when the test's
+transaction is rolled back, and never makes one transaction wait for another.
+:func:`moves_never_made` lists the moves the tables allow that nothing made.
 
 Tests that build rows straight into a status (factories, a test putting a row where it needs
-it) say so with :func:`unchecked`: the triggers let that connection's writes through.
+it) say so with :func:`unchecked`: the triggers let that connection's writes through. The
+tests of the tables make every move on purpose: they run :func:`uncounted`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,17 @@ from django.db import connection
 from runs.models import Run, StepRun
 from runs.status import RUN_INITIAL, RUN_MOVES, STEP_INITIAL, STEP_MOVES
 
-SEEN = "djflow_test_moves_seen"
+_SEQUENCE = "djflow_moves_"
+
+
+def _sequence(table: str, source: str, target: str) -> str:
+    return f"{_SEQUENCE}{table}_{source}_{target}"
+
+
 # A connection that sets this to "on" writes statuses unchecked (see ``unchecked``).
 BYPASS = "djflow.moves_unchecked"
+# And this to "on": its moves are checked but not counted (see ``uncounted``).
+UNCOUNTED = "djflow.moves_uncounted"
 
 
 def _literal(value: str) -> str:
@@ -69,7 +78,9 @@ BEGIN
         RAISE EXCEPTION 'a % {noun} cannot become %: not in the table', OLD.status, NEW.status
             USING ERRCODE = 'check_violation';
     END IF;
-    INSERT INTO {SEEN} VALUES ('{table}', OLD.status, NEW.status);
+    IF current_setting('{UNCOUNTED}', true) IS DISTINCT FROM 'on' THEN
+        PERFORM nextval('{_SEQUENCE}' || TG_TABLE_NAME || '_' || OLD.status || '_' || NEW.status);
+    END IF;
     RETURN NEW;
 END
 $$""",
@@ -82,10 +93,23 @@ FOR EACH ROW WHEN (NEW.status NOT IN ({_statuses(initial)})) EXECUTE FUNCTION {f
     ]
 
 
+def _all_moves() -> list[tuple[str, str, str]]:
+    tables = ((Run._meta.db_table, RUN_MOVES), (StepRun._meta.db_table, STEP_MOVES))
+    return [
+        (table, str(source), str(target))
+        for table, moves in tables
+        for source, targets in sorted(moves.items())
+        for target in sorted(targets)
+    ]
+
+
 def install() -> None:
-    """Install the triggers (idempotent: a reused test database gets them afresh)."""
+    """Install the triggers and their counters, afresh (a reused test database too)."""
     statements = [
-        f"CREATE UNLOGGED TABLE IF NOT EXISTS {SEEN} (tab text, source text, target text)",
+        *(
+            f"DROP SEQUENCE IF EXISTS {_sequence(*move)}; CREATE SEQUENCE {_sequence(*move)}"
+            for move in _all_moves()
+        ),
         *trigger_sql(Run._meta.db_table, "run", RUN_MOVES, RUN_INITIAL),
         *trigger_sql(StepRun._meta.db_table, "step run", STEP_MOVES, STEP_INITIAL),
     ]
@@ -98,24 +122,35 @@ def install() -> None:
 def unchecked() -> Iterator[None]:
     """Writes of this connection inside the block are not checked: a test building rows
     into the state it needs, not a code path of the engine."""
+    with _setting(BYPASS):
+        yield
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Moves of this connection inside the block are checked but not counted: the tests of
+    the tables themselves make every move, and the count is of what the engine makes."""
+    with _setting(UNCOUNTED):
+        yield
+
+
+@contextlib.contextmanager
+def _setting(name: str) -> Iterator[None]:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT set_config(%s, 'on', false)", [BYPASS])
+        cursor.execute("SELECT set_config(%s, 'on', false)", [name])
     try:
         yield
     finally:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT set_config(%s, 'off', false)", [BYPASS])
+            cursor.execute("SELECT set_config(%s, 'off', false)", [name])
 
 
 def moves_never_made() -> list[str]:
     """The moves the tables allow that no write of the session made, as ``table: a -> b``."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT DISTINCT tab, source, target FROM {SEEN}")
-        seen = set(cursor.fetchall())
     never = []
-    for table, moves in ((Run._meta.db_table, RUN_MOVES), (StepRun._meta.db_table, STEP_MOVES)):
-        for source, targets in sorted(moves.items()):
-            for target in sorted(targets):
-                if (table, str(source), str(target)) not in seen:
-                    never.append(f"{table}: {source} -> {target}")
+    with connection.cursor() as cursor:
+        for table, source, target in _all_moves():
+            cursor.execute(f"SELECT is_called FROM {_sequence(table, source, target)}")
+            if not cursor.fetchone()[0]:
+                never.append(f"{table}: {source} -> {target}")
     return never
