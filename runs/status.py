@@ -161,11 +161,17 @@ def _sources(
     moves: Mapping[str, frozenset[str]], noun: str, target: str, asked: Iterable[str] | None
 ) -> list[str]:
     allowed = [source for source, targets in moves.items() if target in targets]
-    wanted = allowed if asked is None else list(dict.fromkeys(asked))
+    if asked is None:
+        if not allowed:
+            raise IllegalTransition(errors=[FieldError("status", f"no {noun} can become {target}")])
+        return allowed
+    wanted = list(dict.fromkeys(asked))
     refused = [source for source in wanted if source not in allowed]
-    if refused or not allowed:
-        problems = [f"a {source} {noun} cannot become {target}" for source in refused]
+    if refused:
         raise IllegalTransition(
-            errors=[FieldError("status", m) for m in problems or [f"no {noun} can become {target}"]]
+            errors=[
+                FieldError("status", f"a {source} {noun} cannot become {target}")
+                for source in refused
+            ]
         )
     return wanted
