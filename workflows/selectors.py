@@ -23,10 +23,17 @@ def workflow_get(*, workflow_id: str) -> Workflow:
     return workflow
 
 
-def version_get(*, workflow_id: str, number: int | None = None) -> WorkflowVersion:
+def version_get(
+    *,
+    workflow_id: str,
+    number: int | None = None,
+    versions: QuerySet[WorkflowVersion] | None = None,
+) -> WorkflowVersion:
     """The given version of a workflow, or its latest when ``number`` is None; 404 (naming
-    the version or the workflow) when there is none."""
-    version = WorkflowVersion.objects.select_related("created_by").resolve(workflow_id, number)
+    the version or the workflow) when there is none. ``versions`` says what else to read
+    (the API shows the author: ``select_related("created_by")``)."""
+    versions = WorkflowVersion.objects.all() if versions is None else versions
+    version = versions.resolve(workflow_id, number)
     if version is None:
         if number is not None and WorkflowVersion.objects.filter(workflow_id=workflow_id).exists():
             raise NotFound(

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
+from django.db import connection
+
 from .. import dispatch
 from ..models import Run, StepRun, Timer
 from ..moves import move_run, move_steps
@@ -85,26 +87,47 @@ def _end(
         finished_at=now,
         updated_at=now,
     )
-    in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
-    # One read, and writes only when something is left (a run that completes has nothing).
-    left = list(in_flight.order_by().values_list("id", "kind", "celery_task_id"))
+    left, children = _left(run.id)
     if left:
         from approvals import gates
 
+        in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
         gates.cancel([row_id for row_id, kind, _ in left if kind == APPROVAL], now)
         if status in _CONDITION_FAILS_WITH:
             move_steps(in_flight.filter(kind=CONDITION), StepStatus.FAILED, finished_at=now)
         move_steps(in_flight, StepStatus.CANCELLED, finished_at=now, claim=None)
         dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
-    # Every child not ended, not only those of rows in flight: a run's children are its own
-    # to end whatever their rows say.
-    children = Run.objects.filter(parent_run=run).exclude(status__in=RUN_TERMINAL)
     reason = f"parent run {run.id} {_PARENT_ENDED[status]}"
-    for child_id in children.values_list("id", flat=True):
+    for child_id in children:
         child = _lock(child_id)
         if child is not None:
             _end(child, RunStatus.CANCELLED, now=now, output=None, error=cancelled_error(reason))
     Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+
+
+_STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
+# What a run leaves behind as it ends, in one round trip (a run that completes leaves
+# nothing, and this is all it reads): its rows in flight, and every child run not ended, not
+# only those of its rows in flight, since a run's children are its own to end whatever their
+# rows say.
+_LEFT = f"""
+SELECT id, kind, celery_task_id, NULL AS child FROM {_STEPS}
+ WHERE run_id = %s AND status IN ({", ".join(["%s"] * len(STEP_IN_FLIGHT))})
+ UNION ALL
+SELECT NULL, NULL, NULL, id FROM {_RUNS}
+ WHERE parent_run_id = %s AND status NOT IN ({", ".join(["%s"] * len(RUN_TERMINAL))})
+"""
+
+
+def _left(run_id: Any) -> tuple[list[tuple[int, str, str]], list[Any]]:
+    """The run's rows in flight (id, kind, task id) and its children that have not ended."""
+    key = Run._meta.pk.get_db_prep_value(run_id, connection)
+    params = [key, *map(str, STEP_IN_FLIGHT), key, *map(str, RUN_TERMINAL)]
+    with connection.cursor() as cursor:
+        cursor.execute(_LEFT, params)
+        found = cursor.fetchall()
+    rows = [(row_id, kind, task_id) for row_id, kind, task_id, child in found if child is None]
+    return rows, [child for *_, child in found if child is not None]
 
 
 def _lock(run_id: Any) -> Run | None:
