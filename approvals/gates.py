@@ -258,12 +258,6 @@ def cancel(step_run_ids: Iterable[int], now: datetime) -> int:
     ).update(status=ApprovalStatus.CANCELLED, closed_at=now)
 
 
-def cancel_run(run_id: Any, now: datetime) -> int:
-    return ApprovalRequest.objects.filter(run_id=run_id, status=ApprovalStatus.PENDING).update(
-        status=ApprovalStatus.CANCELLED, closed_at=now
-    )
-
-
 def handoff(run: Run, step_run: StepRun) -> dict[str, Any] | None:
     """Notify the users of the hand-off's group (in the app and by e-mail); the error that
     fails the step (class invalid_input) when the group does not exist."""

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from runs.engine.advance import advance_locked, lock_run
 from runs.models import StepRun
+from runs.moves import move_steps
 from runs.status import StepStatus
 from workflows.errors import Conflict, FieldError, Forbidden, InvalidInput, NotFound
 
@@ -147,17 +148,19 @@ def approval_decide(
         request.status, request.closed_at = outcome, now
         request.save(update_fields=["status", "closed_at"])
         output = {"decision": decision, "by": approver.label, "comment": comment}
+        ended: dict[str, Any] = {"output": output}
         if outcome == ApprovalStatus.APPROVED:
-            ended = {"status": StepStatus.SUCCEEDED, "output": output}
+            step_status = StepStatus.SUCCEEDED
         else:
             message = f"rejected by {approver.label}" + (f": {comment}" if comment else "")
-            ended = {
-                "status": StepStatus.FAILED,
-                "output": output,
-                "error": {"class": REJECTED, "message": message},
-            }
-        changed = StepRun.objects.filter(id=request.step_run_id, status=StepStatus.WAITING).update(
-            finished_at=now, **ended
+            step_status = StepStatus.FAILED
+            ended["error"] = {"class": REJECTED, "message": message}
+        changed = move_steps(
+            StepRun.objects.filter(id=request.step_run_id),
+            step_status,
+            sources=[StepStatus.WAITING],
+            finished_at=now,
+            **ended,
         )
         if changed and run is not None:
             advance_locked(run)

@@ -12,39 +12,23 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from workflows import access, heartbeats, secrets
+from workflows import access, heartbeats, secrets, selectors
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
 from workflows.inputs import input_errors
-from workflows.models import WorkflowVersion
 
 from . import dispatch, vault
 from .engine import delivery
 from .engine.advance import advance_locked
-from .engine.store import request_advance
-from .models import Event, Run, RunAction, StepRun, Timer
-from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
+from .engine.ending import cancelled_error, end_run
+from .models import Event, Run, RunAction
+from .moves import move_run
+from .status import IllegalTransition, RunStatus, check_run_move
 
 
 @dataclass(frozen=True)
 class StartResult:
     run: Run
     created: bool
-
-
-def _version_for(workflow: str, version: int | None) -> WorkflowVersion:
-    versions = WorkflowVersion.objects.filter(workflow_id=workflow)
-    found = (
-        versions.order_by("-number").first()
-        if version is None
-        else versions.filter(number=version).first()
-    )
-    if found is None:
-        if version is not None and versions.exists():
-            raise NotFound(
-                errors=[FieldError("version", f"workflow '{workflow}' has no version {version}")]
-            )
-        raise NotFound(errors=[FieldError("workflow", f"unknown workflow '{workflow}'")])
-    return found
 
 
 def run_start(
@@ -77,7 +61,7 @@ def run_start(
         existing = same_key.first()
         if existing is not None:
             return StartResult(existing, created=False)
-    pinned = _version_for(workflow, version)
+    pinned = selectors.version_get(workflow_id=workflow, number=version)
     problems = input_errors(pinned, input)
     if settings.DJFLOW["START_CHECKS_WORKERS"]:
         # A run no worker can take would wait, then fail as unservable: say so now.
@@ -149,31 +133,8 @@ def run_cancel(
     check_run_move(run.status, RunStatus.CANCELLED)
     if user is not None:
         record_action(run.id, "cancel", user)
-    now = timezone.now()
-    in_flight = list(
-        StepRun.objects.filter(
-            run=run, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
-        ).values_list("celery_task_id", flat=True)
-    )
-    StepRun.objects.filter(
-        run=run, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
-    ).update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
-    run.status = RunStatus.CANCELLED
-    run.error = {"class": "cancelled", "message": reason, "step": None}
-    run.finished_at = now
-    run.save(update_fields=["status", "error", "finished_at", "updated_at"])
-    dispatch.revoke_on_commit([task_id for task_id in in_flight if task_id])
-    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
-    from approvals import gates
-
-    gates.cancel_run(run.id, now)  # its links now show a closed request
-    for child in run.children.exclude(status__in=RUN_TERMINAL).values_list("id", flat=True):
-        run_cancel(run_id=child, reason=f"parent run {run.id} was cancelled")
-    parent = run.parent_run_id
-    parent_ended = Run.objects.filter(id=parent, status__in=RUN_TERMINAL).exists()
     # A child cancelled on its own fails its subworkflow step (class cancelled).
-    if parent is not None and not parent_ended and request_advance(parent):
-        dispatch.advance_on_commit(parent)
+    end_run(run, RunStatus.CANCELLED, now=timezone.now(), error=cancelled_error(reason))
     return run
 
 
@@ -183,8 +144,7 @@ def run_pause(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.PAUSED)
     record_action(run.id, "pause", user)
-    run.status = RunStatus.PAUSED
-    run.save(update_fields=["status", "updated_at"])
+    move_run(run, RunStatus.PAUSED)
     return run
 
 
@@ -196,9 +156,8 @@ def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
         # An illegal move is a conflict with the run's state, like every other (409).
         raise IllegalTransition(errors=[FieldError("status", f"a {run.status} run is not paused")])
     record_action(run.id, "resume", user)
-    run.status = RunStatus.RUNNING
     # Should the advance message be lost, the reconciler advances a run this quiet.
-    run.save(update_fields=["status", "updated_at"])
+    move_run(run, RunStatus.RUNNING)
     dispatch.advance_on_commit(run.id)
     return run
 
@@ -219,14 +178,16 @@ def run_retry(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
         )
     check_run_move(run.status, RunStatus.RUNNING)
     record_action(run.id, "retry", user, {"generation": run.generation + 1})
-    run.status = RunStatus.RUNNING
-    run.generation += 1
-    run.error = None
-    run.output = None
-    run.finished_at = None
-    run.started_at = timezone.now()
-    run.deadline_at = None  # set by the next advance from the document's limits
-    run.save()
+    move_run(
+        run,
+        RunStatus.RUNNING,
+        generation=run.generation + 1,
+        error=None,
+        output=None,
+        finished_at=None,
+        started_at=timezone.now(),
+        deadline_at=None,  # set by the next advance from the document's limits
+    )
     dispatch.advance_on_commit(run.id)
     return run
 

@@ -1,11 +1,15 @@
 """Run and step-run statuses and the moves allowed between them (contract section 5).
 
 A move that is not in these tables raises :class:`IllegalTransition`: every status change in
-the engine goes through :func:`check_run_move` or :func:`check_step_move`, and the database
-update that makes it is conditional on the source status.
+the engine is written by ``runs.moves``, whose updates are conditional on the sources these
+tables allow (narrowed to what the caller asks), or checked here first under the run's lock.
+The test suite installs a database trigger generated from these tables (``tests/moves.py``):
+a move not listed fails the statement, in the test process and in the worker processes alike.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 from django.db import models
 
@@ -54,8 +58,19 @@ STEP_IN_FLIGHT = frozenset({StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus
 
 _S = RunStatus
 RUN_MOVES: dict[str, frozenset[str]] = {
+    # A run's first plan starts it and may find it waiting at once (a first step that
+    # sleeps, waits or asks for approval): one write takes the row from pending to waiting.
     _S.PENDING: frozenset(
-        {_S.RUNNING, _S.PAUSED, _S.CANCELLED, _S.FAILED, _S.TIMED_OUT, _S.COMPLETED}
+        {
+            _S.RUNNING,
+            _S.WAITING,
+            _S.PENDING_APPROVAL,
+            _S.PAUSED,
+            _S.CANCELLED,
+            _S.FAILED,
+            _S.TIMED_OUT,
+            _S.COMPLETED,
+        }
     ),
     _S.RUNNING: frozenset(
         {
@@ -93,7 +108,13 @@ RUN_MOVES: dict[str, frozenset[str]] = {
 _T = StepStatus
 STEP_MOVES: dict[str, frozenset[str]] = {
     _T.SCHEDULED: frozenset({_T.RUNNING, _T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT}),
-    _T.RUNNING: frozenset({_T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.WAITING}),
+    # running -> scheduled: the worker that claimed the attempt hands it back (class
+    # unservable: it lacks the handler, or the handler said so), and the same attempt is
+    # requeued for another worker with its budget untouched (contract section 5). A new
+    # attempt instead would spend the budget and change what the journal shows.
+    _T.RUNNING: frozenset(
+        {_T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.WAITING, _T.SCHEDULED}
+    ),
     _T.WAITING: frozenset({_T.RUNNING, _T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT}),
     _T.SUCCEEDED: frozenset(),
     _T.FAILED: frozenset(),
@@ -103,28 +124,54 @@ STEP_MOVES: dict[str, frozenset[str]] = {
 }
 
 
+# What a row may be written with when it is inserted: a run starts pending; an attempt is
+# scheduled for a worker, opened running or waiting (an engine row), or written already
+# ended (a step failed before it could start, a wait over at once, a skipped step).
+RUN_INITIAL = frozenset({_S.PENDING})
+STEP_INITIAL = frozenset(
+    {_T.SCHEDULED, _T.RUNNING, _T.WAITING, _T.SUCCEEDED, _T.FAILED, _T.SKIPPED}
+)
+
+
 class IllegalTransition(Conflict):
     code = "illegal_transition"
 
 
 def check_run_move(source: str, target: str) -> None:
-    if target not in RUN_MOVES.get(source, frozenset()):
-        raise IllegalTransition(
-            errors=[FieldError("status", f"a {source} run cannot become {target}")]
-        )
+    run_sources(target, [source])
 
 
 def check_step_move(source: str, target: str) -> None:
-    if target not in STEP_MOVES.get(source, frozenset()):
+    step_sources(target, [source])
+
+
+def run_sources(target: str, asked: Iterable[str] | None = None) -> list[str]:
+    """The statuses a run may move to ``target`` from: the condition of the UPDATE that
+    moves it. ``asked`` narrows them; a status in it that may not move to ``target`` raises
+    (the caller's mistake, not a race), and so does a target no status may move to."""
+    return _sources(RUN_MOVES, "run", target, asked)
+
+
+def step_sources(target: str, asked: Iterable[str] | None = None) -> list[str]:
+    """As :func:`run_sources`, for a step run."""
+    return _sources(STEP_MOVES, "step run", target, asked)
+
+
+def _sources(
+    moves: Mapping[str, frozenset[str]], noun: str, target: str, asked: Iterable[str] | None
+) -> list[str]:
+    allowed = [source for source, targets in moves.items() if target in targets]
+    if asked is None:
+        if not allowed:
+            raise IllegalTransition(errors=[FieldError("status", f"no {noun} can become {target}")])
+        return allowed
+    wanted = list(dict.fromkeys(asked))
+    refused = [source for source in wanted if source not in allowed]
+    if refused:
         raise IllegalTransition(
-            errors=[FieldError("status", f"a {source} step run cannot become {target}")]
+            errors=[
+                FieldError("status", f"a {source} {noun} cannot become {target}")
+                for source in refused
+            ]
         )
-
-
-def run_sources(target: str) -> list[str]:
-    """Every status a run may move to ``target`` from: the condition of the UPDATE."""
-    return [source for source, targets in RUN_MOVES.items() if target in targets]
-
-
-def step_sources(target: str) -> list[str]:
-    return [source for source, targets in STEP_MOVES.items() if target in targets]
+    return wanted

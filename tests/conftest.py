@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,6 +11,7 @@ from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker
 
 
@@ -19,6 +21,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "celery_processes" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.worker_e2e)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker, request) -> Iterator[None]:
+    """The test database, with the status tables installed as triggers (tests/moves.py):
+    every test that writes a run or a step run, in this process or in the worker processes
+    it starts, fails on a move the tables do not list. ``DJFLOW_MOVES_REPORT=1`` lists, at
+    the end, the moves the tables allow that no test made."""
+    with django_db_blocker.unblock():
+        moves.install()
+    yield
+    if os.environ.get("DJFLOW_MOVES_REPORT"):
+        with django_db_blocker.unblock():
+            request.config.stash[_MOVES_NEVER_MADE] = moves.moves_never_made()
+
+
+_MOVES_NEVER_MADE = pytest.StashKey[list[str]]()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    never = config.stash.get(_MOVES_NEVER_MADE, None)
+    if never is not None:
+        terminalreporter.section("status moves the tables allow that no test made")
+        terminalreporter.write_line(f"{len(never)}: " + (", ".join(never) or "none"))
 
 
 @pytest.fixture(autouse=True)

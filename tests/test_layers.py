@@ -17,7 +17,6 @@ from itertools import pairwise
 from pathlib import Path
 
 import grimp
-import pytest
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 IMPORT_LINTER = tomllib.loads((BASE_DIR / "pyproject.toml").read_text())["tool"]["importlinter"]
@@ -152,15 +151,6 @@ def test_a_cycle_through_an_import_inside_a_function_is_found(tmp_path, monkeypa
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "cycles left through runs/engine/apply.py, which the kind registry's merge rewrites: "
-        "apply -> advance (l.205, to plan a child run), apply -> services (l.236 input_errors, "
-        "l.278 run_cancel); they hold runs.engine.advance, runs.engine.delivery and "
-        "runs.services in one component"
-    ),
-)
 def test_no_import_cycles() -> None:
     cycles = cycles_of(import_graph(*ROOT_PACKAGES))
     for cycle in cycles:

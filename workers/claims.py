@@ -18,7 +18,8 @@ from django.db import connection
 
 from runs.engine.journal import from_json, from_timestamp
 from runs.models import Run, StepRun, Timer, TimerPurpose
-from runs.status import StepStatus
+from runs.moves import move_steps
+from runs.status import StepStatus, step_sources
 
 
 @dataclass(frozen=True)
@@ -54,18 +55,22 @@ def lease_until(now: datetime, deadline: datetime) -> datetime:
     return min(lease, deadline + grace)
 
 
+# The claim's move, checked against the table when this module loads.
+(CLAIMED_FROM,) = step_sources(StepStatus.RUNNING, [StepStatus.SCHEDULED])
+CLAIMED_TO = StepStatus.RUNNING
+
 # The claim also sets the attempt's deadline timer (fired at its deadline plus grace), in the
 # same statement: an attempt whose worker hangs past its time limit is timed out by the engine.
 _CLAIM_POSTGRES = """
 WITH claimed AS (
 UPDATE {step_run} AS s
-   SET status = 'running', claim = %(claim)s, worker = %(worker)s, started_at = %(now)s,
+   SET status = %(target)s, claim = %(claim)s, worker = %(worker)s, started_at = %(now)s,
        deadline_at = %(now)s + s.timeout_ms * interval '1 millisecond',
        lease_expires_at = LEAST(
            %(now)s + %(lease)s * interval '1 second',
            %(now)s + s.timeout_ms * interval '1 millisecond' + %(grace)s * interval '1 second')
   FROM {run} AS r
- WHERE s.id = %(id)s AND s.status = 'scheduled' AND r.id = s.run_id
+ WHERE s.id = %(id)s AND s.status = %(source)s AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
           s.path, r.secrets, s.kind
@@ -101,6 +106,8 @@ def _claim_postgres(
         "lease": settings.DJFLOW["LEASE_SECONDS"],
         "grace": settings.DJFLOW["DEADLINE_GRACE_SECONDS"],
         "id": step_run_id,
+        "source": str(CLAIMED_FROM),
+        "target": str(CLAIMED_TO),
     }
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
@@ -134,7 +141,7 @@ def _claim_portable(
 ) -> Claimed | None:
     row = (
         StepRun.objects.select_related("run")
-        .filter(id=step_run_id, status=StepStatus.SCHEDULED)
+        .filter(id=step_run_id, status=CLAIMED_FROM)
         .only(
             "id",
             "run_id",
@@ -157,8 +164,10 @@ def _claim_portable(
     if row is None:
         return None
     deadline = now + timedelta(milliseconds=row.timeout_ms)
-    claimed = StepRun.objects.filter(id=row.id, status=StepStatus.SCHEDULED).update(
-        status=StepStatus.RUNNING,
+    claimed = move_steps(
+        StepRun.objects.filter(id=row.id),
+        CLAIMED_TO,
+        sources=[CLAIMED_FROM],
         claim=claim,
         worker=worker,
         started_at=now,

@@ -34,6 +34,7 @@ from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_ru
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
+from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
 from workflows.failures import StepFailure
@@ -363,8 +364,11 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
     with transaction.atomic():
         now = timezone.now()
-        returned = StepRun.objects.filter(id=row.id, status=StepStatus.RUNNING, claim=claim).update(
-            status=StepStatus.SCHEDULED,
+        # running -> scheduled, the one move back (see runs.status.STEP_MOVES).
+        returned = move_steps(
+            StepRun.objects.filter(id=row.id, claim=claim),
+            StepStatus.SCHEDULED,
+            sources=[StepStatus.RUNNING],
             claim=None,
             worker="",
             started_at=None,

@@ -224,13 +224,9 @@ class WorkflowAdmin(admin.ModelAdmin):
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
         if not self.has_change_permission(request, workflow):
             raise PermissionDenied
-        versions = workflow.versions.all()
         base_number = request.GET.get("from")
-        base = (
-            versions.filter(number=base_number).first()
-            if base_number and base_number.isdigit()
-            else versions.order_by("-number").first()
-        )
+        number = int(base_number) if base_number and base_number.isdigit() else None
+        base = WorkflowVersion.objects.resolve(workflow.id, number)
         initial = (
             {k: v for k, v in base.document.items() if k != "version"}
             if base is not None

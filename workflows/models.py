@@ -30,7 +30,18 @@ class Workflow(models.Model):
 
     @property
     def latest_version(self) -> WorkflowVersion | None:
-        return self.versions.order_by("-number").first()
+        return WorkflowVersion.objects.resolve(self.id)
+
+
+class VersionQuerySet(models.QuerySet["WorkflowVersion"]):
+    def resolve(self, workflow_id: str, number: int | None = None) -> WorkflowVersion | None:
+        """The workflow's version ``number``, or its latest when ``number`` is None (a run
+        started unpinned, a subworkflow step without ``version``); None when there is none.
+        The one place "latest or pinned" is decided."""
+        versions = self.filter(workflow_id=workflow_id)
+        if number is None:
+            return versions.order_by("-number").first()
+        return versions.filter(number=number).first()
 
 
 class WorkflowVersion(models.Model):
@@ -53,6 +64,8 @@ class WorkflowVersion(models.Model):
         related_name="+",
     )
     created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = VersionQuerySet.as_manager()
 
     class Meta:
         ordering = ["workflow_id", "-number"]

@@ -23,15 +23,19 @@ def workflow_get(*, workflow_id: str) -> Workflow:
     return workflow
 
 
-def version_get(*, workflow_id: str, number: int | None = None) -> WorkflowVersion:
-    """The given version of a workflow, or its latest when ``number`` is None."""
-    versions = WorkflowVersion.objects.filter(workflow_id=workflow_id).select_related("created_by")
-    if number is None:
-        version = versions.order_by("-number").first()
-    else:
-        version = versions.filter(number=number).first()
+def version_get(
+    *,
+    workflow_id: str,
+    number: int | None = None,
+    versions: QuerySet[WorkflowVersion] | None = None,
+) -> WorkflowVersion:
+    """The given version of a workflow, or its latest when ``number`` is None; 404 (naming
+    the version or the workflow) when there is none. ``versions`` says what else to read
+    (the API shows the author: ``select_related("created_by")``)."""
+    versions = WorkflowVersion.objects.all() if versions is None else versions
+    version = versions.resolve(workflow_id, number)
     if version is None:
-        if number is not None and versions.exists():
+        if number is not None and WorkflowVersion.objects.filter(workflow_id=workflow_id).exists():
             raise NotFound(
                 errors=[FieldError("version", f"workflow '{workflow_id}' has no version {number}")]
             )

@@ -112,7 +112,11 @@ class DefinitionVersionView(APIView):
     def get(self, request: Request, workflow_id: str, version: str) -> Response:
         access.require_definition(request.user, workflow_id, field="id")
         number = _version_number(version)
-        found = selectors.version_get(workflow_id=workflow_id, number=number)
+        found = selectors.version_get(
+            workflow_id=workflow_id,
+            number=number,
+            versions=WorkflowVersion.objects.select_related("created_by"),
+        )
         return Response(VersionSerializer(found).data)
 
 

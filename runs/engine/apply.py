@@ -20,10 +20,13 @@ from django.utils import timezone
 from workflows import kinds, secrets
 from workflows.inputs import input_errors
 from workflows.kinds import Role
+from workflows.models import WorkflowVersion
 
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
+from ..moves import move_steps
 from ..status import RunStatus, StepStatus, check_run_move
+from . import ending
 from . import plan as p
 from .store import insert_attempt, request_advance, update_run
 
@@ -130,8 +133,13 @@ class _Writer:
                 self.applied.children.append(child)
 
     def close(self, action: p.Close) -> None:
-        closed = StepRun.objects.filter(id=action.attempt_id, status__in=OPEN).update(
-            status=action.status, output=action.output, error=action.error, finished_at=self.now
+        closed = move_steps(
+            StepRun.objects.filter(id=action.attempt_id),
+            action.status,
+            sources=OPEN,
+            output=action.output,
+            error=action.error,
+            finished_at=self.now,
         )
         kind = kinds.get(action.kind)
         if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
@@ -144,8 +152,13 @@ class _Writer:
     def expire(self, action: p.Expire) -> None:
         attempt = StepRun.objects.filter(id=action.attempt_id)
         task_ids = list(attempt.values_list("celery_task_id", flat=True))
-        changed = attempt.filter(status=StepStatus.RUNNING).update(
-            status=action.status, error=action.error, finished_at=self.now, claim=None
+        changed = move_steps(
+            attempt,
+            action.status,
+            sources=[StepStatus.RUNNING],
+            error=action.error,
+            finished_at=self.now,
+            claim=None,
         )
         if changed:
             dispatch.revoke_on_commit(task_ids)
@@ -156,8 +169,8 @@ class _Writer:
         )
 
     def finish(self, action: p.Finish) -> None:
+        # The run's end is written by ending.end_run, not with the other fields.
         _finish(self.run, action, self.now)
-        self.fields |= {"status", "output", "error", "finished_at"}
 
     def done(self, planned: p.Plan, *, hold: bool) -> Applied:
         run, now, applied = self.run, self.now, self.applied
@@ -206,25 +219,13 @@ _WRITE: dict[type, Callable[[_Writer, Any], None]] = {
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
     doomed = StepRun.objects.filter(id__in=attempt_ids, status__in=IN_FLIGHT)
     left = list(doomed.values_list("id", "kind", "celery_task_id"))
-    _let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
+    ending.let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
     _cancel_children(
         [row_id for row_id, kind, _ in left if kinds.role_of(kind) is Role.CHILD],
         "its subworkflow step was cancelled",
     )
-    doomed.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
+    move_steps(doomed, StepStatus.CANCELLED, finished_at=now, claim=None)
     dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
-
-
-def _let_kinds_close(rows: list[tuple[int, str]], now: datetime) -> None:
-    """Open rows about to be cancelled: each kind that keeps something of its own beside
-    the row (an approval's request) closes it."""
-    by_kind: dict[str, list[int]] = {}
-    for row_id, kind in rows:
-        by_kind.setdefault(kind, []).append(row_id)
-    for name, ids in by_kind.items():
-        spec = kinds.get(name)
-        if spec is not None and spec.cancelled is not None:
-            spec.cancelled(ids, now)
 
 
 def _ended_on_open(run: Run, opened: StepRun, now: datetime) -> bool:
@@ -235,11 +236,16 @@ def _ended_on_open(run: Run, opened: StepRun, now: datetime) -> bool:
     kind = kinds.get(opened.kind)
     if kind is None or kind.opened is None:
         return False
-    ending = kind.opened(run, opened, now)
-    if ending is None:
+    outcome = kind.opened(run, opened, now)
+    if outcome is None:
         return False
-    StepRun.objects.filter(id=opened.id, status__in=OPEN).update(
-        status=ending.status, output=ending.output, error=ending.error, finished_at=now
+    move_steps(
+        StepRun.objects.filter(id=opened.id),
+        outcome.status,
+        sources=OPEN,
+        output=outcome.output,
+        error=outcome.error,
+        finished_at=now,
     )
     return True
 
@@ -248,16 +254,13 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
     """Start a subworkflow's child run, pinned to its version, linked to the step run; the
     caller plans its first steps (``advance.advance_locked``, within its budget). None when
     the start failed the step instead."""
-    from workflows.models import WorkflowVersion
-
+    version: WorkflowVersion | None
     if "body" in start:
         # An anonymous child: the parent's own version, running one body of it.
         workflow_id, version, body = run.workflow_id, run.version, start["body"]
     else:
-        versions = WorkflowVersion.objects.filter(workflow_id=start["workflow"])
-        if start.get("version") is not None:
-            versions = versions.filter(number=start["version"])
-        workflow_id, version, body = start["workflow"], versions.order_by("-number").first(), ""
+        version = WorkflowVersion.objects.resolve(start["workflow"], start.get("version"))
+        workflow_id, body = start["workflow"], ""
     if version is None:
         # Validation at save refuses an unknown workflow; one deleted since fails the step.
         message = (
@@ -304,8 +307,10 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
 
 
 def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str = "fatal") -> None:
-    StepRun.objects.filter(id=step_run.id, status=StepStatus.WAITING).update(
-        status=StepStatus.FAILED,
+    move_steps(
+        StepRun.objects.filter(id=step_run.id),
+        StepStatus.FAILED,
+        sources=[StepStatus.WAITING],
         finished_at=timezone.now(),
         error={"class": error_class, "message": message},
     )
@@ -315,12 +320,7 @@ def _fail_start(run: Run, step_run: StepRun, message: str, *, error_class: str =
 
 def _cancel_children(rows: Any, reason: str) -> None:
     """Cancel, transitively, the child runs of these subworkflow step runs."""
-    from ..services import run_cancel
-    from ..status import RUN_TERMINAL
-
-    children = Run.objects.filter(parent_step_run__in=rows).exclude(status__in=RUN_TERMINAL)
-    for child_id in children.values_list("id", flat=True):
-        run_cancel(run_id=child_id, reason=reason)
+    ending.cancel_children(rows, reason=reason, now=timezone.now())
 
 
 HELD = (RunStatus.RUNNING, RunStatus.WAITING, RunStatus.PENDING_APPROVAL)
@@ -404,30 +404,5 @@ def _schedule(
 
 
 def _finish(run: Run, action: p.Finish, now: datetime) -> None:
-    check_run_move(run.status, action.status)
-    run.status = action.status
-    run.output = action.output
-    run.error = dict(action.error) if action.error else None
-    run.finished_at = now
-    # Nothing may go on once the run has ended: attempts still offered or running are
-    # cancelled (a running body's result will be refused), open engine rows closed.
-    in_flight = StepRun.objects.filter(run=run, status__in=IN_FLIGHT)
-    # One read, and writes only when something is left (a run that completes has nothing).
-    left = list(in_flight.values_list("id", "kind", "celery_task_id"))
-    if left:
-        _let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
-        children = [row_id for row_id, kind, _ in left if kinds.role_of(kind) is Role.CHILD]
-        if children:
-            reason = f"its parent run {action.status}"
-            _cancel_children(children, reason)
-        ended = StepStatus.FAILED if action.status != RunStatus.COMPLETED else StepStatus.CANCELLED
-        branches = kinds.names(Role.BRANCH)
-        in_flight.filter(kind__in=branches).update(status=ended, finished_at=now)
-        in_flight.update(status=StepStatus.CANCELLED, finished_at=now, claim=None)
-        dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
-    # An ended run needs no timer: the tick would find nothing to do for it.
-    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
-    if run.parent_run_id is not None and request_advance(run.parent_run_id):
-        # A child's end is its subworkflow step's: the parent plans on from the journal.
-        # Asked for, not done here: the parent's lock is never taken under a child's.
-        dispatch.advance_on_commit(run.parent_run_id)
+    # Nothing may go on once the run has ended: see ending.end_run.
+    ending.end_run(run, action.status, now=now, output=action.output, error=action.error)

@@ -26,6 +26,7 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from ..models import Event, EventScope, Run, StepRun
+from ..moves import move_steps
 from ..status import StepStatus
 
 logger = logging.getLogger(__name__)
@@ -61,12 +62,12 @@ def take_event(run: Run, wait: StepRun) -> bool:
     )
     if event is None:
         return False
-    return (
-        StepRun.objects.filter(id=wait.id, status=StepStatus.WAITING).update(
-            status=StepStatus.SUCCEEDED,
-            output=event.payload,
-            event=event,
-            finished_at=timezone.now(),
-        )
-        == 1
+    resumed = move_steps(
+        StepRun.objects.filter(id=wait.id),
+        StepStatus.SUCCEEDED,
+        sources=[StepStatus.WAITING],
+        output=event.payload,
+        event=event,
+        finished_at=timezone.now(),
     )
+    return resumed == 1

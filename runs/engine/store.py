@@ -14,7 +14,7 @@ from django.db import connection
 from django.db.models import Field, Model
 
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
-from ..status import StepStatus
+from ..status import StepStatus, run_sources, step_sources
 
 _TABLE = StepRun._meta.db_table
 
@@ -39,17 +39,29 @@ def _prep(name: str, value: Any, model: type[Model] = StepRun) -> Any:
 
 
 def _run_update(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The UPDATE of a run's ``changes``. One that writes a status is conditional on the
+    table (``runs.status.RUN_MOVES``): the row must be in a status that may move to it, or
+    hold it already (the same status written again is no move)."""
     assignments = ", ".join(f"{_column(n, Run)} = %s" for n in changes)
     params = [_prep(name, value, Run) for name, value in changes.items()]
     params.append(_prep("id", run_id, Run))
-    return f"UPDATE {Run._meta.db_table} SET {assignments} WHERE id = %s", params
+    sql = f"UPDATE {Run._meta.db_table} SET {assignments} WHERE id = %s"
+    if "status" in changes:
+        target = changes["status"]
+        sources = [target, *run_sources(target)]
+        sql += f" AND status IN ({', '.join(['%s'] * len(sources))})"
+        params += [str(source) for source in sources]
+    return sql, params
 
 
 def update_run(run_id: Any, changes: dict[str, Any]) -> None:
-    """UPDATE the given fields of a run (locked by the caller)."""
+    """UPDATE the given fields of a run (locked by the caller). A status the run's row may
+    not move to raises: the caller checked the move on a stale instance."""
     sql, params = _run_update(run_id, changes)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
+        if cursor.rowcount != 1 and "status" in changes:
+            raise RuntimeError(f"run {run_id} cannot become {changes['status']} from its row")
 
 
 def insert_attempt(
@@ -70,18 +82,21 @@ def insert_attempt(
         if run_changes and connection.vendor == "postgresql":
             update, update_params = _run_update(run_id, run_changes)
             cursor.execute(
-                f"WITH run_update AS ({update}) {insert} RETURNING id", update_params + params
+                f"WITH run_update AS ({update} RETURNING 1)"
+                f" {insert} RETURNING id, (SELECT count(*) FROM run_update)",
+                update_params + params,
             )
-            inserted: int = cursor.fetchone()[0]
-            return inserted
+            inserted, updated = cursor.fetchone()
+            if updated != 1 and "status" in run_changes:
+                raise RuntimeError(f"run {run_id} cannot become {run_changes['status']}")
+            return int(inserted)
         if run_changes:
             update_run(run_id, run_changes)
         if not returning:
             cursor.execute(insert, params)
             return connection.ops.last_insert_id(cursor, _TABLE, "id")
         cursor.execute(f"{insert} RETURNING id", params)
-        inserted = cursor.fetchone()[0]
-        return inserted
+        return int(cursor.fetchone()[0])
 
 
 def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
@@ -92,10 +107,11 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     (on Postgres in the same statement): a finished attempt needs no deadline, and the tick
     need not fire it.
     """
+    (source,) = step_sources(values["status"], [StepStatus.RUNNING])
     assignments = ", ".join(f"{_column(n)} = %s" for n in values)
     params = [_prep(name, value) for name, value in values.items()]
     sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
-    params += [step_run_id, StepStatus.RUNNING.value, _prep("claim", claim)]
+    params += [step_run_id, str(source), _prep("claim", claim)]
     drop = (
         f"DELETE FROM {Timer._meta.db_table} WHERE step_run_id = %s AND purpose = %s"
         " AND fired_at IS NULL"

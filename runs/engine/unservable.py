@@ -41,6 +41,7 @@ from workflows.registry import step_handler
 
 from .. import dispatch
 from ..models import StepRun, Timer, TimerPurpose
+from ..moves import move_steps
 from ..status import StepStatus
 from . import journal
 from .advance import run_advance
@@ -126,9 +127,15 @@ def _expire_one(step_run_id: int) -> bool:
         waited = (timezone.now() - found.waiting_since).total_seconds()
         message = heartbeats.unserved_message(step, heartbeats.workers_live())
         error = {"class": UNSERVABLE, "message": f"{message} (waited {waited:.0f} s)"}
-        if not same_wait.update(
-            status=StepStatus.FAILED, error=error, finished_at=timezone.now(), claim=None
-        ):
+        failed = move_steps(
+            same_wait,
+            StepStatus.FAILED,
+            sources=[StepStatus.SCHEDULED],
+            error=error,
+            finished_at=timezone.now(),
+            claim=None,
+        )
+        if not failed:
             return False
     logger.warning("attempt %s failed: %s", found.id, error["message"])
     # A transaction of its own, as the tick advances any run; should it fail, the

@@ -765,7 +765,6 @@ def test_gates_cancel_leaves_closed_requests_alone(people) -> None:
     run = start()
     decide(request_of(run), "ann")
     assert gates.cancel([step(run).id], timezone.now()) == 0
-    assert gates.cancel_run(run.id, timezone.now()) == 0
     assert request_of(run).status == "approved"
 
 

@@ -20,6 +20,7 @@ from runs.status import RUN_TERMINAL, STEP_TERMINAL, RunStatus, StepStatus
 from workflows.models import WorkflowVersion
 from workflows.services import definition_save
 
+from ..moves import unchecked
 from ..workflows.documents import SUPPORT_TICKET
 
 
@@ -58,7 +59,19 @@ def _started(status: str, created: Any) -> Any:
     return None if status == RunStatus.PENDING else created + timedelta(milliseconds=5)
 
 
-class RunFactory(factory.django.DjangoModelFactory):
+class _Unchecked(factory.django.DjangoModelFactory):
+    """Rows built straight into any status: not moves the engine makes (tests/moves.py)."""
+
+    class Meta:
+        abstract = True
+
+    @classmethod
+    def _create(cls, model_class: type, *args: Any, **kwargs: Any) -> Any:
+        with unchecked():
+            return super()._create(model_class, *args, **kwargs)
+
+
+class RunFactory(_Unchecked):
     """A run in any status: ``RunFactory(status=RunStatus.FAILED)``."""
 
     class Meta:
@@ -79,7 +92,7 @@ class RunFactory(factory.django.DjangoModelFactory):
     error = factory.LazyAttribute(lambda o: copy.deepcopy(RUN_ERRORS.get(o.status)))
 
 
-class StepRunFactory(factory.django.DjangoModelFactory):
+class StepRunFactory(_Unchecked):
     """One attempt of one step: ``StepRunFactory(run=run, step_id="send", attempt=2)``."""
 
     class Meta:

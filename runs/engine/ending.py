@@ -1,0 +1,155 @@
+"""Ending a run: the one path for every end (completed, failed, timed out, cancelled).
+
+The applier calls :func:`end_run` when a plan finishes the run; ``runs.services.run_cancel``
+calls it for an operator's cancel; :func:`cancel_children` ends the child runs of subworkflow
+rows the planner cancelled. With the run locked by the caller, in the caller's transaction:
+
+- the run moves to its end (through the table, ``runs.moves``) with its output and error;
+- its rows still in flight are closed: an open condition row fails with a run that failed or
+  timed out (the failure came up through it) and is cancelled otherwise; every other row is
+  cancelled, its claim taken away, so a body still running has its result refused, and its
+  task is revoked best-effort after commit;
+- what the kinds of its rows keep beside them closes (``Kind.cancelled``: the approval
+  requests of its approval rows, whose links then show a closed request);
+- its child runs that have not ended are cancelled, transitively, each under its own lock: a
+  parent's lock is always taken before its children's, never under them;
+- its unfired timers are deleted: an ended run needs none;
+- its parent is asked to advance (after commit, never planned here): a child's end is its
+  subworkflow step's. A child ended because its parent is ending asks nothing of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+
+from workflows import kinds
+from workflows.kinds import Role
+
+from .. import dispatch
+from ..models import Run, StepRun, Timer
+from ..moves import move_run, move_steps
+from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
+from .store import request_advance
+
+# An open condition row takes its run's failure; with any other end it is cancelled.
+_CONDITION_FAILS_WITH = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT})
+# How a child run's error names its parent's end.
+_PARENT_ENDED: dict[str, str] = {
+    RunStatus.COMPLETED: "completed",
+    RunStatus.FAILED: "failed",
+    RunStatus.TIMED_OUT: "timed out",
+    RunStatus.CANCELLED: "was cancelled",
+}
+
+
+def cancelled_error(reason: str) -> dict[str, Any]:
+    """A cancelled run's error: class ``cancelled`` and why."""
+    return {"class": "cancelled", "message": reason, "step": None}
+
+
+def end_run(
+    run: Run,
+    status: str,
+    *,
+    now: datetime,
+    output: Any = None,
+    error: Mapping[str, Any] | None = None,
+) -> None:
+    """End ``run`` (locked by the caller) with ``status``: see the module's docstring. A
+    move the table forbids (the run has ended already, say) raises ``IllegalTransition``
+    before anything is written."""
+    if status not in RUN_TERMINAL:
+        raise ValueError(f"{status} is not an end")
+    _end(run, status, now=now, output=output, error=error)
+    _wake_parent(run)
+
+
+def cancel_children(rows: Any, *, reason: str, now: datetime) -> None:
+    """Cancel, transitively, the child runs of these subworkflow step runs (the planner
+    cancelled the rows; their run goes on, and is asked to advance as for any child's end)."""
+    children = Run.objects.filter(parent_step_run__in=rows).exclude(status__in=RUN_TERMINAL)
+    for child_id in children.values_list("id", flat=True):
+        child = _lock(child_id)
+        if child is not None:
+            end_run(child, RunStatus.CANCELLED, now=now, error=cancelled_error(reason))
+
+
+def let_kinds_close(rows: list[tuple[int, str]], now: datetime) -> None:
+    """Open rows about to be cancelled: each kind that keeps something of its own beside
+    the row (an approval's request) closes it (``Kind.cancelled``)."""
+    by_kind: dict[str, list[int]] = {}
+    for row_id, kind in rows:
+        by_kind.setdefault(kind, []).append(row_id)
+    for name, ids in by_kind.items():
+        spec = kinds.get(name)
+        if spec is not None and spec.cancelled is not None:
+            spec.cancelled(ids, now)
+
+
+def _end(
+    run: Run, status: str, *, now: datetime, output: Any, error: Mapping[str, Any] | None
+) -> None:
+    move_run(
+        run,
+        status,
+        output=output,
+        error=dict(error) if error else None,
+        finished_at=now,
+        updated_at=now,
+    )
+    left, children = _left(run.id)
+    if left:
+        in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
+        let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
+        if status in _CONDITION_FAILS_WITH:
+            branches = in_flight.filter(kind__in=kinds.names(Role.BRANCH))
+            move_steps(branches, StepStatus.FAILED, finished_at=now)
+        move_steps(in_flight, StepStatus.CANCELLED, finished_at=now, claim=None)
+        dispatch.revoke_on_commit([task_id for _, _, task_id in left if task_id])
+    reason = f"parent run {run.id} {_PARENT_ENDED[status]}"
+    for child_id in children:
+        child = _lock(child_id)
+        if child is not None:
+            _end(child, RunStatus.CANCELLED, now=now, output=None, error=cancelled_error(reason))
+    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+
+
+_STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
+# What a run leaves behind as it ends, in one round trip (a run that completes leaves
+# nothing, and this is all it reads): its rows in flight, and every child run not ended, not
+# only those of its rows in flight, since a run's children are its own to end whatever their
+# rows say.
+_LEFT = f"""
+SELECT id, kind, celery_task_id, NULL AS child FROM {_STEPS}
+ WHERE run_id = %s AND status IN ({", ".join(["%s"] * len(STEP_IN_FLIGHT))})
+ UNION ALL
+SELECT NULL, NULL, NULL, id FROM {_RUNS}
+ WHERE parent_run_id = %s AND status NOT IN ({", ".join(["%s"] * len(RUN_TERMINAL))})
+"""
+
+
+def _left(run_id: Any) -> tuple[list[tuple[int, str, str]], list[Any]]:
+    """The run's rows in flight (id, kind, task id) and its children that have not ended."""
+    key = Run._meta.pk.get_db_prep_value(run_id, connection)
+    params = [key, *map(str, STEP_IN_FLIGHT), key, *map(str, RUN_TERMINAL)]
+    with connection.cursor() as cursor:
+        cursor.execute(_LEFT, params)
+        found = cursor.fetchall()
+    rows = [(row_id, kind, task_id) for row_id, kind, task_id, child in found if child is None]
+    return rows, [child for *_, child in found if child is not None]
+
+
+def _lock(run_id: Any) -> Run | None:
+    """The run, locked, unless it has ended meanwhile (nothing to do then)."""
+    run = Run.objects.select_for_update().filter(id=run_id).first()
+    return None if run is None or run.status in RUN_TERMINAL else run
+
+
+def _wake_parent(run: Run) -> None:
+    # Asked for, not planned here: the parent's lock is never taken under a child's.
+    if run.parent_run_id is not None and request_advance(run.parent_run_id):
+        dispatch.advance_on_commit(run.parent_run_id)

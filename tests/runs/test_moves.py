@@ -1,0 +1,224 @@
+"""The status tables are the law: the move helpers (runs/moves.py) refuse what the tables do
+not list, and the test database's triggers (tests/moves.py) refuse it from any code path.
+
+The whole suite runs with those triggers installed (tests/conftest.py): these tests pin that
+the triggers are there and say what the tables say, move by move.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from itertools import product
+
+import pytest
+from django.db import DatabaseError, connection, transaction
+
+from runs.engine import ending
+from runs.models import Run, StepRun
+from runs.moves import move_run, move_runs, move_steps
+from runs.status import (
+    RUN_INITIAL,
+    RUN_MOVES,
+    STEP_INITIAL,
+    STEP_MOVES,
+    IllegalTransition,
+    RunStatus,
+    StepStatus,
+    run_sources,
+    step_sources,
+)
+from tests.moves import unchecked, uncounted
+from workers import claims
+
+from .factories import RunFactory, StepRunFactory
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _not_counted() -> Iterator[None]:
+    """These tests make every move on purpose: the count is of the engine's (tests/moves.py)."""
+    with uncounted():
+        yield
+
+
+STEP_PAIRS = list(product(StepStatus.values, repeat=2))
+RUN_PAIRS = list(product(RunStatus.values, repeat=2))
+
+
+def refused(write: Callable[[], object]) -> bool:
+    """Whether the database refuses ``write`` (its savepoint is rolled back then)."""
+    try:
+        with transaction.atomic():
+            write()
+    except DatabaseError as error:
+        assert "not in the" in str(error), error
+        return True
+    return False
+
+
+def sql(statement: str, *params: object) -> Callable[[], None]:
+    def write() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute(statement, list(params))
+
+    return write
+
+
+def a_step_run(status: str) -> StepRun:
+    return StepRunFactory(status=status, run=RunFactory(status=RunStatus.RUNNING))
+
+
+# --- the triggers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("source", "target"), [p for p in STEP_PAIRS if p[0] != p[1]])
+def test_the_database_makes_a_step_runs_move_only_when_the_table_lists_it(
+    source: str, target: str
+) -> None:
+    row = a_step_run(source)
+    listed = target in STEP_MOVES[source]
+    statement = "UPDATE runs_steprun SET status = %s WHERE id = %s"
+    assert refused(sql(statement, target, row.id)) is not listed
+    row.refresh_from_db()
+    assert row.status == (target if listed else source)
+
+
+@pytest.mark.parametrize(("source", "target"), [p for p in RUN_PAIRS if p[0] != p[1]])
+def test_the_database_makes_a_runs_move_only_when_the_table_lists_it(
+    source: str, target: str
+) -> None:
+    run = RunFactory(status=source)
+    listed = target in RUN_MOVES[source]
+    statement = "UPDATE runs_run SET status = %s WHERE id = %s"
+    assert refused(sql(statement, target, run.id)) is not listed
+    run.refresh_from_db()
+    assert run.status == (target if listed else source)
+
+
+def test_a_write_that_keeps_the_status_is_no_move() -> None:
+    row = a_step_run(StepStatus.SUCCEEDED)
+    statement = "UPDATE runs_steprun SET status = status, output = '1' WHERE id = %s"
+    assert not refused(sql(statement, row.id))
+
+
+@pytest.mark.parametrize("status", StepStatus.values)
+def test_a_step_run_is_inserted_only_in_an_initial_status(status: str) -> None:
+    run = RunFactory(status=RunStatus.RUNNING)
+
+    def insert() -> None:
+        StepRun.objects.create(run=run, step_id="a", kind="task", attempt=1, status=status)
+
+    assert refused(insert) is (status not in STEP_INITIAL)
+
+
+def test_a_run_is_created_pending_and_in_no_other_status() -> None:
+    version = RunFactory().version
+    for status in RunStatus.values:
+
+        def create(status: str = status) -> None:
+            Run.objects.create(workflow_id=version.workflow_id, version=version, status=status)
+
+        assert refused(create) is (status not in RUN_INITIAL)
+
+
+def test_a_test_may_build_rows_in_any_status_when_it_says_so() -> None:
+    row = a_step_run(StepStatus.SUCCEEDED)
+    back = sql("UPDATE runs_steprun SET status = 'running' WHERE id = %s", row.id)
+    with unchecked():
+        assert refused(back) is False
+    # Only inside the block: the next write is checked again.
+    row = a_step_run(StepStatus.SUCCEEDED)
+    assert refused(sql("UPDATE runs_steprun SET status = 'running' WHERE id = %s", row.id))
+
+
+# --- the helpers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("source", "target"), STEP_PAIRS)
+def test_move_steps_makes_the_listed_moves_and_refuses_the_rest(source: str, target: str) -> None:
+    row = a_step_run(source)
+    rows = StepRun.objects.filter(id=row.id)
+    if target in STEP_MOVES[source]:
+        assert move_steps(rows, target, sources=[source]) == 1
+        assert move_steps(rows, target, sources=[source]) == 0  # no longer there: not counted
+    else:
+        with pytest.raises(IllegalTransition) as caught:
+            move_steps(rows, target, sources=[source])
+        assert caught.value.errors[0].message == f"a {source} step run cannot become {target}"
+    row.refresh_from_db()
+    assert row.status == (target if target in STEP_MOVES[source] else source)
+
+
+def test_without_sources_a_move_is_conditional_on_every_source_the_table_allows() -> None:
+    # Rows in every status; cancelling moves exactly those the table lets become cancelled.
+    rows = {status: a_step_run(status) for status in StepStatus.values}
+    run_ids = [row.run_id for row in rows.values()]
+    moved = move_steps(StepRun.objects.filter(run_id__in=run_ids), StepStatus.CANCELLED)
+    assert moved == len(step_sources(StepStatus.CANCELLED))
+    after = dict(StepRun.objects.filter(run_id__in=run_ids).values_list("id", "status"))
+    for status, row in rows.items():
+        cancellable = StepStatus.CANCELLED in STEP_MOVES[status]
+        assert after[row.id] == (StepStatus.CANCELLED if cancellable else status)
+
+
+def test_a_target_no_status_may_reach_is_refused() -> None:
+    with pytest.raises(IllegalTransition, match="no run can become pending"):
+        move_runs(Run.objects.all(), RunStatus.PENDING)
+    assert run_sources(RunStatus.COMPLETED) == [
+        s for s, targets in RUN_MOVES.items() if RunStatus.COMPLETED in targets
+    ]
+
+
+@pytest.mark.parametrize(("source", "target"), [p for p in RUN_PAIRS if p[0] != p[1]])
+def test_move_run_checks_the_locked_runs_own_status(source: str, target: str) -> None:
+    run = RunFactory(status=source)
+    before = run.output
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(id=run.id)
+        if target in RUN_MOVES[source]:
+            move_run(locked, target, output={"n": 1})
+            assert (locked.status, locked.output) == (target, {"n": 1})
+        else:
+            with pytest.raises(IllegalTransition):
+                move_run(locked, target, output={"n": 1})
+    run.refresh_from_db()
+    listed = target in RUN_MOVES[source]
+    assert (run.status, run.output) == ((target, {"n": 1}) if listed else (source, before))
+
+
+def test_the_workers_claim_is_the_tables_move() -> None:
+    assert (claims.CLAIMED_FROM, claims.CLAIMED_TO) == (StepStatus.SCHEDULED, StepStatus.RUNNING)
+    assert claims.CLAIMED_TO in STEP_MOVES[claims.CLAIMED_FROM]
+
+
+def test_a_handed_back_attempt_is_the_one_move_back_to_scheduled() -> None:
+    assert step_sources(StepStatus.SCHEDULED) == [StepStatus.RUNNING]
+
+
+# --- ending a run -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "condition"),
+    [
+        (RunStatus.FAILED, StepStatus.FAILED),
+        (RunStatus.TIMED_OUT, StepStatus.FAILED),
+        (RunStatus.CANCELLED, StepStatus.CANCELLED),
+        (RunStatus.COMPLETED, StepStatus.CANCELLED),
+    ],
+)
+def test_an_ended_run_closes_what_is_in_flight(status: str, condition: str) -> None:
+    from django.utils import timezone
+
+    run = RunFactory(status=RunStatus.RUNNING)
+    branch = StepRunFactory(run=run, step_id="if", kind="condition", status=StepStatus.RUNNING)
+    inside = StepRunFactory(run=run, step_id="a", status=StepStatus.SCHEDULED)
+    done = StepRunFactory(run=run, step_id="b", status=StepStatus.SUCCEEDED)
+    with transaction.atomic():
+        locked = Run.objects.select_for_update().get(id=run.id)
+        ending.end_run(locked, status, now=timezone.now())
+    statuses = dict(StepRun.objects.filter(run=run).values_list("id", "status"))
+    assert statuses == {branch.id: condition, inside.id: "cancelled", done.id: "succeeded"}
+    run.refresh_from_db()
+    assert (run.status, run.finished_at is not None) == (status, True)
