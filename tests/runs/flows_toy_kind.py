@@ -1,6 +1,8 @@
 """A toy worker kind, ``shout``, declared in this one module and nowhere else: what adding a
 worker kind takes (README, "Adding a step kind"). Workers load it through
-``WORKFLOW_MODULES``; the test process registers it through the test's fixture.
+``WORKFLOW_MODULES``; the test process registers it through the test's fixture, and imports
+it only then. It defines no workflow: a builder here would be saved by every later
+``sync_modules`` of the test process, kind registered or not.
 
 Its step repeats its input text ``times`` times in capitals. Its default retry budget is
 the kind's (two attempts), and an input asking for it fails the first attempt as retryable.
@@ -12,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from workflows.kinds import Kind, Role, register
-from workflows.sdk import StepFailure, workflow
+from workflows.sdk import StepFailure
 
 
 def shout_body(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
@@ -39,8 +41,4 @@ SHOUT = register(
         },
         body=shout_body,
     )
-)
-
-toy = workflow("toy_kind", limits={"run_timeout_ms": 60_000}).add(
-    {"id": "loud", "kind": "shout", "times": 2, "input": "${input}"}
 )

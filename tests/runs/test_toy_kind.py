@@ -1,9 +1,13 @@
 """A worker kind registered from one test module (``tests.runs.flows_toy_kind``), nothing
 else edited: documents with it validate, the planner schedules it with the kind's own
-defaults, and a real worker runs it end to end."""
+defaults, and a real worker runs it end to end.
+
+The module is imported by the fixture, never at collection: the kind is registered in this
+process only while a test of this file runs."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +22,16 @@ from workflows.errors import InvalidDocument
 from workflows.services import definition_save
 from workflows.validation import prepare_document
 
-from . import flows_toy_kind
-
 TERMINAL = ("completed", "failed", "cancelled", "timed_out")
+TOY = "tests.runs.flows_toy_kind"
 
 
 @pytest.fixture(autouse=True)
-def _toy_kind() -> Iterator[None]:
+def shout() -> Iterator[kinds.Kind]:
     """Registered for the test only: other tests see the built-in kinds alone."""
-    kinds.register(flows_toy_kind.SHOUT)
-    yield
+    kind = importlib.import_module(TOY).SHOUT
+    kinds.register(kind)
+    yield kind
     kinds.unregister("shout")
 
 
@@ -63,8 +67,15 @@ def test_the_planner_schedules_it_on_a_worker_with_the_kinds_defaults() -> None:
 def test_a_real_worker_runs_the_kind_end_to_end_and_retries_by_its_default(
     celery_worker, celery_beat, celery_processes
 ) -> None:
-    celery_worker(workflow_modules=["tests.runs.flows_toy_kind"])
+    celery_worker(workflow_modules=[TOY])
     celery_beat()  # the retry's back-off is a timer
+    definition_save(
+        document={
+            "id": "toy_kind",
+            "limits": {"run_timeout_ms": 60_000},
+            "steps": [{"id": "loud", "kind": "shout", "times": 2, "input": "${input}"}],
+        }
+    )
     runs = [
         services.run_start(workflow="toy_kind", input={"text": "hey"}).run,
         services.run_start(workflow="toy_kind", input={"text": "oh", "stumble": True}).run,
@@ -84,7 +95,7 @@ def test_a_real_worker_runs_the_kind_end_to_end_and_retries_by_its_default(
     assert [(r.attempt, r.status) for r in attempts] == [(1, "failed"), (2, "succeeded")]
 
 
-def test_the_readmes_kind_works_pasted_as_written() -> None:
+def test_the_readmes_kind_works_pasted_as_written(shout: kinds.Kind) -> None:
     """The README's "Adding a step kind" block, run as written, registers a kind that
     documents may use and whose body does what the README says."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -93,7 +104,7 @@ def test_the_readmes_kind_works_pasted_as_written() -> None:
     kinds.unregister("shout")
     exec(compile(block, "README.md", "exec"), {})
     kind = kinds.get("shout")
-    assert kind is not None and kind is not flows_toy_kind.SHOUT
+    assert kind is not None and kind is not shout
     prepare_document(_document(times=2))
     body = kind.body({"id": "loud", "kind": "shout", "times": 2}, "toy_doc")
     assert body(None, {"text": "hi"}, None) == {"text": "HI HI"}
