@@ -140,6 +140,9 @@ class Kind:
             raise ValueError(f"worker kind '{self.name}' needs a body")
         if self.role in (*WAITING_ROLES, Role.CHILD) and self.open is None:
             raise ValueError(f"{self.role} kind '{self.name}' needs open")
+        if self.role == Role.WAIT and self.due is None:
+            # Its rows wait for their time: the planner asks due() when it comes.
+            raise ValueError(f"wait kind '{self.name}' needs due")
 
 
 _lock = threading.Lock()

@@ -105,8 +105,10 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
         )
     )
     runs: dict[Any, None] = {}
+    # Timers of an app's own purpose (an approval's reminder) only send something.
+    quiet = {TimerPurpose.UNSERVABLE, *hooks.timer_purposes()}
     for run_id, purpose, step in claimed:
-        if purpose == TimerPurpose.UNSERVABLE or purpose in hooks.timer_purposes():
+        if purpose in quiet:
             continue  # mails only, or an attempt's wait that advances its run if it fails
         if purpose != TimerPurpose.STEP_DEADLINE or step in still_running:
             runs[run_id] = None

@@ -108,3 +108,21 @@ def test_the_readmes_kind_works_pasted_as_written(shout: kinds.Kind) -> None:
     prepare_document(_document(times=2))
     body = kind.body({"id": "loud", "kind": "shout", "times": 2}, "toy_doc")
     assert body(None, {"text": "hi"}, None) == {"text": "HI HI"}
+
+
+@pytest.mark.parametrize(
+    ("role", "hooks", "missing"),
+    [
+        (kinds.Role.WORKER, {}, "needs a body"),
+        (kinds.Role.WAIT, {"due": lambda step, row: None}, "needs open"),
+        (kinds.Role.WAIT, {"open": lambda step, scope: None}, "needs due"),
+        (kinds.Role.PEOPLE, {}, "needs open"),
+        (kinds.Role.CHILD, {}, "needs open"),
+    ],
+)
+def test_a_kind_without_the_hooks_its_role_needs_is_refused_when_declared(
+    role: kinds.Role, hooks: dict, missing: str
+) -> None:
+    with pytest.raises(ValueError, match=missing):
+        kinds.Kind("half", role, **hooks)
+    assert kinds.get("half") is None
