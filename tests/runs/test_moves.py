@@ -13,7 +13,7 @@ from itertools import product
 import pytest
 from django.db import DatabaseError, connection, transaction
 
-from runs.engine import ending
+from runs.engine import ending, store
 from runs.models import Run, StepRun
 from runs.moves import move_run, move_runs, move_steps
 from runs.status import (
@@ -222,3 +222,20 @@ def test_an_ended_run_closes_what_is_in_flight(status: str, condition: str) -> N
     assert statuses == {branch.id: condition, inside.id: "cancelled", done.id: "succeeded"}
     run.refresh_from_db()
     assert (run.status, run.finished_at is not None) == (status, True)
+
+
+def test_the_applier_s_run_write_leaves_a_row_the_table_does_not_let_move() -> None:
+    """``store.update_run`` (the applier's and ``move_run``'s write) is conditional on the
+    table itself, with the triggers out of the way: a run whose row has ended meanwhile
+    (a stale instance) is left as it is, and the caller hears of it."""
+    run = RunFactory(status=RunStatus.COMPLETED)
+    with unchecked(), pytest.raises(RuntimeError, match="cannot become running"):
+        store.update_run(run.id, {"status": RunStatus.RUNNING, "attempts": 7})
+    assert Run.objects.filter(id=run.id).values_list("status", "attempts").get() == (
+        RunStatus.COMPLETED,
+        run.attempts,
+    )
+    # The same status written again is no move, and other fields go with it.
+    with unchecked():
+        store.update_run(run.id, {"status": RunStatus.COMPLETED, "attempts": 7})
+    assert Run.objects.get(id=run.id).attempts == 7
