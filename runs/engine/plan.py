@@ -505,6 +505,10 @@ class _Planner:
                 return self._waiting(step, path, attempts, latest)
             if held_by is Role.CHILD:
                 return self._child_waiting(step, path, attempts, latest)
+            if held_by is None:
+                # Its kind's module is not loaded here (removed, or not imported by this
+                # process): nothing would ever end the wait, so the run fails saying so.
+                return self._unsupported(step, f"step kind '{latest.kind}' is not registered")
         if latest.status in IN_FLIGHT:
             self.busy = True
             return _Go.BLOCKED
@@ -604,17 +608,8 @@ class _Planner:
     def _schedule(self, step: Mapping[str, Any], path: str, *, attempt: int) -> _Go:
         kind = step["kind"]
         if kinds.get(kind) is None:
-            self.out.actions.append(
-                Finish(
-                    "failed",
-                    error={
-                        "class": UNSUPPORTED,
-                        "message": f"step kind '{kind}' is not supported by this engine yet",
-                        "step": step["id"],
-                    },
-                )
-            )
-            return _Go.STOP
+            message = f"step kind '{kind}' is not supported by this engine yet"
+            return self._unsupported(step, message)
         if self._out_of_steps(step["id"]):
             return _Go.STOP
         self.counted += 1
@@ -623,6 +618,12 @@ class _Planner:
         except _Refused as refused:
             error = {"class": INVALID_INPUT, "message": str(refused)}
             return self._fail_new(step, path, attempt, error)
+
+    def _unsupported(self, step: Mapping[str, Any], message: str) -> _Go:
+        """The run fails: the step's kind has no module in the registry."""
+        error = {"class": UNSUPPORTED, "message": message, "step": step["id"]}
+        self.out.actions.append(Finish("failed", error=error))
+        return _Go.STOP
 
     def _out_of_steps(self, step_id: str) -> bool:
         """Whether limits.max_steps is reached, by this run or by its tree of runs (then the

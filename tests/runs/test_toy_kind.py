@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from runs import services
+from runs.engine.plan import AttemptView, RunView, plan
 from runs.models import Run, StepRun
 from tests.processes import wait_for
 from workflows import kinds
@@ -126,3 +128,35 @@ def test_a_kind_without_the_hooks_its_role_needs_is_refused_when_declared(
     with pytest.raises(ValueError, match=missing):
         kinds.Kind("half", role, **hooks)
     assert kinds.get("half") is None
+
+
+def test_a_wait_of_a_kind_no_longer_registered_fails_the_run_naming_it() -> None:
+    """A waiting row whose kind's module is gone from this process would wait until the run's
+    deadline with nothing to end it: the run fails at once as unsupported, naming the kind."""
+    kinds.register(
+        kinds.Kind(
+            "nap",
+            kinds.Role.WAIT,
+            open=lambda step, scope: kinds.Opening("waiting", not_before=scope.after(60_000)),
+            due=lambda step, row: kinds.Ending("succeeded"),
+        )
+    )
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    view = RunView(
+        id="r", status="running", input=None, correlation=None, generation=1,
+        started_at=now, deadline_at=now + timedelta(minutes=5),
+    )  # fmt: skip
+    document = {"id": "naps", "steps": [{"id": "rest", "kind": "nap"}]}
+    try:
+        [opened] = plan(document, view, [], now).actions
+        assert (opened.kind, opened.status) == ("nap", "waiting")
+    finally:
+        kinds.unregister("nap")
+    row = AttemptView(id=1, step_id="rest", attempt=1, status="waiting", kind="nap")
+    finish = plan(document, view, [row], now + timedelta(seconds=1)).finish
+    assert finish is not None and finish.status == "failed"
+    assert finish.error == {
+        "class": "unsupported",
+        "message": "step kind 'nap' is not registered",
+        "step": "rest",
+    }
