@@ -130,6 +130,11 @@ class Kind:
     # they return is not used.
     timed_out: Callable[[list[int], datetime], object] | None = None
     cancelled: Callable[[list[int], datetime], object] | None = None
+    # Planner (pure), worker kinds: the new attempt's stored input, given the step and the
+    # scope (default: ``scope.input(step)``). A kind whose own fields are templates (http's
+    # url, headers and body) resolves them here, so the attempt's row shows what it sent
+    # and a retry resolves them afresh. Raises Refused to fail the attempt (invalid_input).
+    prepare: Callable[[Mapping[str, Any], Scope], Any] | None = None
     # Worker: (step, workflow_id) -> the callable ``(ctx, input, prior) -> output`` that runs
     # the attempt, or None when this worker cannot serve it (the attempt is handed back to
     # a worker that can).

@@ -538,6 +538,10 @@ class _Planner:
         generation = self.run_view.generation
         error = dict(latest.error or {"class": "fatal", "message": latest.status})
         continues = step.get("on_error", "fail_run") == "continue"
+        if error.get("class") == LIMIT and latest.generation == generation:
+            # A run limit the attempt ran into (a model call that would exceed
+            # limits.max_cost_usd was never made): the run fails, whatever on_error says.
+            return self._fail(step, error)
         if latest.generation < generation:
             # The run was retried from its failed step: this step starts a fresh budget,
             # unless an earlier generation already went on past it.
@@ -678,7 +682,7 @@ class _Planner:
         if kind.role is not Role.WORKER:
             assert kind.open is not None  # Kind requires it of every other role reaching here
             return self._opened(step, path, attempt, kind, kind.open(step, self))
-        step_input = self._input(step)
+        step_input = kind.prepare(step, self) if kind.prepare else self._input(step)
         # Work offered now: the run shows running even when a sibling branch waits.
         self.busy = True
         self.out.actions.append(
