@@ -8,7 +8,10 @@ class WorkersConfig(AppConfig):
     def ready(self) -> None:
         from celery.signals import task_received
 
-        from . import task_events
+        from . import kinds, task_events
+
+        # The worker step kinds that call models and HTTP (recipe, http).
+        kinds.plug_in()
 
         # In a worker's main process: tell each execute_step whether task events are on.
         task_received.connect(task_events.mark_carrier, dispatch_uid="djflow-step-task-events")
