@@ -14,9 +14,10 @@ Invariants:
   it, with the run's row (and its root's) locked, so two reservations of one tree take turns
   and the second sees the first. Locks go root first, then the run: the order every other
   writer takes a parent before its children (``ending.py``).
-- What a tree has spent counts its attempts of the current generation (the planner's rule
-  for ``max_cost_usd``: a retried run's limits count afresh); what it has reserved counts
-  every held reservation, also on attempts that have ended, until they are released.
+- What a run has spent counts its attempts of the current generation (the planner's rule
+  for ``max_cost_usd``: a retried run's limits count afresh), and for a root, the attempts
+  of the runs below it started since; what it has reserved counts every held reservation,
+  also on attempts that have ended, until they are released.
 - Settling and charging are additive updates by the row's id, not fenced by the claim: an
   attempt given up meanwhile (timed out, its lease lapsed) still made the call, and what it
   cost is the run's.
@@ -127,12 +128,17 @@ def _check(run: Run, amount: Decimal, *, tree: bool, whose: str) -> None:
     limit = _limit(run)
     if limit is None:
         return
+    own = Q(run_id=run.id)
+    spent_in = own & Q(generation=run.generation)
+    runs = own
     if tree:
-        runs = Q(run_id=run.id) | Q(run__root_run_id=run.id)
-        spent_in = runs & Q(scheduled_at__gte=run.started_at) if run.started_at else runs
-    else:
-        runs = Q(run_id=run.id)
-        spent_in = runs & Q(generation=run.generation)
+        below = Q(run__root_run_id=run.id)
+        runs = own | below
+        # The runs below it started in the root's current generation (a retried root's
+        # limits count afresh, as its own attempts do).
+        if run.started_at is not None:
+            below &= Q(run__created_at__gte=run.started_at)
+        spent_in |= below
     spent = _sum("cost_usd", spent_in)
     held = _sum("reserved_usd", runs)
     if spent + held + amount <= limit:
