@@ -38,6 +38,7 @@ from django.utils import timezone
 
 from runs.engine import calls, costs
 from workflows import kinds, recipes
+from workflows.errors import InvalidDocument
 from workflows.failures import Deferred, KindFailure
 from workflows.input_schema import input_validator
 from workflows.kinds import Kind, Role
@@ -69,7 +70,10 @@ def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
         if found is None:
             return [("recipe", f"{_named(step)} does not exist")]
         stored = found.document
-    recipe = recipes.recipe_of_step(step, stored)
+    try:
+        recipe = recipes.recipe_of_step(step, stored)
+    except InvalidDocument as invalid:
+        return [(_field_of(error.field), error.message) for error in invalid.errors]
     model = recipe.get("model") or providers.default_model()
     field = "recipe" if stored is not None and "model" not in step else "model"
     if not model:
@@ -95,7 +99,7 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
         raise KindFailure(f"recipe: model '{model_name}': {why}")
     try:
         rendered = recipes.render(recipe, input, "")
-    except recipes.RenderError as error:
+    except recipes.RenderTooLarge as error:
         raise KindFailure(f"recipe: {error}", class_="invalid_input") from None
     _, model = providers.split_model(model_name)
     wants_json = recipe.get("output") == "json"
@@ -139,7 +143,17 @@ def _recipe(step: Mapping[str, Any]) -> dict[str, Any]:
         if found is None:
             raise KindFailure(f"recipe: {_named(step)} does not exist")
         stored = found.document
-    return recipes.recipe_of_step(step, stored)
+    try:
+        return recipes.recipe_of_step(step, stored)
+    except InvalidDocument as invalid:
+        # A stored recipe the step's overrides do not fit (checked at save for inline ones).
+        detail = "; ".join(f"{e.field}: {e.message}" for e in invalid.errors)
+        raise KindFailure(f"recipe: {detail}", class_="invalid_input") from None
+
+
+def _field_of(field: str) -> str:
+    """An error's field within the step (``recipe_of_step`` names it from the step)."""
+    return field.rsplit(".", 1)[-1] if field else "recipe"
 
 
 def _named(step: Mapping[str, Any]) -> str:
