@@ -1,0 +1,48 @@
+"""Model providers: one call to a model through its provider's own SDK.
+
+A model is named ``"<provider>:<model>"`` (``openai:gpt-4o-mini``,
+``anthropic:claude-sonnet-4-0``, ``standin:echo``, or a provider added by
+``DJFLOW_PROVIDERS``). :func:`call` makes exactly one request and either returns a
+:class:`ModelReply` with its usage or raises :class:`ModelError` classed ``retryable`` or
+``fatal``; the caller's retry policy decides what happens next. :func:`unconfigured` says,
+before any call, why a model cannot be used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from . import anthropic_messages, openai_chat, standin
+from .base import ModelError, ModelReply, ModelRequest, estimate_input_tokens
+from .registry import Provider, default_model, find, split_model, unconfigured
+
+__all__ = [
+    "ModelError",
+    "ModelReply",
+    "ModelRequest",
+    "call",
+    "default_model",
+    "estimate_input_tokens",
+    "split_model",
+    "unconfigured",
+]
+
+_ADAPTERS: dict[str, Callable[[Provider, ModelRequest], ModelReply]] = {
+    "openai": openai_chat.call,
+    "anthropic": anthropic_messages.call,
+    "standin": standin.call,
+}
+
+
+def call(name: str, request: ModelRequest) -> ModelReply:
+    """Call the model ``name`` (``"<provider>:<model>"``; ``request.model`` is the part after
+    the colon). An unusable name or provider is a ``fatal`` ModelError naming why."""
+    try:
+        provider_name, _model = split_model(name)
+    except ValueError as exc:
+        raise ModelError(str(exc), error_class="fatal") from None
+    why = unconfigured(name)
+    provider = find(provider_name)
+    if why is not None or isinstance(provider, str):
+        raise ModelError(why or str(provider), error_class="fatal")
+    return _ADAPTERS[provider.adapter](provider, request)
