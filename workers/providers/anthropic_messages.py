@@ -51,12 +51,19 @@ def call(provider: Provider, request: ModelRequest) -> ModelReply:
             f"provider {provider.name!r} could not be reached: {cause_name(exc)}",
             error_class="retryable",
         ) from None
-    except anthropic.APIResponseValidationError:
-        raise ModelError(
-            f"provider {provider.name!r} sent a reply that is not a message",
-            error_class="retryable",
-        ) from None
+    except (anthropic.APIResponseValidationError, ValueError):
+        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
+        raise _unreadable(provider) from None
+    if not isinstance(message.content, list) or message.usage is None:
+        raise _unreadable(provider)
     return _reply(message, request)
+
+
+def _unreadable(provider: Provider) -> ModelError:
+    return ModelError(
+        f"provider {provider.name!r} sent a reply that is not a message",
+        error_class="retryable",
+    )
 
 
 def _client(provider: Provider) -> anthropic.Anthropic:

@@ -51,12 +51,19 @@ def call(provider: Provider, request: ModelRequest) -> ModelReply:
             f"provider {provider.name!r} could not be reached: {cause_name(exc)}",
             error_class="retryable",
         ) from None
-    except openai.APIResponseValidationError:
-        raise ModelError(
-            f"provider {provider.name!r} sent a reply that is not a chat completion",
-            error_class="retryable",
-        ) from None
+    except (openai.APIResponseValidationError, ValueError):
+        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
+        raise _unreadable(provider) from None
+    if not completion.choices or completion.choices[0].message is None:
+        raise _unreadable(provider)
     return _reply(completion, request)
+
+
+def _unreadable(provider: Provider) -> ModelError:
+    return ModelError(
+        f"provider {provider.name!r} sent a reply that is not a chat completion",
+        error_class="retryable",
+    )
 
 
 def _client(provider: Provider) -> openai.OpenAI:
@@ -104,11 +111,11 @@ def _max_tokens_field(client: openai.OpenAI) -> str:
 
 
 def _reply(completion: Any, request: ModelRequest) -> ModelReply:
-    choice = completion.choices[0] if completion.choices else None
-    message = choice.message if choice is not None else None
-    text = (message.content if message is not None else None) or ""
-    stop_reason = choice.finish_reason if choice is not None else None
-    if message is not None and message.content is None and getattr(message, "refusal", None):
+    choice = completion.choices[0]
+    message = choice.message
+    text = message.content or ""
+    stop_reason = choice.finish_reason
+    if message.content is None and getattr(message, "refusal", None):
         text, stop_reason = str(message.refusal), "refusal"
     usage = completion.usage
     if usage is None:
