@@ -137,8 +137,9 @@ class ModelServer:
         self._closing = threading.Event()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._httpd.daemon_threads = True
+        # A short poll: shutdown() waits up to one poll interval (0.5 s by default).
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="model-server", daemon=True
+            target=self._httpd.serve_forever, args=(0.02,), name="model-server", daemon=True
         )
 
     # --- life -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ before any call, why a model cannot be used.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from . import anthropic_messages, openai_chat, standin
 from .base import ModelError, ModelReply, ModelRequest, estimate_input_tokens
@@ -35,14 +36,17 @@ _ADAPTERS: dict[str, Callable[[Provider, ModelRequest], ModelReply]] = {
 
 
 def call(name: str, request: ModelRequest) -> ModelReply:
-    """Call the model ``name`` (``"<provider>:<model>"``; ``request.model`` is the part after
-    the colon). An unusable name or provider is a ``fatal`` ModelError naming why."""
+    """Call the model ``name`` (``"<provider>:<model>"``). The model part of ``name`` is the
+    one sent: it replaces ``request.model`` should the two differ. An unusable name or
+    provider is a ``fatal`` ModelError naming why."""
     try:
-        provider_name, _model = split_model(name)
+        provider_name, model = split_model(name)
     except ValueError as exc:
         raise ModelError(str(exc), error_class="fatal") from None
     why = unconfigured(name)
     provider = find(provider_name)
     if why is not None or isinstance(provider, str):
         raise ModelError(why or str(provider), error_class="fatal")
+    if request.model != model:
+        request = replace(request, model=model)
     return _ADAPTERS[provider.adapter](provider, request)
