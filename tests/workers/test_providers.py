@@ -87,7 +87,7 @@ def test_anthropic_reply_counts_cache_reads_in_the_input(server: ModelServer) ->
         Answer(text="Paris.", input_tokens=120, output_tokens=30, cached_tokens=100, model="c-4")
     )
 
-    reply = providers.call("anthropic:claude-sonnet-4-5", ask("Capital?", system="Be brief."))
+    reply = providers.call("anthropic:claude-haiku-4-5", ask("Capital?", system="Be brief."))
 
     # The wire said input_tokens 20 and cache_read_input_tokens 100: the prompt was 120.
     assert (reply.text, reply.model) == ("Paris.", "c-4")
@@ -98,7 +98,7 @@ def test_anthropic_reply_counts_cache_reads_in_the_input(server: ModelServer) ->
     (sent,) = server.requests
     assert sent.path == "/v1/messages"
     assert sent.body == {
-        "model": "claude-sonnet-4-5",
+        "model": "claude-haiku-4-5",
         "max_tokens": 1024,
         "system": "Be brief.",
         "messages": [{"role": "user", "content": "Capital?"}],
