@@ -610,3 +610,19 @@ def test_a_span_is_priced_by_its_provider_and_model() -> None:
     local.set_model("llama3.1:8b", "ollama")
     local.set_usage(input_tokens=812, output_tokens=37)
     assert local.cost_usd is None and local.as_dict()["priced"] is False
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0),  # a date past: go now
+        ({"Retry-After": "-5"}, 0),
+        ({"Retry-After": "nan"}, None),
+        ({"Retry-After": "inf"}, None),
+        ({"retry-after-ms": "nope", "retry-after": "2"}, 2000),
+        ({"RETRY-AFTER-MS": "10.2"}, 11),
+        ({"Retry-After": "Wed, 21 Oct 2015 07:28:00"}, None),  # no zone: not an HTTP date
+    ],
+)
+def test_retry_after_edge_cases(headers: dict[str, str], expected: int | None) -> None:
+    assert base.retry_after_ms(headers) == expected
