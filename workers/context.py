@@ -55,7 +55,7 @@ class Span:
     def cost_usd(self) -> Decimal | None:
         if self.charged is not None:
             return self.charged
-        return price(self.model, self.usage) if self.usage else None
+        return price(self.model, self.usage, self.provider) if self.usage else None
 
     def close(self, error: BaseException | None = None) -> None:
         self.finished_at = datetime.now(UTC)
