@@ -342,8 +342,9 @@ class AccountSlots:
     def _note_up(self) -> None:
         with self._lock:
             was_down, self._down_error = self._down_error, None
-        if was_down is not None:
-            logger.warning(
+        if was_down is not None:  # a flapping Redis says so at most every warn_every_seconds
+            self._warn(
+                "back",
                 "model-call slots: Redis at %s answers again; model calls are counted again",
                 maybe_sanitize_url(self.redis_url),
             )
