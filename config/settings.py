@@ -386,6 +386,12 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 # by config.celery.
 CELERY_DB_REUSE_MAX = env.int("CELERY_DB_REUSE_MAX", default=1000)
 
+
+def _is_redis(url: str) -> bool:
+    """A URL redis-py can connect to (a broker URL like sentinel:// is not one)."""
+    return url.startswith(("redis://", "rediss://"))
+
+
 # --- The engine ---------------------------------------------------------------------------
 # Dotted module paths whose builders' documents are saved at worker start-up and by
 # ``manage.py sync_workflows``.
@@ -451,6 +457,20 @@ DJFLOW = {
         for domain in env.list("DJFLOW_APPROVER_EMAIL_DOMAINS", default=[])
         if domain.strip()
     ],
+    # Model calls in flight at once per account, across every worker process and machine
+    # (workers.slots), counted in Redis: by default the broker's when it is Redis, else the
+    # result backend's; with neither (the embedded default) calls are not counted, which
+    # each worker says once at start. Set the URL empty to turn counting off.
+    "MODEL_CONCURRENCY": env.int("DJFLOW_MODEL_CONCURRENCY", default=10),
+    "MODEL_SLOTS_REDIS_URL": env(
+        "DJFLOW_MODEL_SLOTS_REDIS_URL",
+        default=next(
+            (url for url in (CELERY_BROKER_URL, CELERY_RESULT_BACKEND) if _is_redis(url)), ""
+        ),
+    ),
+    # How long a model call waits in its worker for one of its account's slots before its
+    # attempt is handed back (to be offered again), so a full account does not hold workers.
+    "MODEL_SLOT_WAIT_SECONDS": env.float("DJFLOW_MODEL_SLOT_WAIT_SECONDS", default=2.0),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
     # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model
@@ -464,6 +484,12 @@ DJFLOW = {
     "PROVIDERS": env.json("DJFLOW_PROVIDERS", default={}),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
+if DJFLOW["MODEL_CONCURRENCY"] < 1:
+    raise ImproperlyConfigured(
+        f"DJFLOW_MODEL_CONCURRENCY must be at least 1, not {DJFLOW['MODEL_CONCURRENCY']}"
+    )
+if DJFLOW["MODEL_SLOT_WAIT_SECONDS"] < 0:
+    raise ImproperlyConfigured("DJFLOW_MODEL_SLOT_WAIT_SECONDS must not be negative")
 
 # Celery's per-task lines about the engine's clock (the 1 s timer tick, the reconciler) are
 # dropped at their loggers: 186 of an idle minute's 186 lines (config.logging says more).

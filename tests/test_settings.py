@@ -19,6 +19,9 @@ CONFIG_VARS = (
     "CELERY_RESULT_BACKEND",
     "CELERY_VISIBILITY_TIMEOUT",
     "SENTRY_DSN",
+    "DJFLOW_MODEL_CONCURRENCY",
+    "DJFLOW_MODEL_SLOTS_REDIS_URL",
+    "DJFLOW_MODEL_SLOT_WAIT_SECONDS",
 )
 
 # Prints what the tests look at, as JSON, from a process that imported the settings fresh.
@@ -47,6 +50,10 @@ print(json.dumps({
     "prefetch_multiplier": app.conf.worker_prefetch_multiplier,
     "sentry_active": client.is_active(),
     "sentry_integrations": sorted(getattr(client, "integrations", {})),
+    "model_slots": {
+        key: settings.DJFLOW[key]
+        for key in ("MODEL_CONCURRENCY", "MODEL_SLOTS_REDIS_URL", "MODEL_SLOT_WAIT_SECONDS")
+    },
 }))
 # Nothing was captured; close without waiting so nothing could be sent.
 client.close(timeout=0)
@@ -136,6 +143,66 @@ def test_sentry_dsn_turns_on_django_and_celery_integrations(tmp_path: Path) -> N
 
     assert conf["sentry_active"] is True
     assert {"django", "celery"} <= set(conf["sentry_integrations"])
+
+
+def test_model_slots_are_counted_in_the_brokers_redis_else_the_result_backends(
+    tmp_path: Path,
+) -> None:
+    embedded = load_settings(tmp_path)["model_slots"]
+    assert embedded == {
+        "MODEL_CONCURRENCY": 10,
+        "MODEL_SLOTS_REDIS_URL": "",  # the embedded default has no Redis: not counted
+        "MODEL_SLOT_WAIT_SECONDS": 2.0,
+    }
+
+    on_redis = load_settings(
+        tmp_path,
+        CELERY_BROKER_URL="redis://cache.example:6379/0",
+        CELERY_RESULT_BACKEND="redis://cache.example:6379/1",
+    )
+    assert on_redis["model_slots"]["MODEL_SLOTS_REDIS_URL"] == "redis://cache.example:6379/0"
+
+    on_rabbitmq = load_settings(
+        tmp_path,
+        CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:5672//",
+        CELERY_RESULT_BACKEND="redis://cache.example:6379/1",
+    )
+    assert on_rabbitmq["model_slots"]["MODEL_SLOTS_REDIS_URL"] == "redis://cache.example:6379/1"
+
+    chosen = load_settings(
+        tmp_path,
+        CELERY_BROKER_URL="redis://cache.example:6379/0",
+        DJFLOW_MODEL_SLOTS_REDIS_URL="redis://slots.example:6379/3",
+        DJFLOW_MODEL_CONCURRENCY="4",
+        DJFLOW_MODEL_SLOT_WAIT_SECONDS="0.5",
+    )["model_slots"]
+    assert chosen == {
+        "MODEL_CONCURRENCY": 4,
+        "MODEL_SLOTS_REDIS_URL": "redis://slots.example:6379/3",
+        "MODEL_SLOT_WAIT_SECONDS": 0.5,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("DJFLOW_MODEL_CONCURRENCY", "0"), ("DJFLOW_MODEL_SLOT_WAIT_SECONDS", "-1")],
+)
+def test_a_model_slot_setting_out_of_range_is_refused_naming_it(
+    tmp_path: Path, name: str, value: str
+) -> None:
+    environ = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
+    environ.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path))
+    environ[name] = value
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        cwd=BASE_DIR,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "ImproperlyConfigured" in done.stderr and name in done.stderr
 
 
 def _settings_env_vars() -> set[str]:

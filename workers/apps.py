@@ -6,12 +6,16 @@ class WorkersConfig(AppConfig):
     verbose_name = "Workers"
 
     def ready(self) -> None:
-        from celery.signals import task_received
+        from celery.signals import task_received, worker_ready
 
-        from . import kinds, task_events
+        from . import kinds, slots, task_events
 
         # The worker step kinds that call models and HTTP (recipe, http).
         kinds.plug_in()
 
         # In a worker's main process: tell each execute_step whether task events are on.
         task_received.connect(task_events.mark_carrier, dispatch_uid="djflow-step-task-events")
+
+        # Once per worker start: whether model calls are limited per account (the embedded
+        # default has no Redis to count them in).
+        worker_ready.connect(slots.log_at_worker_start, dispatch_uid="djflow-model-slots-log")
