@@ -471,6 +471,9 @@ DJFLOW = {
     # How long a model call waits in its worker for one of its account's slots before its
     # attempt is handed back (to be offered again), so a full account does not hold workers.
     "MODEL_SLOT_WAIT_SECONDS": env.float("DJFLOW_MODEL_SLOT_WAIT_SECONDS", default=2.0),
+    # How long a slot outlives its holder's last refresh (every quarter of it): a killed
+    # worker's slots are free again within this.
+    "MODEL_SLOT_TTL_SECONDS": env.float("DJFLOW_MODEL_SLOT_TTL_SECONDS", default=60.0),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
     # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model

@@ -119,6 +119,9 @@ def xdist_services(worker: str | None) -> None:
             os.environ[name] = moved
     app.conf.broker_url = settings.CELERY_BROKER_URL
     app.conf.result_backend = settings.CELERY_RESULT_BACKEND
+    # The per-account model slots default to the broker's Redis: move them with it.
+    slots = settings.DJFLOW.get("MODEL_SLOTS_REDIS_URL") or ""
+    settings.DJFLOW = {**settings.DJFLOW, "MODEL_SLOTS_REDIS_URL": _shifted_redis_db(slots, shift)}
 
 
 def _shifted_redis_db(url: str, shift: int) -> str:

@@ -400,7 +400,12 @@ def slots() -> AccountSlots:
             conf = settings.DJFLOW
             _instance = (
                 os.getpid(),
-                AccountSlots(conf["MODEL_SLOTS_REDIS_URL"] or None, conf["MODEL_CONCURRENCY"]),
+                AccountSlots(
+                    conf["MODEL_SLOTS_REDIS_URL"] or None,
+                    conf["MODEL_CONCURRENCY"],
+                    ttl_seconds=conf["MODEL_SLOT_TTL_SECONDS"],
+                    refresh_seconds=conf["MODEL_SLOT_TTL_SECONDS"] / 4,
+                ),
             )
         return _instance[1]
 

@@ -73,7 +73,7 @@ def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
     try:
         recipe = recipes.recipe_of_step(step, stored)
     except InvalidDocument as invalid:
-        return [(_field_of(error.field), error.message) for error in invalid.errors]
+        return [(_field_of(error.field or ""), error.message) for error in invalid.errors]
     model = recipe.get("model") or providers.default_model()
     field = "recipe" if stored is not None and "model" not in step else "model"
     if not model:
