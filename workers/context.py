@@ -87,6 +87,9 @@ class StepContext:
     idempotency_key: str
     workflow_id: str
     logger: logging.LoggerAdapter[logging.Logger]
+    # The attempt's time limit (its row's timeout_ms), for a body that bounds its own calls
+    # a little inside it so it fails with its own message before the worker's alarm fires.
+    timeout_ms: int | None = None
     spans: list[Span] = field(default_factory=list)
 
     @contextmanager

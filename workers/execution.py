@@ -135,6 +135,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         idempotency_key=row.idempotency_key,
         workflow_id=row.workflow_id,
         logger=bound_logger(str(row.run_id), row.step_id, row.attempt),
+        timeout_ms=row.timeout_ms,
     )
     try:
         run_secrets = vault.decrypt(row.secrets, run_id=row.run_id)

@@ -10,3 +10,4 @@ from __future__ import annotations
 
 def plug_in() -> None:
     """Import each kind module here, for its registration (it calls workflows.kinds.register)."""
+    from . import http  # noqa: F401
