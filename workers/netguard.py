@@ -164,18 +164,20 @@ def resolve_checked(host: str, port: int, allow: Allow) -> list[str]:
         raise httpcore2.ConnectError(f"{name} resolves to no IP address")
     if not allow.lists_host(name):
         for text in addresses:
-            _check(name, ipaddress.ip_address(text), allow)
+            _check(name, text, allow)
     return addresses
 
 
-def _check(host: str, address: IPAddress, allow: Allow) -> None:
+def _check(host: str, text: str, allow: Allow) -> None:
+    address = ipaddress.ip_address(text)
     if any(allow.lists_address(judged) for judged in {address, *_judged(address)}):
         return
     reason = refusal(address)
     if reason is not None:
-        source = "" if host == str(address) else f" (from {host})"
+        # The address as the resolver gave it (ipaddress would spell ::ffff:127.0.0.1 in hex).
+        source = "" if host == text else f" (from {host})"
         raise AddressRefused(
-            f"http: {address}{source} is {reason}; DJFLOW_HTTP_ALLOW does not list it"
+            f"http: {text}{source} is {reason}; DJFLOW_HTTP_ALLOW does not list it"
         )
 
 

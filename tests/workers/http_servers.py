@@ -7,6 +7,7 @@ body that trickles). Every request is recorded in :attr:`Server.seen`.
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -81,12 +82,28 @@ def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that refused the certificate, or hung up: the test asserts on that
+
+
 @contextmanager
-def serving(routes: dict[str, Route], host: str = "127.0.0.1", port: int = 0) -> Iterator[Server]:
-    """A server on ``host`` (any free port unless given) for the block's duration."""
+def serving(
+    routes: dict[str, Route],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tls: ssl.SSLContext | None = None,
+) -> Iterator[Server]:
+    """A server on ``host`` (any free port unless given) for the block's duration; HTTPS
+    with ``tls`` (a server-side context)."""
     server = Server(host, port, routes)
-    httpd = ThreadingHTTPServer((host, port), _handler_for(server))
+    httpd = _QuietServer((host, port), _handler_for(server))
     httpd.daemon_threads = True
+    if tls is not None:
+        # The handshake in the request's thread, not in the accepting loop.
+        httpd.socket = tls.wrap_socket(
+            httpd.socket, server_side=True, do_handshake_on_connect=False
+        )
     server.port = httpd.server_address[1]
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
     thread.daemon = True
