@@ -58,11 +58,14 @@ def reply(
 def _handler_for(server: Server) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        body = b""
 
         def _any(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             path = self.path.split("?", 1)[0]
+            # The body is read here: a route finds it as ``handler.body``, not on rfile.
+            self.body = body
             server.seen.append(Seen(self.command, self.path, dict(self.headers.items()), body))
             server.counts[path] = server.counts.get(path, 0) + 1
             route = server.routes.get(path)
