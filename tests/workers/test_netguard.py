@@ -11,8 +11,11 @@ one name and pass every other lookup to the real resolver. Numeric spellings (``
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import ssl
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -293,3 +296,25 @@ def test_a_url_is_shown_without_credentials_query_or_fragment() -> None:
     url = "https://user:secret@api.example.com:8443/v1/items?token=abc#frag"
     assert netguard.shown(url) == "https://api.example.com:8443/v1/items"
     assert netguard.shown("http://[::1]/x?y=1") == "http://[::1]/x"
+
+
+def _settings_with(allow: str) -> subprocess.CompletedProcess[str]:
+    probe = "from django.conf import settings; print(settings.DJFLOW['HTTP_ALLOW'])"
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings", "DJFLOW_HTTP_ALLOW": allow}
+    return subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_settings_read_the_allow_list_and_refuse_a_malformed_network() -> None:
+    read = _settings_with(" api.internal, 10.0.0.0/8 ,,127.0.0.1")
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.strip() == "['api.internal', '10.0.0.0/8', '127.0.0.1']"
+    refused = _settings_with("api.internal,10.0.0.0/33")
+    assert refused.returncode != 0
+    assert "DJFLOW_HTTP_ALLOW: '10.0.0.0/33' is not a network" in refused.stderr
