@@ -5,6 +5,7 @@ shows what the contract says for each."""
 from __future__ import annotations
 
 import json
+import time
 
 from runs import services
 from runs.models import Run, StepRun
@@ -31,6 +32,24 @@ DOCUMENT = {
 }
 
 
+# The attempt's timeout_ms reaches the body (ctx.timeout_ms): it fails retryable with its own
+# message, before the worker's alarm would end it as class timeout.
+SLOW = {
+    "id": "http_e2e_slow",
+    "limits": {"run_timeout_ms": 60_000},
+    "steps": [
+        {
+            "id": "call",
+            "kind": "http",
+            "method": "GET",
+            "url": "${input.url}",
+            "timeout_ms": 800,
+            "retry": {"max_attempts": 1},
+        }
+    ],
+}
+
+
 def test_http_steps_on_a_real_worker(celery_worker, celery_processes) -> None:
     counts: dict[str, int] = {}
 
@@ -50,6 +69,7 @@ def test_http_steps_on_a_real_worker(celery_worker, celery_processes) -> None:
         "/echo": echo,
         "/flaky": flaky,
         "/meta": lambda h: reply(h, 302, "", {"Location": "http://169.254.169.254/latest/"}),
+        "/mute": lambda h: time.sleep(3),
     }
     with serving(routes) as server:
         celery_worker(env={"DJFLOW_HTTP_ALLOW": "127.0.0.1"})
@@ -64,6 +84,9 @@ def test_http_steps_on_a_real_worker(celery_worker, celery_processes) -> None:
             tag: services.run_start(workflow="http_e2e", input={"url": url, "tag": tag}).run
             for tag, url in cases.items()
         }
+        definition_save(document=SLOW)
+        slow_input = {"url": server.url("/mute")}
+        runs["slow"] = services.run_start(workflow="http_e2e_slow", input=slow_input).run
 
         def ended() -> dict[str, Run] | None:
             found = {tag: Run.objects.get(id=run.id) for tag, run in runs.items()}
@@ -107,3 +130,7 @@ def test_http_steps_on_a_real_worker(celery_worker, celery_processes) -> None:
         "http: 169.254.169.254 is a cloud metadata address; DJFLOW_HTTP_ALLOW does not list it"
     )
     assert len(attempts("meta")) == 1
+
+    slow = done["slow"]
+    assert (slow.status, slow.error["class"]) == ("failed", "retryable"), slow.error
+    assert slow.error["message"] == f"http: timed out after 800 ms (GET {server.url('/mute')})"
