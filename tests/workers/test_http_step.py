@@ -330,6 +330,23 @@ def test_a_proxy_in_the_environment_is_not_used(
     assert [s.path for s in server.seen] == ["/direct"]
 
 
+def test_a_header_value_that_is_not_ascii_fails_without_quoting_it(server: Server) -> None:
+    failed = _failure(server.url("/x"), headers={"X-Key": f"{SECRET}é"})
+    assert (failed.error_class, failed.message) == (
+        "invalid_input",
+        "http: the value of header X-Key is not ASCII",
+    )
+    assert server.seen == []
+
+
+def test_a_header_value_with_a_line_break_fails_without_quoting_it(server: Server) -> None:
+    """A revealed secret may hold what prepare could not see in its token."""
+    failed = _failure(server.url("/x"), headers={"X-Key": f"{SECRET}\r\nX-Evil: 1"})
+    assert failed.error_class == "fatal"
+    assert failed.message == f"http: GET {server.url('/x')} could not be sent (LocalProtocolError)"
+    assert server.seen == []
+
+
 def test_the_kind_is_registered_with_three_attempts_and_every_worker_serves_it() -> None:
     kind = kinds.get("http")
     assert kind is not None and kind.role == kinds.Role.WORKER and kind.max_attempts == 3

@@ -112,11 +112,16 @@ class _Request:
     def from_input(cls, given: Any) -> _Request:
         if not isinstance(given, Mapping) or not isinstance(given.get("url"), str):
             raise StepFailure("http: the attempt's input is not a prepared request", "fatal")
-        headers = given.get("headers") or {}
+        headers = {str(k): str(v) for k, v in (given.get("headers") or {}).items()}
+        for name, value in headers.items():
+            # The stored input holds a secret's token; its value, revealed here, is checked
+            # here (httpx2 would raise UnicodeEncodeError, quoting part of it).
+            if not value.isascii():
+                raise StepFailure(f"http: the value of header {name} is not ASCII", "invalid_input")
         return cls(
             method=str(given.get("method") or "GET").upper(),
             url=_parse_url(given["url"]),
-            headers={str(k): str(v) for k, v in headers.items()},
+            headers=headers,
             body=given.get("body"),
         )
 
