@@ -475,18 +475,17 @@ DJFLOW = {
     # they read, in bytes (past it the step fails, class fatal).
     "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
     "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
-    # Model prices in USD per million tokens: {"model": {"input": x, "output": y}}.
-    # DJFLOW_PRICES (JSON) replaces the defaults below.
-    "PRICES": env.json(
-        "DJFLOW_PRICES",
-        default={
-            "claude-sonnet-4": {"input": 3.0, "output": 15.0},
-            "claude-opus-4": {"input": 15.0, "output": 75.0},
-            "claude-haiku-4": {"input": 1.0, "output": 5.0},
-            "gpt-4o": {"input": 2.5, "output": 10.0},
-            "gpt-4o-mini": {"input": 0.15, "output": 0.6},
-        },
-    ),
+    # Model prices come from genai-prices' bundled table (offline: it is never updated at run
+    # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
+    # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model
+    # neither knows is recorded but not priced.
+    "PRICES": env.json("DJFLOW_PRICES", default={}),
+    # The model of a recipe step that names none ("<provider>:<model>"); empty: none.
+    "DEFAULT_MODEL": env.str("DJFLOW_DEFAULT_MODEL", default=""),
+    # Providers beyond openai and anthropic, each speaking one of their wire formats:
+    # {"ollama": {"adapter": "openai", "base_url": "http://127.0.0.1:11434/v1",
+    # "api_key_env": "OLLAMA_API_KEY"}} (api_key_env only where the endpoint wants a key).
+    "PROVIDERS": env.json("DJFLOW_PROVIDERS", default={}),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 

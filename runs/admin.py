@@ -24,7 +24,7 @@ from workflows.errors import EngineError
 from workflows.secrets import shown, shown_text
 
 from .engine import unservable
-from .models import Event, Run, RunAction, StepRun, Timer
+from .models import Event, ModelCall, Run, RunAction, StepRun, Timer
 from .services import run_cancel, run_retry
 from .status import StepStatus
 
@@ -260,9 +260,59 @@ class RunAdmin(RunScopedAdmin):
                 self.message_user(request, f"Run {run_id} {done}.", messages.SUCCESS)
 
 
+class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
+    """The attempt's model calls (CONTRACT section 10): what was asked and answered, tokens,
+    latency, cost and the reservation it was made under. Shown with the attempt, to whoever
+    may read its run."""
+
+    model = ModelCall
+    fields = (
+        "provider",
+        "model",
+        "answered_by",
+        "status",
+        "input_tokens",
+        "output_tokens",
+        "cached_tokens",
+        "reasoning_tokens",
+        "latency_ms",
+        "cost_usd",
+        "reserved_usd",
+        "request_id",
+        "pretty_error",
+        "pretty_prompt",
+        "pretty_reply",
+    )
+    readonly_fields = fields
+    ordering = ("id",)
+    extra = 0
+    verbose_name_plural = "model calls"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).select_related("prompt", "reply")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            return access.has_any_role(request.user)
+        return access.may_view_run(request.user, obj.run.workflow_id, obj.run.created_by_id)
+
+    @admin.display(description="error")
+    def pretty_error(self, call: ModelCall) -> str:
+        return _pretty_json(call.error) if call.error else "—"
+
+    @admin.display(description="prompt (system and messages, after templates)")
+    def pretty_prompt(self, call: ModelCall) -> str:
+        return _pretty_json(call.prompt.body)
+
+    @admin.display(description="reply")
+    def pretty_reply(self, call: ModelCall) -> str:
+        return _pretty_json(call.reply.body) if call.reply is not None else "—"
+
+
 @admin.register(StepRun)
 class StepRunAdmin(RunScopedAdmin):
     run_prefix = "run__"
+    inlines = (ModelCallInline,)
 
     list_display = (
         "__str__",

@@ -66,6 +66,14 @@ def offer_on_commit(step_run: Any, *, workflow_id: str) -> None:
     transaction.on_commit(lambda: offer(step_run, workflow_id=workflow_id), robust=True)
 
 
+def offer_later_on_commit(step_run: Any, *, workflow_id: str, seconds: float) -> None:
+    """Offer an attempt again ``seconds`` after the transaction commits (a countdown: fine for
+    seconds; the reconciler offers it again should the message be lost)."""
+    transaction.on_commit(
+        lambda: _execute_signature(step_run).apply_async(countdown=seconds), robust=True
+    )
+
+
 def offer(step_run: Any, *, workflow_id: str) -> None:
     """Send the attempt's message now (the caller has committed the attempt)."""
     _execute_signature(step_run).apply_async()

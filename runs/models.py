@@ -68,6 +68,10 @@ class Run(models.Model):
     generation = models.PositiveIntegerField(default=1)
     attempts = models.PositiveIntegerField(default=0)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    # Who the run's model calls count against (CONTRACT section 10: the per-account model
+    # concurrency): the start's ``account``, else the starter's username; a child run has its
+    # root's.
+    account = models.CharField(max_length=150, blank=True, default="", db_default="")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -167,6 +171,13 @@ class StepRun(models.Model):
     usage = models.JSONField(default=dict, blank=True)
     spans = models.JSONField(default=list, blank=True)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    # The worst case of the model call this attempt is making now, held against the run's
+    # (and its root's) limits.max_cost_usd until the call is settled (runs.engine.costs);
+    # an attempt that ended with some still held (its worker lost) has it released by the
+    # reconciler.
+    reserved_usd = models.DecimalField(
+        max_digits=14, decimal_places=6, default=Decimal("0"), db_default=Decimal("0")
+    )
     celery_task_id = models.CharField(max_length=255, blank=True, default="")
     scheduled_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -339,3 +350,53 @@ class RunAction(models.Model):
 
     def __str__(self) -> str:
         return f"{self.action} of run {self.run_id} by {self.actor_name or 'the system'}"
+
+
+class Content(models.Model):
+    """A prompt or a reply, stored once by the SHA-256 of its canonical JSON: a run whose
+    calls resend a growing conversation stores each distinct text once, and an attempt refers
+    to it (the whole conversation stored per call would grow quadratically)."""
+
+    digest = models.CharField(max_length=64, primary_key=True)
+    body = models.JSONField()
+    size = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return self.digest[:12]
+
+
+class ModelCall(models.Model):
+    """One call to a model (CONTRACT section 10): what was asked and answered (by reference),
+    the tokens, the latency and the cost, on the attempt that made it."""
+
+    step_run = models.ForeignKey(StepRun, on_delete=models.CASCADE, related_name="model_calls")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    provider = models.CharField(max_length=100)
+    model = models.CharField(max_length=200)
+    # The provider's own name of the model that answered (it may differ: a dated snapshot).
+    answered_by = models.CharField(max_length=200, blank=True, default="")
+    prompt = models.ForeignKey(Content, on_delete=models.PROTECT, related_name="+")
+    reply = models.ForeignKey(
+        Content, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    status = models.CharField(max_length=20)  # "ok" or the error class ("retryable", ...)
+    error = models.JSONField(null=True, blank=True)
+    input_tokens = models.PositiveIntegerField(default=0)
+    output_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(null=True, blank=True)
+    reasoning_tokens = models.PositiveIntegerField(null=True, blank=True)
+    latency_ms = models.PositiveIntegerField(default=0)
+    # What the call cost (None: the price table does not know the model), and the worst
+    # case that was reserved for it before it was made.
+    cost_usd = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
+    reserved_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    request_id = models.CharField(max_length=200, blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["step_run", "id"]
+        indexes = [models.Index(fields=["run", "id"], name="model_call_run")]
+
+    def __str__(self) -> str:
+        return f"{self.provider}:{self.model} ({self.status})"

@@ -10,7 +10,7 @@ from django.db.models import Prefetch, QuerySet
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
 
-from .models import Run, RunAction, StepRun
+from .models import ModelCall, Run, RunAction, StepRun
 
 
 def run_list(
@@ -44,7 +44,15 @@ def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
     if readable is not None:
         children = children.filter(readable)
     return Run.objects.select_related("version", "parent_step_run").prefetch_related(
-        Prefetch("steps", queryset=StepRun.objects.order_by("id")),
+        Prefetch(
+            "steps",
+            queryset=StepRun.objects.order_by("id").prefetch_related(
+                Prefetch(
+                    "model_calls",
+                    queryset=ModelCall.objects.select_related("prompt", "reply").order_by("id"),
+                )
+            ),
+        ),
         Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
         Prefetch("children", queryset=children),
     )

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from django.core.validators import RegexValidator
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from workflows import secrets
 
 from .engine import unservable
-from .models import Run, RunAction, StepRun
+from .models import ModelCall, Run, RunAction, StepRun
 from .status import RunStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -89,6 +90,14 @@ class RunStartSerializer(StrictBodySerializer):
     correlation = StrictCharField(
         max_length=255, required=False, allow_null=True, trim_whitespace=False
     )
+    account = StrictCharField(
+        max_length=150,
+        validators=[RegexValidator(r"^[A-Za-z0-9_.@+-]+\Z", "letters, digits and _ . @ + - only")],
+        required=False,
+        allow_null=True,
+        help_text="who the run's model calls count against (DJFLOW_MODEL_CONCURRENCY per "
+        "account); default: the starter's username",
+    )
 
     body_name = "a run start"
 
@@ -159,6 +168,87 @@ PARENT_SCHEMA = {
 }
 
 
+# The most of one prompt's or reply's text a run's representation shows (a run of many long
+# calls must not become a response of hundreds of megabytes); the digest names the whole.
+SHOWN_TEXT_CHARS = 20_000
+
+
+def _shown_text(text: Any) -> Any:
+    if not isinstance(text, str) or len(text) <= SHOWN_TEXT_CHARS:
+        return text
+    return f"{text[:SHOWN_TEXT_CHARS]}… [{len(text) - SHOWN_TEXT_CHARS} more characters]"
+
+
+def _shown_content(content: Any) -> dict[str, Any] | None:
+    if content is None:
+        return None
+    body = content.body if isinstance(content.body, dict) else {"value": content.body}
+    shown: dict[str, Any] = {"digest": content.digest, "size": content.size}
+    for key, value in body.items():
+        if key == "messages" and isinstance(value, list):
+            shown[key] = [
+                {**m, "content": _shown_text(m.get("content"))} if isinstance(m, dict) else m
+                for m in value
+            ]
+        else:
+            shown[key] = _shown_text(value)
+    return shown
+
+
+CONTENT_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "description": "stored once by the SHA-256 of its JSON (digest); texts over 20,000 "
+    "characters are shown cut",
+    "properties": {
+        "digest": {"type": "string"},
+        "size": {"type": "integer"},
+        "system": {"type": "string", "nullable": True},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "text": {"type": "string"},
+    },
+}
+
+
+class ModelCallSerializer(serializers.ModelSerializer):
+    """One model call of an attempt (CONTRACT section 10)."""
+
+    cost_usd = serializers.FloatField(read_only=True, allow_null=True)
+    reserved_usd = serializers.FloatField(read_only=True)
+    prompt = serializers.SerializerMethodField()
+    reply = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ModelCall
+        fields = [
+            "provider",
+            "model",
+            "answered_by",
+            "status",
+            "error",
+            "input_tokens",
+            "output_tokens",
+            "cached_tokens",
+            "reasoning_tokens",
+            "latency_ms",
+            "cost_usd",
+            "reserved_usd",
+            "request_id",
+            "created_at",
+            "prompt",
+            "reply",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(CONTENT_SCHEMA)
+    def get_prompt(self, call: ModelCall) -> dict[str, Any] | None:
+        return _shown_content(call.prompt)
+
+    @extend_schema_field(CONTENT_SCHEMA)
+    def get_reply(self, call: ModelCall) -> dict[str, Any] | None:
+        return _shown_content(call.reply)
+
+
 class StepRunSerializer(serializers.ModelSerializer):
     """One attempt of one step."""
 
@@ -167,6 +257,7 @@ class StepRunSerializer(serializers.ModelSerializer):
     output = serializers.JSONField(read_only=True, allow_null=True)
     usage = serializers.JSONField(read_only=True)
     error = serializers.SerializerMethodField()
+    model_calls = ModelCallSerializer(many=True, read_only=True)
 
     class Meta:
         model = StepRun
@@ -189,6 +280,7 @@ class StepRunSerializer(serializers.ModelSerializer):
             "finished_at",
             "usage",
             "cost_usd",
+            "model_calls",
             "waiting_for",
             "waiting_since",
         ]
@@ -243,6 +335,7 @@ class RunListSerializer(serializers.ModelSerializer):
             "error",
             "correlation",
             "idempotency_key",
+            "account",
             "parent",
             "generation",
             "attempts",

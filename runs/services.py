@@ -15,6 +15,7 @@ from django.utils import timezone
 from workflows import access, heartbeats, secrets, selectors
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
 from workflows.inputs import input_errors
+from workflows.preflight import preflight_errors
 
 from . import dispatch, vault
 from .engine import delivery
@@ -38,6 +39,7 @@ def run_start(
     version: int | None = None,
     idempotency_key: str | None = None,
     correlation: str | None = None,
+    account: str | None = None,
     user: AbstractBaseUser | None = None,
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
@@ -63,6 +65,8 @@ def run_start(
             return StartResult(existing, created=False)
     pinned = selectors.version_get(workflow_id=workflow, number=version)
     problems = input_errors(pinned, input)
+    # Named recipes that exist, models whose providers are configured (workflows.preflight).
+    problems += preflight_errors(pinned.document)
     if settings.DJFLOW["START_CHECKS_WORKERS"]:
         # A run no worker can take would wait, then fail as unservable: say so now.
         problems += heartbeats.unserved_errors(document=pinned.document)
@@ -81,6 +85,9 @@ def run_start(
                 secrets=vault.encrypt(registry),
                 idempotency_key=idempotency_key,
                 correlation=correlation,
+                # A label for sharing model capacity fairly (CONTRACT section 10), not a
+                # boundary of who may see what: the permission model decides that.
+                account=account or (person.get_username() if person is not None else ""),
                 created_by=person,
             )
             # Plan the first step in the same transaction: a run costs no advance message

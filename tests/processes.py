@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 CELERY = [sys.executable, "-m", "celery", "-A", "config"]
@@ -95,6 +95,38 @@ def database_url(settings_dict: Mapping[str, Any]) -> str:
     }
     query = f"?{urlencode(options)}" if options else ""
     return f"postgres://{credentials}{host}{port}/{quote(name, safe='')}{query}"
+
+
+def xdist_services(worker: str | None) -> None:
+    """Point this test process at Redis databases of its own when it is pytest-xdist's
+    ``gwN`` for N > 0: broker and results move up by 2 * N (gw0 keeps the configured ones).
+    Other brokers (RabbitMQ) are left as configured: their stage runs the worker tests in one
+    xdist group, which is one process."""
+    from django.conf import settings
+
+    from config.celery import app
+
+    if not worker or not worker.startswith("gw") or worker == "gw0":
+        return
+    shift = 2 * int(worker[2:])
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+        url = getattr(settings, name)
+        moved = _shifted_redis_db(url, shift)
+        if moved != url:
+            setattr(settings, name, moved)
+            # Celery's broker_url and result_backend read these variables before its
+            # configuration.
+            os.environ[name] = moved
+    app.conf.broker_url = settings.CELERY_BROKER_URL
+    app.conf.result_backend = settings.CELERY_RESULT_BACKEND
+
+
+def _shifted_redis_db(url: str, shift: int) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        return url
+    db = int(parts.path.strip("/") or 0) + shift
+    return urlunsplit(parts._replace(path=f"/{db}"))
 
 
 def service_env(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import schemathesis
+from django.contrib.auth.models import Permission
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 from hypothesis import HealthCheck, settings
@@ -21,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
 
 from config.wsgi import application
 from runs.services import run_start
-from workflows.services import definition_save
+from workflows.services import definition_save, recipe_save
 
 from .workflows.documents import support_ticket
 
@@ -48,6 +49,11 @@ def token(user) -> str:
     # Something to read, so GETs on known ids reach the code past the 404.
     definition_save(document={k: v for k, v in support_ticket().items() if k != "version"})
     run_start(workflow="support_ticket", input={"ticket": "Q: where is my parcel?"})
+    # Recipes too: one to read, and the rights to save more, so the fuzz reaches past 403.
+    recipe_save(document={"name": "triage", "prompt": "Sort: ${input}"})
+    user.user_permissions.add(
+        *Permission.objects.filter(codename__in=["add_recipe", "change_recipe"])
+    )
     return Token.objects.get_or_create(user=user)[0].key
 
 

@@ -13,6 +13,7 @@ from django.test import Client
 
 from tests.approvals.builders import PASSWORD, approver, link_path, start_approval
 from tests.browser import ARTIFACTS, chromium_page
+from workflows.services import recipe_save
 
 # The directives the policy must hold, whatever else it says.
 REQUIRED = {
@@ -47,6 +48,7 @@ def pages(db) -> dict[str, str]:
     """Each page of the project, by name: the path a signed-in superuser (root) opens."""
     get_user_model().objects.create_superuser("root", "root@example.com", PASSWORD)
     _, request = start_approval(users=["root"], emails=["ext@example.org"])
+    recipe, _ = recipe_save(document={"name": "csp_check", "prompt": "Hi ${input}"})
     return {
         "home": "/",
         "inbox": "/approvals/",
@@ -56,6 +58,8 @@ def pages(db) -> dict[str, str]:
         "admin": "/admin/",
         "admin document editor": "/admin/workflows/workflow/add/",
         "admin changelist": "/admin/workflows/workflow/",
+        "admin recipe editor": "/admin/workflows/recipe/add/",
+        "admin recipe preview": f"/admin/workflows/recipe/{recipe.pk}/preview/",
         "api docs": "/api/v1/docs/",
     }
 
@@ -141,6 +145,13 @@ def check_works(page: Any, name: str) -> None:
         )
         assert page.is_hidden("#id_document_textarea")
         assert page.is_visible("#id_document .ace_content")
+    elif name == "admin recipe editor":
+        # The output schema's JSON editor started from its file, as the document editor.
+        page.wait_for_function(
+            "() => window.id_output_schema_editor !== undefined"
+            " && window.id_output_schema_editor.aceEditor !== undefined"
+        )
+        assert page.is_hidden("#id_output_schema_textarea")
     elif name == "api docs":
         page.wait_for_selector(".swagger-ui .info .title")
         page.wait_for_selector("#operations-runs-runs_start")

@@ -46,6 +46,8 @@ class Claimed:
     secrets: str = ""
     # The step's kind: its module in the registry says how the attempt runs.
     kind: str = "task"
+    # Who the run's model calls count against (runs.models.Run.account).
+    account: str = ""
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -73,7 +75,7 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = %(source)s AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
-          s.path, r.secrets, s.kind
+          s.path, r.secrets, s.kind, r.account
 ), deadline AS (
 INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
 SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
@@ -133,6 +135,7 @@ def _claim_postgres(
         path=row[13],
         secrets=row[14],
         kind=row[15],
+        account=row[16],
     )
 
 
@@ -158,6 +161,7 @@ def _claim_portable(
             "run__workflow_id",
             "run__version_id",
             "run__secrets",
+            "run__account",
         )
         .first()
     )
@@ -207,4 +211,5 @@ def _claim_portable(
         path=row.path,
         secrets=row.run.secrets,
         kind=row.kind,
+        account=row.run.account,
     )

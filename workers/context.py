@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +29,10 @@ class Span:
         self.error: str | None = None
         self._t0 = time.perf_counter()
         self.duration_ms: float | None = None
+        # What the span's work cost, already charged to the run when it happened (a recipe's
+        # model call is settled against its reservation at once: runs.engine.costs); None
+        # for a span priced from its usage when the attempt is recorded.
+        self.charged: Decimal | None = None
 
     def set_model(self, model: str, provider: str | None = None) -> None:
         self.model = model
@@ -49,7 +53,9 @@ class Span:
 
     @property
     def cost_usd(self) -> Decimal | None:
-        return price(self.model, self.usage) if self.usage else None
+        if self.charged is not None:
+            return self.charged
+        return price(self.model, self.usage, self.provider) if self.usage else None
 
     def close(self, error: BaseException | None = None) -> None:
         self.finished_at = datetime.now(UTC)
@@ -87,10 +93,16 @@ class StepContext:
     idempotency_key: str
     workflow_id: str
     logger: logging.LoggerAdapter[logging.Logger]
-    # The attempt's time limit (its row's timeout_ms), for a body that bounds its own calls
-    # a little inside it so it fails with its own message before the worker's alarm fires.
-    timeout_ms: int | None = None
     spans: list[Span] = field(default_factory=list)
+    # The attempt's row and who its model calls count against (the built-in kinds use them;
+    # a handler need not).
+    step_run_id: int = 0
+    account: str = ""
+    # When the attempt's time is up (its timeout_ms from the claim).
+    deadline_at: datetime | None = None
+    # A value with the run's secrets replaced by their tokens: what the kinds store of what
+    # they sent and got (a prompt rendered from a secret input).
+    conceal: Callable[[Any], Any] = field(default=lambda value: value)
 
     @contextmanager
     def span(self, name: str, kind: str = "internal", **attributes: Any) -> Iterator[Span]:
@@ -117,7 +129,13 @@ class StepContext:
         return {**total, "models": by_model} if total else {}
 
     def cost_usd(self) -> Decimal:
+        """What the attempt's spans cost, charged already or not."""
         return sum((s.cost_usd or Decimal(0) for s in self.spans), Decimal(0))
+
+    def uncharged_usd(self) -> Decimal:
+        """What recording the attempt charges the run: its spans not charged already."""
+        spans = (s for s in self.spans if s.charged is None)
+        return sum((s.cost_usd or Decimal(0) for s in spans), Decimal(0))
 
 
 class _StepLogger(logging.LoggerAdapter[logging.Logger]):

@@ -37,7 +37,7 @@ from runs.models import Run, StepRun
 from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
-from workflows.failures import StepFailure
+from workflows.failures import Deferred, StepFailure
 from workflows.templates import TooLarge, check_size
 
 from . import task_events
@@ -73,7 +73,7 @@ def execute(
         step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
     )
     if outcome == HANDED_BACK:
-        raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
+        raise HandedBack(f"attempt {step_run_id} handed back: it waits for a worker or a slot")
     chained = 0
     while held is not None:
         step_run, workflow_id = held
@@ -135,7 +135,9 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         idempotency_key=row.idempotency_key,
         workflow_id=row.workflow_id,
         logger=bound_logger(str(row.run_id), row.step_id, row.attempt),
-        timeout_ms=row.timeout_ms,
+        step_run_id=row.id,
+        account=row.account,
+        deadline_at=deadline,
     )
     try:
         run_secrets = vault.decrypt(row.secrets, run_id=row.run_id)
@@ -144,6 +146,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         logger.error("attempt %s not run: %s", row.id, unreadable)
         error = {"class": "fatal", "message": str(unreadable)}
         return _record(row, claim, StepStatus.FAILED, None, error, ctx, {})
+    ctx.conceal = partial(secrets.conceal, registry=run_secrets)
     # The handler gets the secrets (the stored input holds tokens); while it runs and its
     # result is recorded, logs and error reports of this process mask them.
     with secrets.exposing(secrets.plaintexts(run_secrets)):
@@ -167,6 +170,10 @@ def _run_handler(
         with _time_limit(row.timeout_ms / 1000 if own_alarm else None):
             given = secrets.reveal(row.input, run_secrets)
             output = handler(ctx, given, _Prior(row.run_id, run_secrets))
+    except Deferred as deferred:
+        keeper.release(row.id)
+        _defer(row, claim, deferred)
+        return HANDED_BACK, None
     except StepFailure as failure:
         if failure.error_class == "unservable":
             keeper.release(row.id)
@@ -253,7 +260,9 @@ def _record_once(
     ctx: StepContext,
     run_secrets: dict[str, Any],
 ) -> tuple[str, Held | None]:
-    cost = ctx.cost_usd()
+    # The run is charged what was not charged during the attempt (a recipe's model calls
+    # are, as each is settled); the attempt shows all it cost.
+    cost = ctx.uncharged_usd()
     # A secret the handler echoed (in its output, an error message, a span) is stored as its
     # token: masked wherever it is shown, the value again for the next handler.
     answered = secrets.conceal(
@@ -266,7 +275,10 @@ def _record_once(
         "finished_at": timezone.now(),
         "lease_expires_at": None,
         "usage": ctx.usage(),
-        "cost_usd": cost,
+        "cost_usd": ctx.cost_usd(),
+        # A reservation a call left held (the attempt ended inside it: a time-out) is
+        # released: the attempt is over (runs.engine.costs).
+        "reserved_usd": 0,
     }
     if row.path:
         return _record_inside(row, claim, result, cost)
@@ -391,6 +403,35 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
         # Hold this pool slot a moment after the offer: a free worker that may have the
         # handler takes the message, instead of this one taking it straight back.
         time.sleep(settings.DJFLOW["UNSERVABLE_PAUSE_SECONDS"])
+
+
+def _defer(row: Claimed, claim: uuid.UUID, deferred: Deferred) -> None:
+    """The body cannot go on now (every model slot of the account is taken): hand the
+    attempt back without spending its budget or counting a refusal, and offer it again after
+    ``deferred.seconds``, so a worker process is not held idle while it waits.
+
+    The offer is a countdown message: it lives in a worker's memory (DESIGN: durable time
+    lives in the timer table), which is fine for seconds. Should it be lost, the attempt is
+    ``scheduled`` and the reconciler offers it again after ``LOST_MESSAGE_SECONDS``.
+    """
+    logger.info("attempt %s handed back for %.1f s: %s", row.id, deferred.seconds, deferred)
+    with transaction.atomic():
+        returned = move_steps(
+            StepRun.objects.filter(id=row.id, claim=claim),
+            StepStatus.SCHEDULED,
+            sources=[StepStatus.RUNNING],
+            claim=None,
+            worker="",
+            started_at=None,
+            deadline_at=None,
+            lease_expires_at=None,
+            reserved_usd=0,
+            scheduled_at=timezone.now(),
+        )
+        if returned:
+            dispatch.offer_later_on_commit(
+                row, workflow_id=row.workflow_id, seconds=deferred.seconds
+            )
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:

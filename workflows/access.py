@@ -36,7 +36,7 @@ from django.db.models import Q, QuerySet
 from guardian.core import ObjectPermissionChecker
 from guardian.shortcuts import assign_perm, get_objects_for_user, remove_perm
 
-from .errors import FieldError, Forbidden, NotFound
+from .errors import FieldError, Forbidden, NotFound, echo
 from .models import Workflow
 
 AUTHOR = "author"
@@ -271,6 +271,84 @@ def operated_workflow_ids(user: Any) -> list[str] | None:
     if not _person(user):
         return []
     return list(_workflows_with(user, {OPERATOR}).values_list("pk", flat=True))
+
+
+# -- recipes -------------------------------------------------------------------------------
+#
+# Recipes (CONTRACT section 10) are shared prompts, not any one workflow's, so they answer to
+# Django's global model permissions (the contract is silent; README "Recipes" says the same):
+#
+# - reading (list, items, the admin, the preview): ``workflows.view_recipe``,
+#   ``workflows.add_recipe`` or ``workflows.change_recipe``; without any of them the list is
+#   403 and an item 404, so names do not leak;
+# - saving version 1 of a new name: ``workflows.add_recipe``;
+# - saving a new version of an existing name: ``workflows.change_recipe``, whoever saved the
+#   earlier ones (a recipe may be used by many workflows: changing it is its own right);
+# - superusers and trusted code (``None``) everything. Nothing deletes a recipe.
+
+RECIPE_READ = ("workflows.view_recipe", "workflows.add_recipe", "workflows.change_recipe")
+RECIPE_ADD = "workflows.add_recipe"
+RECIPE_CHANGE = "workflows.change_recipe"
+
+
+def may_read_recipes(user: Any) -> bool:
+    return trusted(user) or (_person(user) and any(user.has_perm(p) for p in RECIPE_READ))
+
+
+def may_add_recipe(user: Any) -> bool:
+    """May ``user`` save version 1 of a recipe name that does not exist yet?"""
+    return trusted(user) or (_person(user) and user.has_perm(RECIPE_ADD))
+
+
+def may_change_recipe(user: Any) -> bool:
+    """May ``user`` save a new version of an existing recipe name?"""
+    return trusted(user) or (_person(user) and user.has_perm(RECIPE_CHANGE))
+
+
+def require_read_recipes(user: Any) -> None:
+    """403 for a list of recipes the caller may not read."""
+    if not may_read_recipes(user):
+        raise Forbidden(errors=[FieldError(None, "you may not read recipes")])
+
+
+def require_recipe(user: Any, name: str) -> None:
+    """404 (naming ``name``) for one recipe the caller may not read: as for an unknown one."""
+    if not may_read_recipes(user):
+        raise NotFound(errors=[FieldError("name", f"unknown recipe '{echo(name)}'")])
+
+
+def require_save_recipes(user: Any) -> None:
+    """403 unless ``user`` may save some recipe (a new name or a new version); checked before
+    the body is even read, so one who may save none learns nothing from trying."""
+    if not (may_add_recipe(user) or may_change_recipe(user)):
+        raise Forbidden(
+            errors=[
+                FieldError(
+                    None,
+                    f"you may not save recipes: it needs {RECIPE_ADD} (a new name) or "
+                    f"{RECIPE_CHANGE} (a new version)",
+                )
+            ]
+        )
+
+
+def require_save_recipe(user: Any, name: str, *, exists: bool) -> None:
+    """403 naming ``name`` unless ``user`` may save a new version of it (see above)."""
+    require_save_recipes(user)
+    if exists and not may_change_recipe(user):
+        raise Forbidden(
+            errors=[
+                FieldError(
+                    "name",
+                    f"recipe '{echo(name)}' exists; saving a new version of it needs the "
+                    f"permission {RECIPE_CHANGE}",
+                )
+            ]
+        )
+    if not exists and not may_add_recipe(user):
+        raise Forbidden(
+            errors=[FieldError("name", f"saving a new recipe needs the permission {RECIPE_ADD}")]
+        )
 
 
 # -- granting ------------------------------------------------------------------------------

@@ -27,9 +27,10 @@ from config.admin_mixins import ReadOnlyMixin
 from . import access, heartbeats
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
-from .forms import DocumentForm, RoleForm
-from .models import WorkerHeartbeat, Workflow, WorkflowVersion
-from .services import SaveResult, definition_save
+from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm
+from .models import Recipe, WorkerHeartbeat, Workflow, WorkflowVersion
+from .recipes import Rendered, RenderTooLarge, render
+from .services import SaveResult, definition_save, recipe_save
 
 # What the add page starts from: the shape of a document, for the user to fill in.
 STARTER_DOCUMENT: dict[str, Any] = {
@@ -524,3 +525,182 @@ class WorkerHeartbeatAdmin(ReadOnlyMixin, admin.ModelAdmin):
     @admin.display(description="handlers")
     def handler_count(self, worker: WorkerHeartbeat) -> int:
         return len(worker.handlers)
+
+
+@admin.register(Recipe)
+class RecipeAdmin(admin.ModelAdmin):
+    """Recipes (CONTRACT section 10): every row is one immutable version.
+
+    Saving, on the add page or on a version's page, hands the form's document to
+    ``workflows.services.recipe_save`` (no ``version``): a changed body becomes the next
+    version, an unchanged one is the version that holds it; no stored row is ever edited.
+    The service's field-named errors show on the form field they name. Each version has a
+    preview page that renders it with a sample input and context (``workflows.recipes.render``;
+    no model is called).
+
+    Who may (``workflows.access``, as the API): reading and the preview need
+    ``workflows.view_recipe``, ``add_recipe`` or ``change_recipe``; the add page a new name
+    ``add_recipe``; a new version ``change_recipe``. Nothing deletes a recipe.
+    """
+
+    list_display = ("name", "version", "model_name", "output_kind", "description", "created_at")
+    list_display_links = ("name", "version")
+    search_fields = ("name",)
+    ordering = ("name", "-version")
+    list_select_related = ("created_by",)
+    form_template = "admin/workflows/recipe/recipe_form.html"
+    preview_template = "admin/workflows/recipe/preview.html"
+
+    # --- who may do what (workflows.access) ----------------------------------------------------
+
+    def has_module_permission(self, request: HttpRequest) -> bool:
+        user = request.user
+        return user.is_active and user.is_staff and access.may_read_recipes(user)
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return self.has_module_permission(request)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return self.has_module_permission(request) and access.may_add_recipe(request.user)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # "Change" is saving a new version from a version's page.
+        return self.has_module_permission(request) and access.may_change_recipe(request.user)
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    # --- list ----------------------------------------------------------------------------------
+
+    @admin.display(description="model")
+    def model_name(self, recipe: Recipe) -> str:
+        return recipe.model or "—"
+
+    @admin.display(description="output")
+    def output_kind(self, recipe: Recipe) -> str:
+        return recipe.output
+
+    # --- pages ---------------------------------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        info = (self.opts.app_label, self.opts.model_name)
+        preview = path(
+            "<path:object_id>/preview/",
+            self.admin_site.admin_view(self.preview_view),
+            name="{}_{}_preview".format(*info),
+        )
+        return [preview, *super().get_urls()]
+
+    def add_view(
+        self, request: HttpRequest, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if not self.has_add_permission(request):
+            raise PermissionDenied
+        return self._recipe_view(request, None)
+
+    def change_view(
+        self,
+        request: HttpRequest,
+        object_id: str,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        recipe = self.get_object(request, unquote(object_id))
+        if recipe is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not self.has_view_permission(request, recipe):
+            raise PermissionDenied
+        if request.method == "POST" and not self.has_change_permission(request, recipe):
+            raise PermissionDenied
+        return self._recipe_view(request, recipe)
+
+    def _recipe_view(self, request: HttpRequest, recipe: Recipe | None) -> HttpResponse:
+        name = recipe.name if recipe is not None else None
+        can_save = (
+            self.has_change_permission(request, recipe)
+            if recipe is not None
+            else self.has_add_permission(request)
+        )
+        if request.method == "POST":
+            form = RecipeForm(request.POST, name=name)
+            if form.is_valid():
+                try:
+                    saved, created = recipe_save(document=form.document(), user=request.user)
+                except EngineError as exc:
+                    form.add_recipe_errors(exc.errors)
+                else:
+                    return self._recipe_saved(request, saved, created)
+        else:
+            initial = RecipeForm.initial_from(recipe.document) if recipe is not None else {}
+            form = RecipeForm(initial=initial, name=name)
+        if not can_save:
+            for field in form.fields.values():
+                field.disabled = True
+        versions = list(
+            Recipe.objects.filter(name=name).order_by("-version").values_list("pk", "version")
+            if name is not None
+            else []
+        )
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Recipe {recipe}" if recipe is not None else "Add recipe",
+            "recipe": recipe,
+            "form": form,
+            "can_save": can_save,
+            "versions": [(pk, number, _recipe_url(pk)) for pk, number in versions],
+            "preview_url": _recipe_url(recipe.pk, "preview") if recipe is not None else None,
+            "media": self.media + form.media,
+            "has_view_permission": True,
+        }
+        return TemplateResponse(request, self.form_template, context)
+
+    def _recipe_saved(self, request: HttpRequest, recipe: Recipe, created: bool) -> HttpResponse:
+        if created:
+            message = f"Saved recipe {recipe.name} version {recipe.version}."
+            if recipe.version == 1:
+                self.log_addition(request, recipe, [{"added": {}}])
+            else:
+                self.log_change(request, recipe, message)
+            self.message_user(request, message, messages.SUCCESS)
+        else:
+            self.message_user(
+                request,
+                f"unchanged: this is already version {recipe.version} of {recipe.name}",
+                messages.WARNING,
+            )
+        return HttpResponseRedirect(_recipe_url(recipe.pk))
+
+    def preview_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """Render the version with a sample input and context; nothing is saved or called."""
+        recipe = self.get_object(request, unquote(object_id))
+        if recipe is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not self.has_view_permission(request, recipe):
+            raise PermissionDenied
+        form = RecipePreviewForm(request.POST or None)
+        rendered: Rendered | None = None
+        if request.method == "POST" and form.is_valid():
+            try:
+                rendered = render(
+                    recipe.document,
+                    form.cleaned_data["sample_input"],
+                    form.cleaned_data["sample_context"],
+                )
+            except RenderTooLarge as exc:
+                form.add_error(None, f"Cannot render: {exc}")
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Preview {recipe}",
+            "recipe": recipe,
+            "form": form,
+            "rendered": rendered,
+            "change_url": _recipe_url(recipe.pk),
+            "has_view_permission": True,
+        }
+        return TemplateResponse(request, self.preview_template, context)
+
+
+def _recipe_url(pk: int, view: str = "change") -> str:
+    return reverse(f"admin:workflows_recipe_{view}", args=[pk])

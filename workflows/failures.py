@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_CLASSES", "StepFailure"]
+__all__ = ["ERROR_CLASSES", "KIND_ERROR_CLASSES", "Deferred", "KindFailure", "StepFailure"]
 
 ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
+# Classes only the built-in kinds raise (KindFailure): a model reply that is not the JSON
+# asked for (``invalid_output``, never retried), and a run limit the step ran into (``limit``:
+# the run fails, whatever the step's on_error says).
+KIND_ERROR_CLASSES = ("invalid_output", "limit")
 # The contract's bound on every *_ms field, as workflows.schema.MAX_DURATION_MS (not imported
 # from there: that would load jsonschema into every process that imports a handler).
 MAX_DURATION_MS = 315_360_000_000  # 3650 days
@@ -27,15 +31,18 @@ class StepFailure(Exception):
     spending the budget.
     """
 
+    _classes: tuple[str, ...] = ERROR_CLASSES
+
     def __init__(
         self,
         message: str,
         class_: str = "fatal",
         retry_after_ms: int | None = None,
     ) -> None:
-        if class_ not in ERROR_CLASSES:
+        if class_ not in self._classes:
             raise ValueError(
-                f"StepFailure class_ must be one of {', '.join(ERROR_CLASSES)}, got {class_!r}"
+                f"{type(self).__name__} class_ must be one of {', '.join(self._classes)}, "
+                f"got {class_!r}"
             )
         if retry_after_ms is not None and (
             isinstance(retry_after_ms, bool)
@@ -60,3 +67,21 @@ class StepFailure(Exception):
 
     def as_error(self) -> dict[str, str]:
         return {"class": self.error_class, "message": self.message}
+
+
+class KindFailure(StepFailure):
+    """A built-in kind's failure: the handlers' classes and the kinds' own
+    (:data:`KIND_ERROR_CLASSES`)."""
+
+    _classes = ERROR_CLASSES + KIND_ERROR_CLASSES
+
+
+class Deferred(Exception):
+    """Raised by a kind's body that cannot go on now for a reason that passes (every model
+    slot of the run's account is taken): the attempt is handed back without spending its
+    budget, and offered again after ``seconds``."""
+
+    def __init__(self, reason: str, *, seconds: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.seconds = seconds

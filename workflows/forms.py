@@ -147,3 +147,128 @@ class RoleForm(forms.Form):
             else:
                 cleaned["holder"] = {"group": group}
         return cleaned
+
+
+# --- recipes ---------------------------------------------------------------------------------
+
+
+class RecipeForm(forms.Form):
+    """A recipe's fields, one form field each; :meth:`document` is what the service saves.
+
+    Only the shapes a browser cannot send are checked here (the output schema's JSON, numbers):
+    every rule about recipes is ``workflows.recipes.prepare_recipe``'s, whose field-named
+    errors :meth:`add_recipe_errors` puts on the form field they name.
+    """
+
+    name = forms.CharField(max_length=100, help_text="Lower case letters, digits and _.")
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2}))
+    system = forms.CharField(
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 4, "class": "djflow-document-text"}),
+        help_text="Optional system prompt; templates as in the prompt.",
+    )
+    prompt = forms.CharField(
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 10, "class": "djflow-document-text"}),
+        help_text="${input} is the step input (${input.x} a field of it), ${context} the "
+        "retrieved passages; $${ is a literal ${.",
+    )
+    model = forms.CharField(
+        required=False,
+        max_length=200,
+        help_text="'<provider>:<model>', e.g. openai:gpt-4o-mini; empty: DJFLOW_DEFAULT_MODEL.",
+    )
+    output = forms.ChoiceField(choices=[("text", "text"), ("json", "json")], initial="text")
+    output_schema = forms.CharField(
+        required=False,
+        strip=False,
+        widget=DocumentEditorWidget(height="30vh"),
+        help_text='With output "json": the JSON Schema the reply must satisfy (local $refs only).',
+    )
+    temperature = forms.FloatField(required=False, help_text="0 to 2; empty: the model's default.")
+    max_tokens = forms.IntegerField(required=False, help_text="1 to 200000; empty: 1024.")
+
+    def __init__(self, *args: Any, name: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if name is not None:
+            # A page about one recipe saves versions of that recipe only.
+            self.fields["name"].disabled = True
+            self.fields["name"].initial = name
+
+    @staticmethod
+    def initial_from(document: dict[str, Any]) -> dict[str, Any]:
+        initial = {k: v for k, v in document.items() if k not in ("version", "output_schema")}
+        if "output_schema" in document:
+            initial["output_schema"] = json.dumps(
+                document["output_schema"], indent=2, ensure_ascii=False
+            )
+        return initial
+
+    def clean_output_schema(self) -> Any:
+        text = self.cleaned_data["output_schema"]
+        if not text.strip():
+            return None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(
+                "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
+                code="malformed_json",
+                params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
+            ) from exc
+
+    def document(self) -> dict[str, Any]:
+        """The recipe document of the cleaned fields; empty optional ones left out."""
+        data = self.cleaned_data
+        document: dict[str, Any] = {"name": data["name"]}
+        for key in ("description", "system", "prompt", "model"):
+            if data.get(key):
+                document[key] = data[key]
+        document["output"] = data["output"]
+        for key in ("output_schema", "temperature", "max_tokens"):
+            if data.get(key) is not None:
+                document[key] = data[key]
+        return document
+
+    def add_recipe_errors(self, errors: Iterable[FieldError]) -> None:
+        """Each error on the form field it names (``output_schema.type`` on output_schema),
+        the rest (``version``, the body) above the form."""
+        for error in errors:
+            field = error.field or ""
+            root = field.split(".", 1)[0].split("[", 1)[0]
+            if root in self.fields:
+                inner = field[len(root) :].lstrip(".")
+                self.add_error(root, f"{inner}: {error.message}" if inner else error.message)
+            else:
+                self.add_error(None, f"{field}: {error.message}" if field else error.message)
+
+
+class RecipePreviewForm(forms.Form):
+    """A sample step input (JSON) and context (text) to render a recipe with."""
+
+    sample_input = forms.CharField(
+        label="Sample input",
+        strip=False,
+        initial="{}",
+        widget=forms.Textarea(attrs={"rows": 8, "class": "djflow-document-text"}),
+        help_text="The step input as JSON: what ${input} reads.",
+    )
+    sample_context = forms.CharField(
+        label="Sample context",
+        required=False,
+        strip=False,
+        widget=forms.Textarea(attrs={"rows": 5, "class": "djflow-document-text"}),
+        help_text="Retrieved passages as text: what ${context} reads.",
+    )
+
+    def clean_sample_input(self) -> Any:
+        text = self.cleaned_data["sample_input"]
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise forms.ValidationError(
+                "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
+                code="malformed_json",
+                params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
+            ) from exc

@@ -47,7 +47,7 @@ def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
     found = []
     # The kinds whose body is a handler a worker must have.
     handler_kinds = kinds.handler_kinds()
-    for path, step in _walk(document.get("steps", []), ["steps"]):
+    for path, step in walk_steps(document.get("steps", []), ["steps"]):
         if step.get("kind") in handler_kinds:
             found.append(
                 StepHandler(
@@ -60,7 +60,9 @@ def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
     return found
 
 
-def _walk(steps: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+def walk_steps(steps: Any, path: list[str | int]) -> Iterator[tuple[list[str | int], Any]]:
+    """Every step of ``steps`` (a list, or one step), nested ones included, with its path
+    (``["steps", 2, "do"]``)."""
     if isinstance(steps, Mapping):  # a body of one step: ``"do": {...}``
         yield from _step_and_inside(steps, path)
         return
@@ -77,11 +79,11 @@ def _step_and_inside(
     yield path, step
     for name in ("then", "else", "do"):
         if name in step:
-            yield from _walk(step[name], [*path, name])
+            yield from walk_steps(step[name], [*path, name])
     branches = step.get("branches")
     if isinstance(branches, Mapping):
         for name, body in branches.items():
-            yield from _walk(body, [*path, "branches", name])
+            yield from walk_steps(body, [*path, "branches", name])
 
 
 def live_since(now: datetime) -> datetime:

@@ -14,17 +14,25 @@ Pure Python, no Django.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 from jsonschema import Draft202012Validator, FormatChecker, validators
-from jsonschema.exceptions import ValidationError
+from jsonschema.exceptions import SchemaError, ValidationError
 from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource, Unresolvable
 
 from .regex import compile_linear, linear_pattern_error
+from .templates import join_location
 
-__all__ = ["input_validator", "remote_refs", "schema_format_checker", "write_only_values"]
+__all__ = [
+    "input_validator",
+    "remote_refs",
+    "schema_errors",
+    "schema_format_checker",
+    "write_only_values",
+]
 
 _REF_KEYWORDS = frozenset({"$ref", "$dynamicRef"})
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
@@ -216,6 +224,41 @@ def remote_refs(schema: Any, where: list[str | int]) -> Iterator[tuple[list[str 
                     yield [*path, key], value
             elif key not in _DATA_KEYWORDS:
                 stack.append(([*path, key], value, key in _NAMED_SUBSCHEMAS))
+
+
+def schema_errors(schema: Any, where: str) -> list[tuple[str, str]]:
+    """What makes ``schema`` unusable as a saved schema (``input_schema``, a recipe's
+    ``output_schema``), as ``(field, message)`` with fields under ``where``: not valid Draft
+    2020-12 (its patterns compiled by RE2), or a ``$ref`` that is not local."""
+    errors: list[tuple[str, str]] = []
+    try:
+        Draft202012Validator.check_schema(schema, format_checker=schema_format_checker())
+    except SchemaError as exc:
+        message = exc.message
+        if exc.validator == "format" and exc.validator_value == "regex":
+            message = f"{exc.instance!r} is not a regular expression: "
+            message += linear_pattern_error(exc.instance) or "invalid"
+        errors.append(
+            (_located(where, list(exc.absolute_path)), f"is not a valid JSON Schema: {message}")
+        )
+    for path, ref in remote_refs(schema, []):
+        shown = json.dumps(ref, ensure_ascii=False)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        errors.append(
+            (
+                _located(where, path),
+                f"{shown} is not a local reference: only $refs starting with # are allowed "
+                "(the server fetches nothing)",
+            )
+        )
+    return errors
+
+
+def _located(where: str, path: list[Any]) -> str:
+    out = where
+    for part in path:
+        out = join_location(out, f"[{part}]" if isinstance(part, int) else str(part))
+    return out
 
 
 # --- secrets: the fields a schema marks ``"writeOnly": true`` (contract section 8) -----------

@@ -135,6 +135,11 @@ class Kind:
     # url, headers and body) resolves them here, so the attempt's row shows what it sent
     # and a retry resolves them afresh. Raises Refused to fail the attempt (invalid_input).
     prepare: Callable[[Mapping[str, Any], Scope], Any] | None = None
+    # Starting a run: what can be known now to stop the step later, as (field, message)
+    # pairs, the field one of the step's own ("recipe", "model"): a named recipe that does
+    # not exist, a model whose provider is not configured. POST /runs answers 400 naming
+    # each, and nothing starts. It may read the database; it must not wait on the network.
+    preflight: Callable[[Mapping[str, Any]], list[tuple[str, str]]] | None = None
     # Worker: (step, workflow_id) -> the callable ``(ctx, input, prior) -> output`` that runs
     # the attempt, or None when this worker cannot serve it (the attempt is handed back to
     # a worker that can).

@@ -106,3 +106,57 @@ class WorkerHeartbeat(models.Model):
 
     def __str__(self) -> str:
         return self.hostname
+
+
+class RecipeQuerySet(models.QuerySet["Recipe"]):
+    def resolve(self, name: str, version: int | None = None) -> Recipe | None:
+        """Recipe ``name`` at ``version``, or its newest when ``version`` is None; None when
+        there is none. The one place "newest or pinned" is decided for recipes."""
+        versions = self.filter(name=name)
+        if version is None:
+            return versions.order_by("-version").first()
+        return versions.filter(version=version).first()
+
+
+class Recipe(models.Model):
+    """One immutable version of a recipe: a named prompt (CONTRACT section 10).
+
+    ``document`` is what ``workflows.recipes.prepare_recipe`` returned, with ``name`` and
+    ``version``; ``content_hash`` is the SHA-256 of its canonical JSON without ``version``,
+    as for workflow versions: the same body saved again finds its version by it. Rows are
+    written by ``workflows.services.recipe_save`` only and never change.
+    """
+
+    name = models.CharField(max_length=100, validators=[RegexValidator(ID_PATTERN)])
+    version = models.PositiveIntegerField()
+    document = models.JSONField()
+    content_hash = models.CharField(max_length=64)
+    description = models.TextField(blank=True, default="")
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = RecipeQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["name", "version"], name="recipe_version_unique"),
+        ]
+        indexes = [models.Index(fields=["name", "content_hash"], name="recipe_hash")]
+
+    def __str__(self) -> str:
+        return f"{self.name} v{self.version}"
+
+    @property
+    def model(self) -> str:
+        return str(self.document.get("model", ""))
+
+    @property
+    def output(self) -> str:
+        return str(self.document.get("output", "text"))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from django.db.models import Max, OuterRef, QuerySet, Subquery
+from django.db.models import Exists, Max, OuterRef, QuerySet, Subquery
 
-from .errors import FieldError, NotFound
-from .models import Workflow, WorkflowVersion
+from .errors import FieldError, NotFound, echo
+from .models import Recipe, Workflow, WorkflowVersion
 
 
 def workflow_list() -> QuerySet[Workflow]:
@@ -41,3 +41,30 @@ def version_get(
             )
         raise NotFound(errors=[FieldError("workflow", f"unknown workflow '{workflow_id}'")])
     return version
+
+
+# --- recipes ---------------------------------------------------------------------------------
+
+
+def recipe_list() -> QuerySet[Recipe]:
+    """The newest version of every recipe name (one row per name)."""
+    newer = Recipe.objects.filter(name=OuterRef("name"), version__gt=OuterRef("version"))
+    return Recipe.objects.filter(~Exists(newer)).select_related("created_by")
+
+
+def recipe_get(*, name: str, version: int | None = None) -> Recipe:
+    """Recipe ``name`` at ``version``, or its newest; 404 naming the version or the name."""
+    found = Recipe.objects.select_related("created_by").resolve(name, version)
+    if found is None:
+        if version is not None and Recipe.objects.filter(name=name).exists():
+            raise NotFound(
+                errors=[FieldError("version", f"recipe '{echo(name)}' has no version {version}")]
+            )
+        raise NotFound(errors=[FieldError("name", f"unknown recipe '{echo(name)}'")])
+    return found
+
+
+def recipe_version_numbers(*, name: str) -> list[int]:
+    """Every version number of recipe ``name``, newest first."""
+    versions = Recipe.objects.filter(name=name).order_by("-version")
+    return list(versions.values_list("version", flat=True))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from .models import Workflow, WorkflowVersion
+from .models import Recipe, Workflow, WorkflowVersion
 
 
 class SavedDefinitionSerializer(serializers.Serializer):
@@ -60,3 +61,61 @@ class WorkflowDetailSerializer(WorkflowListSerializer):
         """The latest version's document."""
         latest = max(workflow.versions.all(), key=lambda v: v.number, default=None)
         return latest.document if latest else None
+
+
+# --- recipes ---------------------------------------------------------------------------------
+
+
+class SavedRecipeSerializer(serializers.Serializer):
+    """The answer to ``POST /recipes``: ``{"recipe": Recipe, "created": bool}``."""
+
+    name = serializers.CharField(source="recipe.name")
+    version = serializers.IntegerField(source="recipe.version")
+    created = serializers.BooleanField(
+        help_text="true when this call stored a new version (201), false when it was known (200)"
+    )
+    created_at = serializers.DateTimeField(source="recipe.created_at")
+    content_hash = serializers.CharField(source="recipe.content_hash")
+
+
+class RecipeSummarySerializer(serializers.ModelSerializer):
+    model = serializers.CharField(
+        help_text="'<provider>:<model>', or empty when the recipe names none"
+    )
+    output = serializers.ChoiceField(choices=["text", "json"])
+    created_by = serializers.CharField(
+        source="created_by.get_username", default=None, allow_null=True
+    )
+
+    class Meta:
+        model = Recipe
+        fields = [
+            "name",
+            "version",
+            "description",
+            "model",
+            "output",
+            "content_hash",
+            "created_at",
+            "created_by",
+        ]
+
+
+class RecipeSerializer(RecipeSummarySerializer):
+    document = serializers.JSONField()
+
+    class Meta(RecipeSummarySerializer.Meta):
+        fields = [*RecipeSummarySerializer.Meta.fields, "document"]
+
+
+class RecipeDetailSerializer(RecipeSerializer):
+    """The newest version, and ``versions``: every version number (``context["versions"]``)."""
+
+    versions = serializers.SerializerMethodField(help_text="every version number, newest first")
+
+    class Meta(RecipeSerializer.Meta):
+        fields = [*RecipeSerializer.Meta.fields, "versions"]
+
+    @extend_schema_field({"type": "array", "items": {"type": "integer"}})
+    def get_versions(self, recipe: Recipe) -> list[int]:
+        return list(self.context["versions"])

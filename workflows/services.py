@@ -9,16 +9,21 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from . import access, heartbeats, kinds
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument
-from .models import Workflow, WorkflowVersion
+from .models import Recipe, Workflow, WorkflowVersion
+from .recipes import prepare_recipe
 from .validation import ApprovalRules, every_step, prepare_document
 
 # Held by whoever may name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS (declared
 # by the approvals app, ``ApprovalRequest.Meta.permissions``).
 MAIL_EXTERNAL = "approvals.mail_external"
+
+
+# Tries of a recipe save that lost a race for its version number to a concurrent save.
+RECIPE_SAVE_TRIES = 5
 
 
 @dataclass(frozen=True)
@@ -235,3 +240,84 @@ def subworkflow_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
 def raise_invalid(errors: list[FieldError]) -> None:
     if errors:
         raise InvalidDocument(errors=errors)
+
+
+# --- recipes ---------------------------------------------------------------------------------
+
+
+def recipe_save(*, document: Any, user: AbstractBaseUser | None = None) -> tuple[Recipe, bool]:
+    """Save a recipe document (CONTRACT section 10) as an immutable version; ``(recipe,
+    created)``.
+
+    The rules of workflow versions: the same body again returns the version that holds it
+    (``created`` false); a different body for an existing version number raises
+    :class:`Conflict`; with no ``version`` the document gets the next number. There is no
+    parent row to lock, so saves of one name queue on a transaction-scoped advisory lock of
+    the name (Postgres; SQLite has one writer at a time anyway), with the unique constraint on
+    (name, version) as the backstop: a save whose insert still conflicts looks again in a
+    fresh transaction, where the winner's row answers it (the same body: 200; an explicit
+    version with another body: 409; an omitted version: the number after it). Permissions:
+    ``workflows.access`` (``require_save_recipes`` before the body is read,
+    ``require_save_recipe`` for the name); ``None`` is trusted code.
+    """
+    access.require_save_recipes(user)
+    prepared = prepare_recipe(document)
+    digest = content_hash(prepared)
+    for _ in range(RECIPE_SAVE_TRIES - 1):
+        try:
+            with transaction.atomic():
+                return _recipe_save_once(prepared, digest, user)
+        except IntegrityError:
+            continue
+    with transaction.atomic():
+        return _recipe_save_once(prepared, digest, user)
+
+
+def _recipe_save_once(
+    document: dict[str, Any], digest: str, user: AbstractBaseUser | None
+) -> tuple[Recipe, bool]:
+    name, requested = document["name"], document.get("version")
+    _lock_recipe_name(name)
+    versions = Recipe.objects.filter(name=name)
+    if requested is not None:
+        existing = versions.filter(version=requested).first()
+    else:
+        existing = versions.filter(content_hash=digest).order_by("-version").first()
+    if existing is not None and existing.content_hash == digest:
+        # Nothing is written: anyone who may save recipes at all is told which version it is.
+        return existing, False
+    latest = versions.order_by("-version").values_list("version", flat=True).first()
+    access.require_save_recipe(user, name, exists=latest is not None)
+    if existing is not None:
+        raise Conflict(
+            errors=[
+                FieldError(
+                    "version",
+                    f"version {requested} of recipe '{name}' already exists with a different "
+                    "body; versions are immutable: omit 'version' to save the next one",
+                )
+            ]
+        )
+    number = requested if requested is not None else (latest or 0) + 1
+    stored = {"name": name, "version": number, **document}
+    recipe = Recipe.objects.create(
+        name=name,
+        version=number,
+        document=stored,
+        content_hash=digest,
+        description=document.get("description", ""),
+        created_by=user if user is not None and user.is_authenticated else None,
+    )
+    return recipe, True
+
+
+def _lock_recipe_name(name: str) -> None:
+    """Hold, until the transaction ends, a lock that every save of ``name`` takes first."""
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        # Two int4 keys: one for "recipes", one for the name (a hash collision only makes
+        # two names queue behind each other).
+        cursor.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('djflow.recipe'), hashtext(%s))", [name]
+        )

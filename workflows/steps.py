@@ -235,18 +235,29 @@ def recipe(
     step_id: str,
     *,
     recipe: str | None = None,
+    recipe_version: int | None = None,
     prompt: str | None = None,
+    system: str | None = None,
     model: str | None = None,
     output: Literal["json", "text"] | None = None,
+    output_schema: Mapping[str, Any] | None = None,
+    temperature: float | None = None,
+    max_tokens: int | None = None,
     context: Mapping[str, Any] | None = None,
     **common: Unpack[_Common],
 ) -> StepSpec:
-    """A ``recipe`` step: a stored (``recipe``) or inline (``prompt``) model prompt."""
+    """A ``recipe`` step: a stored (``recipe``, optionally ``recipe_version``) or inline
+    (``prompt``, ``system``, ``output_schema``...) model prompt."""
     own = {
         "recipe": recipe,
+        "recipe_version": recipe_version,
         "prompt": prompt,
+        "system": system,
         "model": model,
         "output": output,
+        "output_schema": _copy(output_schema),
+        "temperature": temperature,
+        "max_tokens": max_tokens,
         "context": _copy(context),
     }
     return _spec(step_id, "recipe", own, common)

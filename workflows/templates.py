@@ -61,6 +61,7 @@ __all__ = [
     "Missing",
     "TooLarge",
     "check_size",
+    "interpolate",
     "is_single_reference",
     "is_valid_path",
     "join_location",
@@ -370,6 +371,32 @@ def resolve(template: Any, context: Mapping[str, Any], *, max_bytes: int | None 
     resolved = map_json(template, lambda s: _resolve_string(s, context, budget), budget=budget)
     check_size(resolved, max_bytes)
     return resolved
+
+
+def interpolate(text: str, context: Mapping[str, Any], *, max_bytes: int | None = None) -> str:
+    """``text`` with every reference replaced by ``text_form`` of its value: always text, even
+    when the whole string is one reference (a prompt is text, not a value). A missing path, as
+    a present ``null``, reads as the empty string; ``$${`` becomes ``${``. Never raises, except
+    :class:`TooLarge` when ``max_bytes`` is given and the result, as UTF-8, would be over it
+    (checked while it is built, so a value referenced many times is refused before the text
+    is)."""
+    budget = _Budget(max_bytes) if max_bytes is not None else None
+    parts: list[str] = []
+    end = 0
+    for match in REFERENCE.finditer(text):
+        parts.append(_unescape(text[end : match.start()]))
+        value = lookup(context, match.group("path"))
+        parts.append(text_form(value) if budget is None else budget.text_of(value))
+        end = match.end()
+    parts.append(_unescape(text[end:]))
+    if budget is not None:
+        budget.spend(sum(len(p) for p in parts[::2]))
+    result = "".join(parts)
+    if max_bytes is not None:
+        size = len(result.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            raise TooLarge(max_bytes, size)
+    return result
 
 
 def join_location(base: str, child: str) -> str:

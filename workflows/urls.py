@@ -19,4 +19,11 @@ urlpatterns = [
         views.DefinitionSchemaView.as_view(),
         name="definition-schema",
     ),
+    path("recipes", views.RecipeListView.as_view(), name="recipes"),
+    path("recipes/<str:name>", views.RecipeDetailView.as_view(), name="recipe"),
+    path(
+        "recipes/<str:name>/versions/<str:version>",
+        views.RecipeVersionView.as_view(),
+        name="recipe-version",
+    ),
 ]

@@ -32,13 +32,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError, ValidationError
+from jsonschema.exceptions import ValidationError
 
 from .errors import FieldError, InvalidDocument
 from .guards import pattern_error
-from .input_schema import remote_refs, schema_format_checker
-from .regex import linear_pattern_error
+from .input_schema import schema_errors
+from .recipes import step_recipe_errors
 from .schema import (
     DEFAULT_MAX_DOCUMENT_STEPS,
     DEFAULT_MAX_ITEMS,
@@ -102,8 +101,9 @@ _STEP_ATTRIBUTES = ("output", "status", "error")
 _ERROR_KEYS = ("class", "message")
 _RUN_KEYS = ("id", "correlation")
 _ROOTS = ("input", "steps", "run", "item", "index", "iter")
-# Fields holding templates, per kind (``input`` is common to every kind). ``recipe.prompt`` is
-# rendered with the step input by the recipe step itself, so its text is not checked here.
+# Fields holding templates, per kind (``input`` is common to every kind). A recipe step's
+# ``system`` and ``prompt`` are rendered with the step input by the step itself: their roots
+# are the recipe's (``workflows.recipes``), checked by ``_kind_recipe``.
 _TEMPLATE_FIELDS: dict[str, tuple[str, ...]] = {
     "wait_event": ("key",),
     "sleep_until": ("until",),
@@ -493,8 +493,9 @@ class _Checker:
             self._check_guard(step["until"], f"{where}.until", inner)
 
     def _kind_recipe(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
-        if ("recipe" in step) == ("prompt" in step):
-            self.fail(where, "a recipe step needs exactly one of 'recipe' (a name) or 'prompt'")
+        # The recipe's own rules (workflows.recipes): its templates read the step input and
+        # the context, not the run's, so they are not checked as the document's templates.
+        self.errors += step_recipe_errors(step, where)
         context = step.get("context")
         if context and "query" in context:
             self._check_template(context["query"], f"{where}.context.query", scope)
@@ -576,22 +577,8 @@ class _Checker:
     def _check_input_schema(self) -> None:
         if "input_schema" not in self.document:
             return
-        schema = self.document["input_schema"]
-        try:
-            Draft202012Validator.check_schema(schema, format_checker=schema_format_checker())
-        except SchemaError as exc:
-            where = field_path(["input_schema", *exc.absolute_path])
-            message = exc.message
-            if exc.validator == "format" and exc.validator_value == "regex":
-                message = f"{exc.instance!r} is not a regular expression: "
-                message += linear_pattern_error(exc.instance) or "invalid"
-            self.fail(where, f"is not a valid JSON Schema: {message}")
-        for where, ref in remote_refs(schema, ["input_schema"]):
-            self.fail(
-                field_path(where),
-                f"{_short(ref)} is not a local reference: only $refs starting with # are "
-                "allowed (the server fetches nothing)",
-            )
+        for where, message in schema_errors(self.document["input_schema"], "input_schema"):
+            self.fail(where, message)
 
     # templates and guards
 

@@ -20,7 +20,11 @@ from .errors import FieldError, NotFound
 from .models import WorkflowVersion
 from .schema import load_schema
 from .serializers import (
+    RecipeDetailSerializer,
+    RecipeSerializer,
+    RecipeSummarySerializer,
     SavedDefinitionSerializer,
+    SavedRecipeSerializer,
     VersionSerializer,
     WorkflowDetailSerializer,
     WorkflowListSerializer,
@@ -131,6 +135,84 @@ class DefinitionSchemaView(APIView):
         response = Response(load_schema())
         response["Content-Type"] = "application/schema+json"
         return response
+
+
+# --- recipes (CONTRACT section 10) -------------------------------------------------------------
+#
+# Who may: workflows.access, "recipes". Reading needs workflows.view_recipe, add_recipe or
+# change_recipe (else the list is 403 and an item 404); saving a new name add_recipe, a new
+# version of an existing name change_recipe.
+
+
+class RecipePagination(ContractCursorPagination):
+    ordering = "name"
+
+
+class RecipeListView(APIView):
+    pagination_class = RecipePagination
+
+    @extend_schema(
+        operation_id="recipes_list",
+        description="The newest version of every recipe, by name. Needs workflows.view_recipe,"
+        " add_recipe or change_recipe.",
+        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        responses={200: RecipeSummarySerializer(many=True), 400: ERRORS, 401: ERRORS, 403: ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        access.require_read_recipes(request.user)
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(selectors.recipe_list(), request, view=self)
+        data = RecipeSummarySerializer(page, many=True).data
+        return paginator.get_paginated_response(data)
+
+    @extend_schema(
+        operation_id="recipes_save",
+        request=OpenApiTypes.OBJECT,
+        description=(
+            "Save a recipe {name, version?, description?, system?, prompt, model?, output?,"
+            " output_schema?, temperature?, max_tokens?}. The same body again answers 200 with"
+            " the existing version; a different body for an existing version is 409; an omitted"
+            " version gets the next number (201). A new name needs workflows.add_recipe, a new"
+            " version of an existing one workflows.change_recipe."
+        ),
+        responses={
+            201: SavedRecipeSerializer,
+            200: SavedRecipeSerializer,
+            400: ERRORS,
+            401: ERRORS,
+            403: ERRORS,
+            409: ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        recipe, created = services.recipe_save(document=request.data, user=request.user)
+        body = SavedRecipeSerializer({"recipe": recipe, "created": created}).data
+        return Response(body, status=status.HTTP_201_CREATED if created else 200)
+
+
+class RecipeDetailView(APIView):
+    @extend_schema(
+        operation_id="recipes_read",
+        description="The newest version of the recipe, with every version number.",
+        responses={200: RecipeDetailSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, name: str) -> Response:
+        access.require_recipe(request.user, name)
+        recipe = selectors.recipe_get(name=name)
+        numbers = selectors.recipe_version_numbers(name=name)
+        return Response(RecipeDetailSerializer(recipe, context={"versions": numbers}).data)
+
+
+class RecipeVersionView(APIView):
+    @extend_schema(
+        operation_id="recipes_version_read",
+        parameters=[OpenApiParameter("version", int, OpenApiParameter.PATH)],
+        responses={200: RecipeSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, name: str, version: str) -> Response:
+        access.require_recipe(request.user, name)
+        found = selectors.recipe_get(name=name, version=_version_number(version))
+        return Response(RecipeSerializer(found).data)
 
 
 def _version_number(text: str) -> int:

@@ -300,6 +300,7 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
         parent_step_run=step_run,
         created_by_id=run.created_by_id,
         correlation=run.correlation,
+        account=run.account,
         root_run_id=run.root_run_id or run.id,
         depth=run.depth if "body" in start else run.depth + 1,
     )

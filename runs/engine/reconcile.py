@@ -13,7 +13,9 @@ worker or a crash left behind, and put it right. Bounded work per tick.
 - a wait left waiting although an event it may take is stored is given it;
 - an attempt left scheduled that long whose handler no live worker serves starts its wait
   for one (``unservable.py``: it fails if none comes);
-- fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted.
+- fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted;
+- cost reserved for a model call by an attempt that ended without settling it (its worker
+  was lost mid-call) is released (``costs.py``).
 
 A tick has a time budget (half of ``RECONCILE_SECONDS``): the runs it advances get one
 bounded round each (``advance.ADVANCE_ACTIONS``; a run with more asks a worker for the rest),
@@ -47,7 +49,7 @@ from workflows.kinds import Role
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import delivery, hooks, unservable
+from . import costs, delivery, hooks, unservable
 from .advance import run_advance
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("requested", lambda: advance_requested(now, batch, until=until)),
             ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
+            # Cost held by attempts whose worker was lost during a model call.
+            ("reservations_released", lambda: costs.release_ended(batch)),
         ]
         # The repairs of apps above the engine (approvals' mails and reminders).
         parts += [(name, partial(repair, now, batch)) for name, repair in hooks.repairs()]

@@ -296,6 +296,30 @@ def test_on_error_continue_marks_failed_and_goes_on() -> None:
     assert only(out.actions, Schedule).input == {"a": "failed", "e": "fatal"}
 
 
+@pytest.mark.parametrize("error_class", ["limit", "invalid_output"])
+def test_a_kinds_own_failure_classes_are_never_retried(error_class: str) -> None:
+    out = plan(doc(task("a", retry=RETRY3)), run(), [failed("a", error_class, at=T0)], NOW)
+    assert only(out.actions, Finish).error["class"] == error_class
+
+
+def test_a_limit_the_step_ran_into_fails_the_run_whatever_on_error_says() -> None:
+    """A model call that would exceed max_cost_usd was never made: the run fails naming the
+    limit, even where the step's own failures would let it go on."""
+    later = task("b")
+    out = plan(
+        doc(task("a", on_error="continue", retry=RETRY3), later),
+        run(),
+        [failed("a", "limit", at=T0)],
+        NOW,
+    )
+    assert out.of(Schedule) == []
+    assert only(out.actions, Finish).error == {
+        "class": "limit",
+        "message": "limit failure",
+        "step": "a",
+    }
+
+
 def test_timed_out_attempt_is_retried_per_policy() -> None:
     attempt = failed("a", "timeout", at=T0, status="timed_out")
     out = plan(doc(task("a", retry=RETRY3)), run(), [attempt], NOW)

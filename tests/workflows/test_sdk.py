@@ -442,7 +442,7 @@ BUILDER_CASES = [
         lambda wf: wf.recipe(
             "ask",
             prompt="Summarise {ticket}",
-            model="claude-sonnet-4",
+            model="anthropic:claude-sonnet-4",
             output="json",
             context={"kb": "docs", "query": "${input.ticket}", "top_k": 3},
             retry=RetryPolicy(max_attempts=5, backoff="fixed", initial_ms=100, jitter=False),
@@ -450,7 +450,7 @@ BUILDER_CASES = [
         lambda: sdk.recipe(
             "ask",
             prompt="Summarise {ticket}",
-            model="claude-sonnet-4",
+            model="anthropic:claude-sonnet-4",
             output="json",
             context={"kb": "docs", "query": "${input.ticket}", "top_k": 3},
             retry=RetryPolicy(max_attempts=5, backoff="fixed", initial_ms=100, jitter=False),
@@ -459,7 +459,7 @@ BUILDER_CASES = [
             "id": "ask",
             "kind": "recipe",
             "prompt": "Summarise {ticket}",
-            "model": "claude-sonnet-4",
+            "model": "anthropic:claude-sonnet-4",
             "output": "json",
             "context": {"kb": "docs", "query": "${input.ticket}", "top_k": 3},
             "retry": {"max_attempts": 5, "backoff": "fixed", "initial_ms": 100, "jitter": False},

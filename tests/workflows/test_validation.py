@@ -501,9 +501,16 @@ CASES: list[tuple[str, Callable[[], Doc], Callable[[Doc], None], str, list[str]]
     ),
     # kinds' own rules
     (
-        "recipe needs recipe or prompt",
+        "recipe gives recipe and prompt",
         every_kind,
         _set(["steps", 1, "recipe"], "summary"),
+        "steps[1].prompt",
+        ["exactly one of", "not both"],
+    ),
+    (
+        "recipe gives neither recipe nor prompt",
+        every_kind,
+        lambda d: d["steps"][1].pop("prompt"),
         "steps[1]",
         ["exactly one of"],
     ),

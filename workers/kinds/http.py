@@ -43,7 +43,7 @@ from workflows.kinds import Kind, Refused, Role, Scope, register
 
 MAX_REDIRECTS = 5
 RETRY_AFTER_CAP_MS = 3_600_000
-# The attempt's time limit when the worker gives none (limits.step_timeout_ms's default).
+# The attempt's time when the worker gives no deadline (limits.step_timeout_ms's default).
 DEFAULT_TIMEOUT_MS = 60_000
 _FOLLOWED = frozenset({301, 302, 303, 307, 308})
 # These change the method to GET and drop the body (what browsers do; RFC 9110 15.4).
@@ -144,46 +144,54 @@ def http_body(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
 
 def call(ctx: Any, given: Any, prior: Any = None) -> dict[str, Any]:
     request = _Request.from_input(given)
-    timeout_ms = getattr(ctx, "timeout_ms", None) or DEFAULT_TIMEOUT_MS
-    # A tenth (at most a second) of the attempt's time is left for failing cleanly before
-    # the worker's alarm would end the attempt as class timeout.
-    budget_ms = max(1, timeout_ms - min(1000, timeout_ms // 10))
+    budget_ms = _budget_ms(getattr(ctx, "deadline_at", None))
     deadline = time.monotonic() + budget_ms / 1000
     with ctx.span("http", "client", method=request.method, url=netguard.shown(request.url)) as span:
         try:
             with netguard.client(timeout=budget_ms / 1000) as client:
-                answer = _exchange(client, request, deadline, timeout_ms)
+                answer = _exchange(client, request, deadline, budget_ms)
         except httpx2.TimeoutException:
-            raise _timed_out(request, timeout_ms) from None
+            raise _timed_out(request, budget_ms) from None
         except httpx2.TransportError as exc:
             raise _transport_failure(request, exc) from None
         span.set_attribute("status", answer["status"])
     return answer
 
 
+def _budget_ms(deadline_at: datetime | None) -> int:
+    """How long the exchange may take: the attempt's time left (its claim's deadline, from
+    timeout_ms), less a tenth (at most a second) kept for failing cleanly before the
+    worker's alarm would end the attempt as class timeout."""
+    if deadline_at is None:
+        left_ms = DEFAULT_TIMEOUT_MS
+    else:
+        left_ms = int((deadline_at - datetime.now(UTC)).total_seconds() * 1000)
+    return max(1, left_ms - min(1000, left_ms // 10))
+
+
 def _exchange(
-    client: httpx2.Client, request: _Request, deadline: float, timeout_ms: int
+    client: httpx2.Client, request: _Request, deadline: float, budget_ms: int
 ) -> dict[str, Any]:
     """Send the request, following redirects; the final response as the step's output."""
     while True:
         netguard.check_scheme(request.url)
-        response = client.send(_built(client, request, deadline, timeout_ms), stream=True)
+        response = client.send(_built(client, request, deadline, budget_ms), stream=True)
         try:
             target = _redirect_target(request, response)
             if target is None:
                 _raise_for_status(request, response)
-                return _output(request, response, deadline, timeout_ms)
+                return _output(request, response, deadline, budget_ms)
         finally:
             response.close()
         request = _followed(request, response.status_code, target)
 
 
 def _built(
-    client: httpx2.Client, request: _Request, deadline: float, timeout_ms: int
+    client: httpx2.Client, request: _Request, deadline: float, budget_ms: int
 ) -> httpx2.Request:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
-        raise _timed_out(request, timeout_ms)
+        raise _timed_out(request, budget_ms)
     content, content_type = request.content()
     headers = dict(request.headers)
     if content_type and not request.has_header("content-type"):
@@ -257,17 +265,17 @@ def retry_after_ms(value: str | None, now: datetime) -> int | None:
 
 
 def _output(
-    request: _Request, response: httpx2.Response, deadline: float, timeout_ms: int
+    request: _Request, response: httpx2.Response, deadline: float, budget_ms: int
 ) -> dict[str, Any]:
     headers: dict[str, str] = {}
     for name, value in response.headers.multi_items():
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    content = _read_capped(request, response, deadline, timeout_ms)
+    content = _read_capped(request, response, deadline, budget_ms)
     return {"status": response.status_code, "headers": headers, "body": _body_of(response, content)}
 
 
 def _read_capped(
-    request: _Request, response: httpx2.Response, deadline: float, timeout_ms: int
+    request: _Request, response: httpx2.Response, deadline: float, budget_ms: int
 ) -> bytes:
     cap = settings.DJFLOW["HTTP_MAX_RESPONSE_BYTES"]
     chunks: list[bytes] = []
@@ -285,7 +293,7 @@ def _read_capped(
         chunks.append(chunk)
         # Each read is bounded by the hop's time-out; a body that trickles in is bounded here.
         if time.monotonic() > deadline:
-            raise _timed_out(request, timeout_ms)
+            raise _timed_out(request, budget_ms)
     return b"".join(chunks)
 
 
@@ -338,9 +346,9 @@ def _parse_url(text: str, *, relative: bool = False) -> httpx2.URL:
     return url
 
 
-def _timed_out(request: _Request, timeout_ms: int) -> StepFailure:
+def _timed_out(request: _Request, budget_ms: int) -> StepFailure:
     return StepFailure(
-        f"http: timed out after {timeout_ms} ms ({request.method} {netguard.shown(request.url)})",
+        f"http: timed out after {budget_ms} ms ({request.method} {netguard.shown(request.url)})",
         "retryable",
     )
 

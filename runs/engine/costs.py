@@ -1,0 +1,169 @@
+"""Cost reservations for model calls (CONTRACT section 10: "Usage and cost").
+
+Before a model call the worker reserves the call's worst case (its prompt's tokens bounded
+from above, plus ``max_tokens`` of output, at the model's prices) against ``max_cost_usd`` of
+the run and, for a run in a tree (a subworkflow, a body), of its root; after the call the
+reservation is replaced by what the call cost. So a limit is never overshot, however many
+calls of one tree run at once (LiteLLM's check-then-charge lets concurrent calls overshoot it
+together).
+
+Invariants:
+
+- A reservation is held on the attempt's row (``StepRun.reserved_usd``): the rows are the
+  ledger, nothing else is. A reservation that fits is written in the transaction that checked
+  it, with the run's row (and its root's) locked, so two reservations of one tree take turns
+  and the second sees the first. Locks go root first, then the run: the order every other
+  writer takes a parent before its children (``ending.py``).
+- What a run has spent counts its attempts of the current generation (the planner's rule
+  for ``max_cost_usd``: a retried run's limits count afresh), and for a root, the attempts
+  of the runs below it started since; what it has reserved counts every held reservation,
+  also on attempts that have ended, until they are released.
+- Settling and charging are additive updates by the row's id, not fenced by the claim: an
+  attempt given up meanwhile (timed out, its lease lapsed) still made the call, and what it
+  cost is the run's.
+- A held reservation is released when its attempt is recorded (the worker writes 0), and the
+  reconciler releases those of attempts that ended without that (a worker lost mid-call):
+  :func:`release_ended`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from django.db import transaction
+from django.db.models import F, Q, Sum, Value
+from django.db.models.functions import Coalesce, Greatest
+
+from ..models import Run, StepRun
+from ..status import StepStatus
+from .journal import document_of
+
+ZERO = Decimal(0)
+CENT_MILLIONTHS = Decimal("0.000001")
+
+
+class OverBudget(Exception):
+    """The call's worst case does not fit a limit: it must not be made. The message names
+    the limit, the worst case and what was spent and reserved."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    step_run_id: int
+    run_id: Any
+    amount: Decimal
+
+
+def reserve(
+    *, step_run_id: int, run_id: Any, amount: Decimal | None, what: str = "the model"
+) -> Reservation:
+    """Hold ``amount`` for a call the attempt is about to make, or raise OverBudget. None is
+    a call whose cost cannot be known (``what`` has no price): it fits no limit, and
+    holds nothing where there is none."""
+    if amount is not None:
+        amount = amount.quantize(CENT_MILLIONTHS)
+    root_id = Run.objects.filter(id=run_id).values_list("root_run_id", flat=True).first()
+    with transaction.atomic():
+        root = _locked(root_id) if root_id is not None else None
+        run = _locked(run_id)
+        if run is None:
+            raise OverBudget(f"run {run_id} does not exist")
+        # The tree's limit (its root's, counting every run of the tree), then a child's own.
+        checks = [(run, True, "the run's")]
+        if root is not None:
+            checks = [(root, True, f"its root run's ({root.id})"), (run, False, "the run's")]
+        for limited, tree, whose in checks:
+            if amount is None:
+                _unpriced(limited, whose, what)
+            else:
+                _check(limited, amount, tree=tree, whose=whose)
+        held = amount or ZERO
+        if held:
+            StepRun.objects.filter(id=step_run_id).update(reserved_usd=F("reserved_usd") + held)
+    return Reservation(step_run_id, run_id, held)
+
+
+def settle(reservation: Reservation, *, actual: Decimal | None) -> None:
+    """Replace the reservation by what the call cost (None: nothing known to charge; the
+    price table does not know the model, or the call failed before the provider answered)."""
+    charge = (actual or ZERO).quantize(CENT_MILLIONTHS)
+    with transaction.atomic():
+        # The run row first: the order every advance locks them in.
+        if charge:
+            Run.objects.filter(id=reservation.run_id).update(cost_usd=F("cost_usd") + charge)
+        if charge or reservation.amount:
+            StepRun.objects.filter(id=reservation.step_run_id).update(
+                # Never below zero: the reconciler may have released it already (the
+                # attempt was given up as lost while the call went on).
+                reserved_usd=Greatest(F("reserved_usd") - reservation.amount, Value(ZERO)),
+                cost_usd=F("cost_usd") + charge,
+            )
+
+
+def release_ended(batch: int) -> int:
+    """Release the reservations still held by attempts that have ended (their worker was lost
+    during a call): the reconciler's part. Returns how many attempts it released."""
+    ids = list(
+        StepRun.objects.filter(reserved_usd__gt=0)
+        .exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED])
+        .values_list("id", flat=True)[:batch]
+    )
+    if not ids:
+        return 0
+    return StepRun.objects.filter(id__in=ids, reserved_usd__gt=0).update(reserved_usd=ZERO)
+
+
+def _locked(run_id: Any) -> Run | None:
+    return (
+        Run.objects.select_for_update()
+        .only("id", "version_id", "body", "generation", "started_at", "root_run_id")
+        .filter(id=run_id)
+        .first()
+    )
+
+
+def _check(run: Run, amount: Decimal, *, tree: bool, whose: str) -> None:
+    limit = _limit(run)
+    if limit is None:
+        return
+    own = Q(run_id=run.id)
+    spent_in = own & Q(generation=run.generation)
+    runs = own
+    if tree:
+        below = Q(run__root_run_id=run.id)
+        runs = own | below
+        # The runs below it started in the root's current generation (a retried root's
+        # limits count afresh, as its own attempts do).
+        if run.started_at is not None:
+            below &= Q(run__created_at__gte=run.started_at)
+        spent_in |= below
+    spent = _sum("cost_usd", spent_in)
+    held = _sum("reserved_usd", runs)
+    if spent + held + amount <= limit:
+        return
+    raise OverBudget(
+        f"limits.max_cost_usd ({limit}) of {whose} would be exceeded: the call's worst case is "
+        f"${amount}, ${spent} is spent and ${held} is reserved by calls in flight"
+    )
+
+
+def _unpriced(run: Run, whose: str, what: str) -> None:
+    limit = _limit(run)
+    if limit is not None:
+        raise OverBudget(
+            f"limits.max_cost_usd ({limit}) of {whose} cannot be kept: {what} has no price "
+            "(give it one in DJFLOW_PRICES)"
+        )
+
+
+def _limit(run: Run) -> Decimal | None:
+    limits = document_of(run.version_id).get("limits") or {}
+    value = limits.get("max_cost_usd")
+    return None if value is None else Decimal(str(value))
+
+
+def _sum(column: str, where: Q) -> Decimal:
+    total = StepRun.objects.filter(where).aggregate(total=Coalesce(Sum(column), ZERO))["total"]
+    return Decimal(total)

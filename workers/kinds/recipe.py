@@ -1,0 +1,293 @@
+"""``recipe``: render a prompt (a stored recipe's, or the step's own) with the step input,
+call the model through its provider's SDK, and answer its text, or its JSON checked against
+``output_schema`` (CONTRACT section 10).
+
+One attempt is one durable step: the SDKs' own retries are off (``workers.providers``), and
+the step's retry policy (3 attempts, ``min(30 s, 2 s * 2^n + jitter)`` by default) is the only
+one. Around each model call, in this order:
+
+1. a slot of the run's account (``workers.slots``): when every slot stays taken for
+   ``MODEL_SLOT_WAIT_SECONDS`` the attempt is handed back (``Deferred``), its budget untouched,
+   and offered again a moment later, so no worker process idles long waiting for one;
+2. the call's worst case reserved against ``max_cost_usd`` (``runs.engine.costs``): a call
+   that does not fit is never made, and the step fails with class ``limit``, which fails the
+   run naming the limit;
+3. the call, then its record (prompt and reply stored once by content hash, tokens, latency,
+   cost) and the reservation settled to the actual cost, in one transaction
+   (``runs.engine.calls``).
+
+A JSON reply that does not parse, or does not validate against ``output_schema``, is asked
+for once more with the error; a second bad reply fails the step with class
+``invalid_output`` (never retried: the same prompt would likely fail the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from decimal import Decimal
+from functools import partial
+from typing import Any
+
+from django.conf import settings
+from django.utils import timezone
+
+from runs.engine import calls, costs
+from workflows import kinds, recipes
+from workflows.errors import InvalidDocument
+from workflows.failures import Deferred, KindFailure
+from workflows.input_schema import input_validator
+from workflows.kinds import Kind, Role
+from workflows.models import Recipe
+
+from .. import pricing, providers
+from ..context import StepContext
+from ..slots import SlotsBusy, slots
+
+# What the model is told when its JSON reply failed; the error follows.
+REASK = (
+    "Your reply could not be used: {problem}. Answer again with only the JSON value, no other text."
+)
+# A reply wrapped in a Markdown code fence (models do it when asked for JSON) is unwrapped.
+_FENCED = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
+# Time kept back from the attempt's deadline for recording the call after it.
+_RECORD_SECONDS = 1.0
+
+
+def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What a start can know (``workflows.preflight``): the named recipe exists, and the
+    model's provider is configured."""
+    if "context" in step:
+        # Knowledge bases are the next issue's: refused at the start, not at the step.
+        return [("context", "knowledge-base context is not supported by this engine yet")]
+    stored = None
+    if "recipe" in step:
+        found = Recipe.objects.resolve(step["recipe"], step.get("recipe_version"))
+        if found is None:
+            return [("recipe", f"{_named(step)} does not exist")]
+        stored = found.document
+    try:
+        recipe = recipes.recipe_of_step(step, stored)
+    except InvalidDocument as invalid:
+        return [(_field_of(error.field), error.message) for error in invalid.errors]
+    model = recipe.get("model") or providers.default_model()
+    field = "recipe" if stored is not None and "model" not in step else "model"
+    if not model:
+        return [("model", "names no model, nor does its recipe, and DJFLOW_DEFAULT_MODEL is unset")]
+    why = providers.unconfigured(model)
+    return [(field, f"model '{model}': {why}")] if why else []
+
+
+def body_of(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
+    return partial(run_recipe, step)
+
+
+def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any) -> Any:
+    recipe = _recipe(step)
+    model_name = recipe.get("model") or providers.default_model()
+    if not model_name:
+        raise KindFailure(
+            "recipe: no model is named (by the step or its recipe) and DJFLOW_DEFAULT_MODEL "
+            "is unset"
+        )
+    why = providers.unconfigured(model_name)
+    if why:
+        raise KindFailure(f"recipe: model '{model_name}': {why}")
+    try:
+        rendered = recipes.render(recipe, input, "")
+    except recipes.RenderTooLarge as error:
+        raise KindFailure(f"recipe: {error}", class_="invalid_input") from None
+    _, model = providers.split_model(model_name)
+    wants_json = recipe.get("output") == "json"
+    request = providers.ModelRequest(
+        model=model,
+        messages=[{"role": "user", "content": rendered.prompt}],
+        system=rendered.system,
+        max_tokens=int(recipe.get("max_tokens", recipes.DEFAULT_MAX_TOKENS)),
+        temperature=recipe.get("temperature"),
+        json=wants_json,
+        json_schema=recipe.get("output_schema"),
+    )
+    reply = _call(ctx, model_name, request)
+    if not wants_json:
+        return reply.text
+    value, problem = _parse(reply.text, recipe.get("output_schema"))
+    if problem is None:
+        return value
+    again = replace(
+        request,
+        messages=[
+            *request.messages,
+            {"role": "assistant", "content": reply.text},
+            {"role": "user", "content": REASK.format(problem=problem)},
+        ],
+    )
+    reply = _call(ctx, model_name, again)
+    value, problem = _parse(reply.text, recipe.get("output_schema"))
+    if problem is None:
+        return value
+    raise KindFailure(
+        f"recipe: the model's reply is not the JSON asked for, also when asked again: {problem}",
+        class_="invalid_output",
+    )
+
+
+def _recipe(step: Mapping[str, Any]) -> dict[str, Any]:
+    stored = None
+    if "recipe" in step:
+        found = Recipe.objects.resolve(step["recipe"], step.get("recipe_version"))
+        if found is None:
+            raise KindFailure(f"recipe: {_named(step)} does not exist")
+        stored = found.document
+    try:
+        return recipes.recipe_of_step(step, stored)
+    except InvalidDocument as invalid:
+        # A stored recipe the step's overrides do not fit (checked at save for inline ones).
+        detail = "; ".join(f"{e.field}: {e.message}" for e in invalid.errors)
+        raise KindFailure(f"recipe: {detail}", class_="invalid_input") from None
+
+
+def _field_of(field: str) -> str:
+    """An error's field within the step (``recipe_of_step`` names it from the step)."""
+    return field.rsplit(".", 1)[-1] if field else "recipe"
+
+
+def _named(step: Mapping[str, Any]) -> str:
+    version = step.get("recipe_version")
+    return f"recipe '{step['recipe']}'" + (f" version {version}" if version else "")
+
+
+def _call(
+    ctx: StepContext, model_name: str, request: providers.ModelRequest
+) -> providers.ModelReply:
+    provider, model = providers.split_model(model_name)
+    request = replace(request, timeout_s=_seconds_left(ctx))
+    worst = pricing.worst_case_cost(
+        provider,
+        model,
+        input_tokens=providers.estimate_input_tokens(request),
+        max_tokens=request.max_tokens,
+    )
+    wait = settings.DJFLOW["MODEL_SLOT_WAIT_SECONDS"]
+    try:
+        with slots().held(ctx.account, wait_seconds=wait):
+            return _reserved_call(ctx, provider, model_name, request, worst)
+    except SlotsBusy:
+        # Offered again in 1 to 3 s: spread, so the waiters do not all come back at once.
+        seconds = 1.0 + 2.0 * random.random()
+        raise Deferred(
+            f"every model slot of account '{ctx.account}' is taken", seconds=seconds
+        ) from None
+
+
+def _reserved_call(
+    ctx: StepContext,
+    provider: str,
+    model_name: str,
+    request: providers.ModelRequest,
+    worst: Decimal | None,
+) -> providers.ModelReply:
+    try:
+        reservation = costs.reserve(
+            step_run_id=ctx.step_run_id, run_id=ctx.run_id, amount=worst, what=model_name
+        )
+    except costs.OverBudget as over:
+        raise KindFailure(f"recipe: call not made: {over}", class_="limit") from None
+    # The prompt as sent, after templates; a secret of the run in it is stored as its token.
+    prompt = ctx.conceal({"system": request.system, "messages": request.messages})
+    with ctx.span("model_call", kind="model_generation") as span:
+        span.set_model(request.model, provider)
+        started = time.monotonic()
+        try:
+            reply = providers.call(model_name, request)
+        except providers.ModelError as error:
+            span.charged = Decimal(0)
+            calls.call_record(
+                reservation=reservation,
+                call=calls.Call(
+                    provider=provider,
+                    model=request.model,
+                    prompt=prompt,
+                    reply=None,
+                    status=error.error_class,
+                    error={"class": error.error_class, "message": str(error)},
+                    latency_ms=_ms_since(started),
+                ),
+            )
+            raise KindFailure(
+                f"recipe: {error}", class_=error.error_class, retry_after_ms=error.retry_after_ms
+            ) from None
+        latency = _ms_since(started)
+        cost = pricing.call_cost(
+            provider,
+            request.model,
+            input_tokens=reply.input_tokens,
+            output_tokens=reply.output_tokens,
+            cached_tokens=reply.cached_tokens,
+        )
+        usage = {"input_tokens": reply.input_tokens, "output_tokens": reply.output_tokens}
+        for name in ("cached_tokens", "reasoning_tokens"):
+            if getattr(reply, name) is not None:
+                usage[name] = getattr(reply, name)
+        span.set_usage(**usage)
+        # Charged now, as the reservation is settled: recording the attempt does not again.
+        span.charged = cost if cost is not None else Decimal(0)
+        if cost is None:
+            span.set_attribute("priced", False)
+        span.set_attribute("gen_ai.response.model", reply.model)
+        calls.call_record(
+            reservation=reservation,
+            call=calls.Call(
+                provider=provider,
+                model=request.model,
+                prompt=prompt,
+                reply=ctx.conceal({"text": reply.text}),
+                status="ok",
+                answered_by=reply.model,
+                input_tokens=reply.input_tokens,
+                output_tokens=reply.output_tokens,
+                cached_tokens=reply.cached_tokens,
+                reasoning_tokens=reply.reasoning_tokens,
+                latency_ms=latency,
+                cost_usd=cost,
+                request_id=reply.request_id or "",
+            ),
+        )
+        return reply
+
+
+def _parse(text: str, schema: Any) -> tuple[Any, str | None]:
+    """The reply's JSON value and None, or None and what is wrong with it."""
+    fenced = _FENCED.match(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except ValueError as error:
+        return None, f"it is not JSON ({error})"
+    if schema is None:
+        return value, None
+    found = sorted(input_validator(schema).iter_errors(value), key=lambda e: list(e.path))
+    if not found:
+        return value, None
+    first = found[0]
+    where = "/".join(str(part) for part in first.absolute_path) or "the value"
+    return None, f"it does not match output_schema at {where}: {first.message[:300]}"
+
+
+def _seconds_left(ctx: StepContext) -> float:
+    if ctx.deadline_at is None:
+        return 60.0
+    left = (ctx.deadline_at - timezone.now()).total_seconds() - _RECORD_SECONDS
+    return max(left, 0.5)
+
+
+def _ms_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)
+
+
+RECIPE = kinds.register(
+    Kind("recipe", Role.WORKER, max_attempts=3, body=body_of, preflight=preflight)
+)

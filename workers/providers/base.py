@@ -1,0 +1,210 @@
+"""What every model provider adapter shares: the request and reply, the one error type, the
+classification of failures, ``Retry-After`` and the per-process client cache.
+
+Invariants:
+
+- A :class:`ModelError`'s text names the provider, the HTTP status and the provider's own
+  message (at most 500 characters) and nothing else: never the API key (a key the provider
+  echoes back is masked) and never the prompt.
+- 429, 408, 409, 5xx, time-outs and connection errors are ``retryable``; every other failure
+  is ``fatal``. The SDKs never retry (``max_retries=0``): the step's retry policy is the only
+  one, so one ``call`` is exactly one HTTP request.
+- ``retry_after_ms`` comes from the reply's ``retry-after-ms`` or ``Retry-After`` header
+  (seconds or an HTTP date), capped at an hour; None when the reply says nothing.
+- A client belongs to the process that built it: after a fork (a prefork worker child) the
+  cache is emptied and clients are built again, so no two processes share a connection pool.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Any, Literal
+
+ErrorClass = Literal["retryable", "fatal"]
+
+# A provider asking for a longer pause than this is asking for a step to wait out an outage;
+# the step's retry budget, not one header, decides that.
+MAX_RETRY_AFTER_MS = 3_600_000
+MAX_PROVIDER_MESSAGE = 500
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One model call. ``model`` is the provider's own name (after ``"provider:"``)."""
+
+    model: str
+    messages: list[dict[str, str]]
+    system: str | None = None
+    max_tokens: int = 1024
+    temperature: float | None = None
+    # Ask for a JSON reply: OpenAI gets response_format json_object; Anthropic has no such
+    # switch, the prompt asks.
+    json: bool = False
+    # A hint for the offline stand-in only; never sent to a real provider.
+    json_schema: dict[str, Any] | None = None
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ModelReply:
+    """A model's answer. ``input_tokens`` counts the whole prompt, cached tokens included;
+    ``cached_tokens`` is the part of it read from the provider's prompt cache."""
+
+    text: str
+    model: str
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int | None = None
+    reasoning_tokens: int | None = None
+    stop_reason: str | None = None
+    request_id: str | None = None
+
+
+class ModelError(Exception):
+    """A failed model call. ``str()`` is safe to store and show: no key, no prompt."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_class: ErrorClass,
+        retry_after_ms: int | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.error_class: ErrorClass = error_class
+        self.retry_after_ms = retry_after_ms
+        self.status = status
+
+
+def class_of_status(status: int) -> ErrorClass:
+    """429 (rate limited), 408 (request time-out), 409 (lock conflict) and 5xx pass; other
+    4xx are the request's own fault and would fail the same way again."""
+    return "retryable" if status in (408, 409, 429) or status >= 500 else "fatal"
+
+
+def retry_after_ms(headers: Mapping[str, str], *, now: float | None = None) -> int | None:
+    """The pause a reply asks for, in milliseconds: ``retry-after-ms`` (OpenAI's, finer)
+    first, then ``Retry-After`` as seconds or an HTTP date. Capped at an hour."""
+    lowered = {key.lower(): value for key, value in headers.items()}
+    millis = _number(lowered.get("retry-after-ms"))
+    if millis is None:
+        seconds = _number(lowered.get("retry-after"))
+        if seconds is None:
+            seconds = _seconds_until(lowered.get("retry-after"), now)
+        millis = None if seconds is None else seconds * 1000
+    if millis is None:
+        return None
+    return min(MAX_RETRY_AFTER_MS, max(0, math.ceil(millis)))
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        number = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return number if number is not None and math.isfinite(number) else None
+
+
+def _seconds_until(value: str | None, now: float | None) -> float | None:
+    if not value:
+        return None
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT by definition
+        return None
+    return when.timestamp() - (time.time() if now is None else now)
+
+
+def status_message(provider: str, status: int, detail: str | None, secret: str | None) -> str:
+    """``provider 'openai' answered 429: <the provider's message>``, the message truncated
+    and any echo of the key masked."""
+    text = f"provider {provider!r} answered {status}"
+    detail = (detail or "").strip()
+    if not detail:
+        return text
+    if secret and len(secret) >= 4:
+        detail = detail.replace(secret, "***")
+    if len(detail) > MAX_PROVIDER_MESSAGE:
+        detail = detail[: MAX_PROVIDER_MESSAGE - 1] + "…"
+    return f"{text}: {detail}"
+
+
+def error_detail(body: object) -> str | None:
+    """The provider's own message in an error body: ``{"error": {"message": ...}}`` (both
+    OpenAI's and Anthropic's shapes; the SDKs sometimes hand over the inner object)."""
+    if isinstance(body, Mapping):
+        inner = body.get("error", body)
+        if isinstance(inner, Mapping) and isinstance(inner.get("message"), str):
+            return str(inner["message"])
+        if isinstance(inner, str):
+            return inner
+    if isinstance(body, str):
+        return body
+    return None
+
+
+class ClientCache:
+    """One SDK client per process and per configuration, built on first use.
+
+    Keyed by what the client was built from (provider, base URL, key), so a changed
+    environment (a test's monkeypatch, a rotated key in a long-lived process) gets a new
+    client rather than a stale one. Emptied when ``os.getpid()`` changes: a forked child must
+    not write into its parent's sockets. Clients dropped that way are not closed: closing
+    would only release the child's copies of the descriptors, and a TLS close could corrupt
+    the parent's sessions.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._clients: dict[tuple[str | None, ...], Any] = {}
+
+    def get(self, key: tuple[str | None, ...], build: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                self._clients = {}
+            client = self._clients.get(key)
+            if client is None:
+                client = self._clients[key] = build()
+            return client
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+
+# Role markers and message delimiters the chat formats wrap each message in: OpenAI counts
+# 3 to 4 tokens per message and 3 to prime the reply; these are generous margins over both.
+PER_MESSAGE_TOKENS = 8
+PER_REQUEST_TOKENS = 16
+
+
+def estimate_input_tokens(request: ModelRequest) -> int:
+    """An upper bound of the prompt's tokens, computed offline.
+
+    Why it bounds: the tokenizers of these providers are byte-level BPE (tiktoken's
+    cl100k/o200k, Claude's): every token stands for at least one byte of UTF-8 text, so a
+    text has at most as many tokens as bytes. The formatting around each message (role,
+    delimiters) and the reply's priming are added on top with margins. Real counts are far
+    lower (about four bytes per token for English), so this over-reserves, never under.
+    """
+    texts = [request.system or ""] + [message.get("content", "") for message in request.messages]
+    size = sum(len(text.encode("utf-8")) for text in texts)
+    return size + PER_MESSAGE_TOKENS * (len(request.messages) + 1) + PER_REQUEST_TOKENS
+
+
+def cause_name(exc: BaseException) -> str:
+    """The innermost cause's type (``ConnectError``), not its text: that may hold the URL
+    and its credentials."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return type(exc).__name__

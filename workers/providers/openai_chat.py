@@ -1,0 +1,156 @@
+"""The OpenAI chat completions wire format, through the official ``openai`` SDK: OpenAI itself
+and every OpenAI-compatible endpoint (Azure, vLLM, Ollama; DJFLOW_PROVIDERS entries with
+``"adapter": "openai"``).
+
+The built-in provider is configured only by the SDK's own variables (``OPENAI_API_KEY``,
+``OPENAI_BASE_URL``): the SDK reads them. One call is one HTTP request (``max_retries=0``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+import openai
+
+from .base import (
+    ClientCache,
+    ModelError,
+    ModelReply,
+    ModelRequest,
+    cause_name,
+    class_of_status,
+    error_detail,
+    estimate_input_tokens,
+    retry_after_ms,
+    status_message,
+)
+from .registry import Provider
+
+# An OpenAI-compatible endpoint that needs no key still gets one: the SDK refuses to build a
+# client without, and such servers ignore it.
+NO_KEY = "no-key"
+
+_clients = ClientCache()
+
+
+def call(provider: Provider, request: ModelRequest) -> ModelReply:
+    client = _client(provider)
+    try:
+        completion = client.chat.completions.create(**_params(provider, client, request))
+    except openai.APIStatusError as exc:
+        raise _status_error(provider, exc) from None
+    except openai.APITimeoutError:
+        raise ModelError(
+            f"provider {provider.name!r} did not answer within {request.timeout_s:g}s",
+            error_class="retryable",
+        ) from None
+    except openai.APIConnectionError as exc:
+        raise ModelError(
+            f"provider {provider.name!r} could not be reached: {cause_name(exc)}",
+            error_class="retryable",
+        ) from None
+    except (openai.APIResponseValidationError, ValueError):
+        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
+        raise _unreadable(provider) from None
+    if not completion.choices or completion.choices[0].message is None:
+        raise _unreadable(provider)
+    return _reply(completion, request)
+
+
+def _unreadable(provider: Provider) -> ModelError:
+    return ModelError(
+        f"provider {provider.name!r} sent a reply that is not a chat completion",
+        error_class="retryable",
+    )
+
+
+def _client(provider: Provider) -> openai.OpenAI:
+    if provider.builtin:
+        # The SDK reads OPENAI_API_KEY and OPENAI_BASE_URL itself; they key the cache so a
+        # changed environment builds a new client.
+        key: tuple[str | None, ...] = (provider.name, provider.api_key(), _env_base_url())
+        client: openai.OpenAI = _clients.get(key, lambda: openai.OpenAI(max_retries=0))
+        return client
+    api_key = provider.api_key() or NO_KEY
+    key = (provider.name, api_key, provider.base_url)
+    client = _clients.get(
+        key, lambda: openai.OpenAI(api_key=api_key, base_url=provider.base_url, max_retries=0)
+    )
+    return client
+
+
+def _env_base_url() -> str | None:
+    return os.environ.get("OPENAI_BASE_URL")
+
+
+def _params(provider: Provider, client: openai.OpenAI, request: ModelRequest) -> dict[str, Any]:
+    messages: list[dict[str, str]] = []
+    if request.system:
+        messages.append({"role": "system", "content": request.system})
+    messages.extend({"role": m["role"], "content": m["content"]} for m in request.messages)
+    params: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        _max_tokens_field(client): request.max_tokens,
+        "timeout": request.timeout_s,
+    }
+    if request.temperature is not None:
+        params["temperature"] = request.temperature
+    if request.json:
+        params["response_format"] = {"type": "json_object"}
+    return params
+
+
+def _max_tokens_field(client: openai.OpenAI) -> str:
+    """OpenAI's own API wants ``max_completion_tokens`` (its reasoning models refuse
+    ``max_tokens``); OpenAI-compatible servers (Ollama, older vLLM) know only ``max_tokens``."""
+    host = urlsplit(str(client.base_url)).hostname or ""
+    return "max_completion_tokens" if host == "api.openai.com" else "max_tokens"
+
+
+def _reply(completion: Any, request: ModelRequest) -> ModelReply:
+    choice = completion.choices[0]
+    message = choice.message
+    text = message.content or ""
+    stop_reason = choice.finish_reason
+    if message.content is None and getattr(message, "refusal", None):
+        text, stop_reason = str(message.refusal), "refusal"
+    usage = completion.usage
+    if usage is None:
+        # A compatible server that reports no usage: count the bounds, so cost limits still
+        # hold (over, never under).
+        return ModelReply(
+            text=text,
+            model=completion.model or request.model,
+            input_tokens=estimate_input_tokens(request),
+            output_tokens=len(text.encode("utf-8")),
+            stop_reason=stop_reason,
+            request_id=getattr(completion, "_request_id", None) or completion.id,
+        )
+    prompt_details = usage.prompt_tokens_details
+    completion_details = usage.completion_tokens_details
+    return ModelReply(
+        text=text,
+        model=completion.model or request.model,
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        cached_tokens=prompt_details.cached_tokens if prompt_details is not None else None,
+        reasoning_tokens=(
+            completion_details.reasoning_tokens if completion_details is not None else None
+        ),
+        stop_reason=stop_reason,
+        request_id=getattr(completion, "_request_id", None) or completion.id,
+    )
+
+
+def _status_error(provider: Provider, exc: openai.APIStatusError) -> ModelError:
+    status = exc.status_code
+    error_class = class_of_status(status)
+    return ModelError(
+        status_message(provider.name, status, error_detail(exc.body), provider.api_key()),
+        error_class=error_class,
+        retry_after_ms=retry_after_ms(exc.response.headers) if error_class == "retryable" else None,
+        status=status,
+    )
