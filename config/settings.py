@@ -6,6 +6,7 @@ installed. ``DATABASE_URL``, ``CELERY_BROKER_URL`` and ``CELERY_RESULT_BACKEND``
 Postgres and Redis, the production and test path.
 """
 
+import ipaddress
 from datetime import timedelta
 from pathlib import Path
 
@@ -396,6 +397,23 @@ def _is_redis(url: str) -> bool:
 # Dotted module paths whose builders' documents are saved at worker start-up and by
 # ``manage.py sync_workflows``.
 WORKFLOW_MODULES = env.list("WORKFLOW_MODULES", default=[])
+
+
+def _http_allow(entries: list[str]) -> list[str]:
+    """DJFLOW_HTTP_ALLOW's entries, stripped; an entry with a slash must be a network (a
+    misspelt CIDR refuses to start rather than allowing nothing, or a host of that name)."""
+    allowed = [entry.strip() for entry in entries if entry.strip()]
+    for entry in allowed:
+        if "/" in entry:
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ImproperlyConfigured(
+                    f"DJFLOW_HTTP_ALLOW: {entry!r} is not a network (an IP address/prefix)"
+                ) from None
+    return allowed
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -474,6 +492,12 @@ DJFLOW = {
     # How long a slot outlives its holder's last refresh (every quarter of it): a killed
     # worker's slots are free again within this.
     "MODEL_SLOT_TTL_SECONDS": env.float("DJFLOW_MODEL_SLOT_TTL_SECONDS", default=60.0),
+    # http steps: the hosts they may reach besides public addresses (comma-separated host
+    # names, exact and case-insensitive, or IP addresses and CIDRs matched against the
+    # address a name resolves to; see workers/netguard.py), and the largest response body
+    # they read, in bytes (past it the step fails, class fatal).
+    "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
+    "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
     # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model
@@ -504,6 +528,10 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "INFO"},
+        # httpx2 logs every request's full URL at INFO, query string included, and a query
+        # may carry a credential (http steps, the model SDKs): only its warnings are kept.
+        "httpx2": {"level": "WARNING"},
+        "httpcore2": {"level": "WARNING"},
         # DJFLOW_LOG_CLOCK=true keeps Celery's routine lines about the clock's tasks (beat's
         # "Sending due task", the worker's received/succeeded): for a clock that seems stuck.
         **{

@@ -446,10 +446,11 @@ def test_terminal_runs_plan_nothing() -> None:
 
 
 def test_unsupported_kinds_fail_the_run_clearly() -> None:
-    out = plan(doc({"id": "call", "kind": "http", "url": "http://x"}), run(), [], NOW)
+    # A kind no module registered (http, which this test used, now has one).
+    out = plan(doc({"id": "call", "kind": "teleport"}), run(), [], NOW)
     finish = only(out.actions, Finish)
     assert finish.error["class"] == "unsupported"
-    assert "'http'" in finish.error["message"] and finish.error["step"] == "call"
+    assert "'teleport'" in finish.error["message"] and finish.error["step"] == "call"
 
 
 # --- retry from the failed step (a new generation) -------------------------------------

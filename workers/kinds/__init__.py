@@ -10,4 +10,4 @@ from __future__ import annotations
 
 def plug_in() -> None:
     """Import each kind module here, for its registration (it calls workflows.kinds.register)."""
-    from . import recipe  # noqa: F401
+    from . import http, recipe  # noqa: F401
