@@ -305,10 +305,13 @@ def _api(method: str, url: str, token: str, body: object = None) -> tuple[int, d
         return error.code, json.loads(error.read() or b"{}")
 
 
-def _start_run(base: str, key: str, run_input: dict[str, object]) -> tuple[int, dict[str, Any]]:
-    """Start a support_ticket run; a start refused until the (re)started worker's first
-    heartbeat (400, no live worker serves a handler) is tried again for up to 30 s."""
-    body = {"workflow": "support_ticket", "input": run_input}
+def _start_run(
+    base: str, key: str, run_input: dict[str, object], workflow: str = "support_ticket"
+) -> tuple[int, dict[str, Any]]:
+    """Start a run (of support_ticket by default); a start refused until the (re)started
+    worker's first heartbeat (400, no live worker serves a handler) is tried again for up to
+    30 s."""
+    body = {"workflow": workflow, "input": run_input}
     deadline = time.monotonic() + 30
     while True:
         status, run = _api("POST", f"{base}/api/v1/runs", key, body)
@@ -378,6 +381,20 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
         approval = next(step for step in bug["steps"] if step["step_id"] == "approval")
         assert approval["output"] == {"ok": True}
 
+        # The AI example runs offline on the stand-in model: a JSON recipe feeding a
+        # condition, a text recipe drafting the reply, each call recorded.
+        assert "answered by the offline stand-in" in log.read_text()
+        status, triaged = _start_run(
+            base, key, {"ticket": "The export button crashes"}, "ticket_triage"
+        )
+        assert status == 201, triaged
+        triaged = _wait_for_run(base, key, triaged, RUN_TERMINAL, log)
+        assert triaged["status"] == "completed", (triaged, log.read_text())
+        assert triaged["output"]["kind"] in ("bug", "question")
+        assert triaged["output"]["reply"].startswith("[stand-in model]")
+        calls = [call for step in triaged["steps"] for call in step["model_calls"]]
+        assert [call["provider"] for call in calls] == ["standin", "standin"]
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
     text = log.read_text()
@@ -394,10 +411,33 @@ def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatc
     monkeypatch.delenv("WORKFLOW_MODULES", raising=False)
     out = StringIO()
     assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == [
-        "workflows.examples.support_ticket"
+        "workflows.examples.support_ticket",
+        "workflows.examples.ticket_triage",
     ]
-    assert "Workflow modules: workflows.examples.support_ticket (the example" in out.getvalue()
+    assert (
+        "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage"
+        " (the examples" in out.getvalue()
+    )
     assert WorkflowVersion.objects.filter(workflow_id="support_ticket").exists()
+    assert WorkflowVersion.objects.filter(workflow_id="ticket_triage").exists()
+
+
+def test_with_no_provider_configured_the_stand_in_answers_and_says_so() -> None:
+    from workers.management.commands.standalone import (
+        Address,
+        child_env,
+        default_model_note,
+    )
+
+    address = Address.parse("127.0.0.1:8000")
+    bare = child_env(address, [], {})
+    assert bare["DJFLOW_DEFAULT_MODEL"] == "standin:echo"
+    assert "stand-in" in default_model_note({})
+    keyed = child_env(address, [], {"OPENAI_API_KEY": "sk-x"})
+    assert "DJFLOW_DEFAULT_MODEL" not in keyed
+    named = child_env(address, [], {"DJFLOW_DEFAULT_MODEL": "openai:gpt-4o-mini"})
+    assert named["DJFLOW_DEFAULT_MODEL"] == "openai:gpt-4o-mini"
+    assert "openai:gpt-4o-mini" in default_model_note(named)
 
 
 def test_named_workflow_modules_replace_the_example(db, monkeypatch, settings) -> None:

@@ -82,8 +82,13 @@ WORKER_READY_SECONDS = 60.0
 DEFAULT_ADDR = "127.0.0.1:8000"
 DEFAULT_SUPERUSER = "admin"
 # Loaded when the user names no modules of their own (WORKFLOW_MODULES unset): the contract's
-# example, so a first run has a workflow to start.
-EXAMPLE_MODULES = ["workflows.examples.support_ticket"]
+# example and the AI one, so a first run has workflows to start.
+EXAMPLE_MODULES = ["workflows.examples.support_ticket", "workflows.examples.ticket_triage"]
+# The model recipe steps that name none use when no provider is configured: offline, and
+# labelled in every answer ("[stand-in model] ...").
+STANDIN_MODEL = "standin:echo"
+# The variables that configure a model provider (the SDKs' own).
+PROVIDER_KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -151,12 +156,34 @@ def cannot_listen(addr: str, error: OSError) -> str:
 
 
 def child_env(address: Address, modules: list[str], environ: dict[str, str]) -> dict[str, str]:
-    """The children's environment: this one, plus the workflow modules, and links that point
-    at ``address`` unless ``SITE_URL`` was set."""
+    """The children's environment: this one, plus the workflow modules, links that point at
+    ``address`` unless ``SITE_URL`` was set, and the stand-in model as the default when no
+    model is named and no provider configured (see :func:`default_model_note`)."""
     env = {**environ, "PYTHONUNBUFFERED": "1", "WORKFLOW_MODULES": ",".join(modules)}
     if "SITE_URL" not in environ:
         env["SITE_URL"] = address.base_url
+    if uses_standin(environ):
+        env["DJFLOW_DEFAULT_MODEL"] = STANDIN_MODEL
     return env
+
+
+def uses_standin(environ: dict[str, str]) -> bool:
+    """No default model named and no provider configured: recipe steps that name no model
+    are answered by the stand-in, so the examples run to the end offline."""
+    return not environ.get("DJFLOW_DEFAULT_MODEL") and not any(
+        environ.get(key) for key in PROVIDER_KEYS
+    )
+
+
+def default_model_note(environ: dict[str, str]) -> str:
+    if uses_standin(environ):
+        return (
+            f"Models: none configured; recipe steps that name no model are answered by the "
+            f"offline stand-in ({STANDIN_MODEL}, its answers start with '[stand-in model]'). "
+            "Set OPENAI_API_KEY or ANTHROPIC_API_KEY, and DJFLOW_DEFAULT_MODEL, for a real one."
+        )
+    model = environ.get("DJFLOW_DEFAULT_MODEL") or "none (each recipe step names its own)"
+    return f"Models: the default is {model}."
 
 
 def describe_exit(code: int) -> str:
@@ -302,6 +329,7 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=options["verbosity"])
         self._ensure_superuser(named=options["create_superuser"])
         modules = self._sync_workflow_modules(options["verbosity"])
+        self.stdout.write(default_model_note(dict(os.environ)))
 
         try:
             if self._stop_signal is not None:
@@ -418,7 +446,7 @@ class Command(BaseCommand):
             origin = "from WORKFLOW_MODULES"
         else:
             modules = list(EXAMPLE_MODULES)
-            origin = "the example; set WORKFLOW_MODULES to load your own"
+            origin = "the examples; set WORKFLOW_MODULES to load your own"
         if not modules:
             self.stdout.write("Workflow modules: none (WORKFLOW_MODULES is empty).")
             return modules
