@@ -18,6 +18,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from django.conf import settings
 
 from runs import services
 from runs.models import ModelCall, Run, StepRun
@@ -77,9 +78,27 @@ def test_recipes_on_both_providers_retries_and_records(
     model_server: ModelServer, celery_worker, celery_beat, celery_processes, monkeypatch
 ) -> None:
     env = configured(monkeypatch, {**model_server.openai_env(), **model_server.anthropic_env()})
-    celery_worker(env=env)
+    # The AI example too, its steps naming no model: the offline stand-in answers them.
+    monkeypatch.setitem(settings.DJFLOW, "DEFAULT_MODEL", "standin:echo")
+    celery_worker(
+        env={**env, "DJFLOW_DEFAULT_MODEL": "standin:echo"},
+        workflow_modules=["workflows.examples.ticket_triage"],
+    )
     celery_beat()  # the retries' back-offs are timers
     logs = celery_processes.logs
+
+    # 0. The example: a JSON recipe feeding a condition, a text recipe drafting the reply.
+    run = finished(start("ticket_triage", {"ticket": "Export crashes"}).id, logs)
+    assert run.status == "completed", run.error
+    # The stand-in's JSON is the schema's first choices: a bug, of low urgency.
+    assert run.output["kind"] == "bug" and run.output["urgency"] == "low"
+    assert run.output["reply"].startswith("[stand-in model]")
+    assert [s.step_id for s in run.steps.filter(kind="recipe").order_by("id")] == [
+        "classify",
+        "draft_bug_reply",
+    ]
+    assert ModelCall.objects.filter(run=run, provider="standin").count() == 2
+    assert model_server.requests == []
 
     # 1. A text recipe, inline, on OpenAI: the reply, its usage and its cost, per attempt.
     save(
