@@ -73,7 +73,9 @@ def execute(
         step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
     )
     if outcome == HANDED_BACK:
-        raise HandedBack(f"attempt {step_run_id} handed back: it waits for a worker or a slot")
+        raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
+    if outcome == DEFERRED:
+        raise HandedBack(f"attempt {step_run_id} handed back: it waits for a model slot")
     chained = 0
     while held is not None:
         step_run, workflow_id = held
@@ -105,6 +107,8 @@ def _may_continue(
 
 Held = tuple[StepRun, str]
 HANDED_BACK = "unservable"
+# The body could not go on now (every model slot of the account taken): offered again soon.
+DEFERRED = "deferred"
 
 
 class HandedBack(Exception):
@@ -173,7 +177,7 @@ def _run_handler(
     except Deferred as deferred:
         keeper.release(row.id)
         _defer(row, claim, deferred)
-        return HANDED_BACK, None
+        return DEFERRED, None
     except StepFailure as failure:
         if failure.error_class == "unservable":
             keeper.release(row.id)
