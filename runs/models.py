@@ -85,6 +85,9 @@ class Run(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        permissions = [
+            ("choose_account", "Can start runs on behalf of any account (model concurrency)")
+        ]
         indexes = [
             models.Index(fields=["-created_at", "-id"], name="run_newest"),
             models.Index(fields=["status", "-created_at", "-id"], name="run_status_newest"),
@@ -392,6 +395,10 @@ class ModelCall(models.Model):
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
     reserved_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
     request_id = models.CharField(max_length=200, blank=True, default="")
+    # The stored recipe whose prompt this was ("" for a step's inline one), and its version:
+    # a recipe saved again during a run changes its later attempts, and this says which ran.
+    recipe = models.CharField(max_length=100, blank=True, default="")
+    recipe_version = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

@@ -54,6 +54,7 @@ def run_start(
     commit (and offered again by the reconciler should that message be lost).
     """
     access.require_start(user, workflow)
+    access.require_account(user, account)
     person = user if user is not None and user.is_authenticated else None
     # Keys are scoped to (workflow, caller): another user's key finds nothing here.
     same_key = Run.objects.filter(

@@ -279,7 +279,6 @@ def _record_once(
         "finished_at": timezone.now(),
         "lease_expires_at": None,
         "usage": ctx.usage(),
-        "cost_usd": ctx.cost_usd(),
         # A reservation a call left held (the attempt ended inside it: a time-out) is
         # released: the attempt is over (runs.engine.costs).
         "reserved_usd": 0,
@@ -296,6 +295,7 @@ def _record_once(
             return "dropped", None
         if cost:
             Run.objects.filter(id=run.id).update(cost_usd=F("cost_usd") + cost)
+            _charge_attempt(row.id, cost)
         held = None
         if run.status not in RUN_TERMINAL:
             budget = Budget(ADVANCE_ACTIONS)
@@ -327,9 +327,17 @@ def _record_inside(
         if not record_result(row.id, claim, result):
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None
+        if cost:
+            _charge_attempt(row.id, cost)
         if _may_change_the_plan(row, result["status"]) and request_advance(row.run_id):
             dispatch.advance_on_commit(row.run_id)
     return result["status"], None
+
+
+def _charge_attempt(step_run_id: int, cost: Any) -> None:
+    """Add what recording charges to the attempt's cost: added, never set, since its model
+    calls were charged to it as each was settled (runs.engine.costs)."""
+    StepRun.objects.filter(id=step_run_id).update(cost_usd=F("cost_usd") + cost)
 
 
 def _one_at_a_time(run_id: Any) -> None:

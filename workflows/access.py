@@ -192,6 +192,26 @@ def require_start(user: Any, workflow_id: str) -> None:
         )
 
 
+def require_account(user: Any, account: str | None) -> None:
+    """Naming a run's ``account`` other than one's own username (CONTRACT section 10: the
+    per-account model concurrency) takes the global ``runs.choose_account``: otherwise a
+    starter could take another team's model slots, or escape their own limit with a fresh
+    name per run. Code acting for no user (the engine, commands) passes."""
+    if account is None or not _person(user) or user.is_superuser:
+        return
+    if account == user.get_username() or user.has_perm("runs.choose_account"):
+        return
+    raise Forbidden(
+        errors=[
+            FieldError(
+                "account",
+                "naming an account other than your username takes the permission "
+                "runs.choose_account",
+            )
+        ]
+    )
+
+
 # -- runs ----------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ Pure Python, no Django.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import re
 import secrets as _random
@@ -46,6 +47,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import quote, quote_plus
 
 from .templates import map_json, text_form
 
@@ -167,6 +169,18 @@ class _Texts:
 
     @classmethod
     def of(cls, replacement: Mapping[str, str]) -> _Texts:
+        # A secret is also found as it reads inside JSON text (a prompt that rendered an
+        # object holding it, a reply echoing it: quotes, backslashes and line breaks
+        # escaped) and inside a URL (percent-encoded).
+        replacement = {
+            **{
+                form: token
+                for text, token in replacement.items()
+                if len(text) >= MIN_INSIDE
+                for form in _encoded_forms(text)
+            },
+            **replacement,
+        }
         long = sorted((text for text in replacement if len(text) >= MIN_INSIDE), key=len)
         pattern = re.compile("|".join(re.escape(text) for text in reversed(long))) if long else None
         return cls(replacement, pattern)
@@ -177,6 +191,18 @@ class _Texts:
         if self.pattern is None:
             return text
         return self.pattern.sub(lambda match: self.whole[match.group()], text)
+
+
+def _encoded_forms(text: str) -> set[str]:
+    """How ``text`` reads inside JSON text and inside a URL, where that differs from it."""
+    forms = {
+        json.dumps(text)[1:-1],
+        json.dumps(text, ensure_ascii=False)[1:-1],
+        quote(text, safe=""),
+        quote_plus(text, safe=""),
+    }
+    forms.discard(text)
+    return {form for form in forms if len(form) >= MIN_INSIDE}
 
 
 def conceal(value: Any, registry: Mapping[str, Any]) -> Any:

@@ -40,6 +40,9 @@ class Call:
     latency_ms: int = 0
     cost_usd: Decimal | None = None
     request_id: str = ""
+    # The stored recipe the call rendered ("" for an inline one) and its version.
+    recipe: str = ""
+    recipe_version: int | None = None
 
 
 def digest(body: Any) -> str:
@@ -71,6 +74,8 @@ def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
             cost_usd=call.cost_usd,
             reserved_usd=reservation.amount,
             request_id=call.request_id[:200],
+            recipe=call.recipe,
+            recipe_version=call.recipe_version,
         )
 
 

@@ -21,9 +21,11 @@ Invariants:
 - Settling and charging are additive updates by the row's id, not fenced by the claim: an
   attempt given up meanwhile (timed out, its lease lapsed) still made the call, and what it
   cost is the run's.
-- A held reservation is released when its attempt is recorded (the worker writes 0), and the
-  reconciler releases those of attempts that ended without that (a worker lost mid-call):
-  :func:`release_ended`.
+- A call cut short (the attempt's time limit struck during it) is charged its worst case: the
+  provider may still answer and bill it. A reservation still held when its attempt is
+  recorded is released (the worker writes 0); one held by an attempt that ended without
+  that (its worker lost during a call) is charged by the reconciler, also at its worst case
+  (:func:`release_ended`).
 """
 
 from __future__ import annotations
@@ -103,16 +105,27 @@ def settle(reservation: Reservation, *, actual: Decimal | None) -> None:
 
 
 def release_ended(batch: int) -> int:
-    """Release the reservations still held by attempts that have ended (their worker was lost
-    during a call): the reconciler's part. Returns how many attempts it released."""
-    ids = list(
+    """Settle the reservations still held by attempts that have ended (their worker was lost
+    during a call): the reconciler's part. The call may have been answered, and billed, after
+    its worker died, so what was reserved is charged, its worst case: a limit is kept, never
+    overshot by a retry reserving into room the lost call used. Returns how many attempts it
+    settled."""
+    rows = list(
         StepRun.objects.filter(reserved_usd__gt=0)
         .exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED])
-        .values_list("id", flat=True)[:batch]
+        .values_list("id", "run_id", "reserved_usd")[:batch]
     )
-    if not ids:
-        return 0
-    return StepRun.objects.filter(id__in=ids, reserved_usd__gt=0).update(reserved_usd=ZERO)
+    settled = 0
+    for step_run_id, run_id, held in rows:
+        with transaction.atomic():
+            # Conditional on the amount read: a settle that came meanwhile is not charged twice.
+            moved = StepRun.objects.filter(id=step_run_id, reserved_usd=held).update(
+                reserved_usd=ZERO, cost_usd=F("cost_usd") + held
+            )
+            if moved:
+                Run.objects.filter(id=run_id).update(cost_usd=F("cost_usd") + held)
+        settled += moved
+    return settled
 
 
 def _locked(run_id: Any) -> Run | None:

@@ -15,7 +15,7 @@ worker or a crash left behind, and put it right. Bounded work per tick.
   for one (``unservable.py``: it fails if none comes);
 - fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted;
 - cost reserved for a model call by an attempt that ended without settling it (its worker
-  was lost mid-call) is released (``costs.py``).
+  was lost mid-call) is charged, its worst case (``costs.py``).
 
 A tick has a time budget (half of ``RECONCILE_SECONDS``): the runs it advances get one
 bounded round each (``advance.ADVANCE_ACTIONS``; a run with more asks a worker for the rest),
@@ -81,7 +81,7 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("requested", lambda: advance_requested(now, batch, until=until)),
             ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
-            # Cost held by attempts whose worker was lost during a model call.
+            # Cost held by attempts whose worker was lost during a model call: charged.
             ("reservations_released", lambda: costs.release_ended(batch)),
         ]
         # The repairs of apps above the engine (approvals' mails and reminders).

@@ -108,7 +108,9 @@ def test_a_retried_run_counts_what_it_spent_afresh() -> None:
     costs.reserve(step_run_id=attempt.id, run_id=run.id, amount=Decimal("0.09"))
 
 
-def test_the_reconciler_releases_what_an_ended_attempt_still_holds() -> None:
+def test_the_reconciler_charges_what_an_ended_attempt_still_holds() -> None:
+    """A worker lost during a call: the provider may have answered and billed it, so the
+    reservation is charged (its worst case), and the room it held is spent, not freed."""
     run = _run(0.10)
     lost = _attempt(run)
     costs.reserve(step_run_id=lost.id, run_id=run.id, amount=Decimal("0.08"))
@@ -118,11 +120,15 @@ def test_the_reconciler_releases_what_an_ended_attempt_still_holds() -> None:
     # The engine gave the attempt up as lost (its lease lapsed): it holds 0.08 still.
     StepRun.objects.filter(id=lost.id).update(status=StepStatus.FAILED)
     assert reconcile()["reservations_released"] == 1
-    assert StepRun.objects.get(id=lost.id).reserved_usd == 0
-    costs.reserve(step_run_id=live.id, run_id=run.id, amount=Decimal("0.05"))
+    lost.refresh_from_db()
+    run.refresh_from_db()
+    assert (lost.reserved_usd, lost.cost_usd, run.cost_usd) == (0, Decimal("0.08"), Decimal("0.08"))
+    with pytest.raises(costs.OverBudget, match=r"\$0.080000 is spent"):
+        costs.reserve(step_run_id=live.id, run_id=run.id, amount=Decimal("0.05"))
+    costs.reserve(step_run_id=live.id, run_id=run.id, amount=Decimal("0.02"))
     # Running attempts keep theirs.
     assert reconcile()["reservations_released"] == 0
-    assert StepRun.objects.get(id=live.id).reserved_usd == Decimal("0.05")
+    assert StepRun.objects.get(id=live.id).reserved_usd == Decimal("0.02")
 
 
 def test_a_settle_after_the_release_leaves_nothing_negative() -> None:

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
+from django.contrib.auth.models import Permission
 
 from runs.models import Run
 from workflows import kinds
@@ -67,15 +68,22 @@ def test_checks_that_pass_start_the_run(api: Any) -> None:
     assert response.status_code == 201, response.content
 
 
-def test_the_run_carries_its_account_the_starters_username_by_default(api: Any) -> None:
+def test_the_run_carries_its_account_the_starters_username_by_default(api: Any, user) -> None:
     _save({"id": "a", "kind": "checked", "target": "here"})
     mine = api.post("/api/v1/runs", {"workflow": "preflown", "input": {}}, format="json")
     assert mine.json()["account"] == "ada"
-    named = api.post(
-        "/api/v1/runs",
-        {"workflow": "preflown", "input": {}, "account": "team-7@acme"},
-        format="json",
-    )
+    body = {"workflow": "preflown", "input": {}, "account": "team-7@acme"}
+    # Another account's model slots are not a starter's to take, nor a fresh name per run
+    # a way around their own limit.
+    refused = api.post("/api/v1/runs", body, format="json")
+    assert refused.status_code == 403, refused.content
+    assert [e["field"] for e in refused.json()["errors"]] == ["account"]
+    assert not Run.objects.filter(account="team-7@acme").exists()
+    own = api.post("/api/v1/runs", {**body, "account": "ada"}, format="json")
+    assert own.status_code == 201
+    user.user_permissions.add(Permission.objects.get(codename="choose_account"))
+    named = api.post("/api/v1/runs", body, format="json")
+    assert named.status_code == 201, named.content
     assert named.json()["account"] == "team-7@acme"
 
 

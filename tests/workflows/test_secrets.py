@@ -3,7 +3,10 @@ and the scrub of logs (``workflows.secrets``, ``workflows.input_schema``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+from typing import Any
+from urllib.parse import quote, quote_plus
 
 import pytest
 
@@ -156,6 +159,26 @@ def test_an_echoed_secret_is_concealed_losslessly() -> None:
     assert KEY not in repr(stored) and "123456" not in repr(stored)
     assert stored["pins"][1:] == [12, True]  # not secrets: numbers the guards may compare
     assert reveal(stored, registry) == answer
+
+
+@pytest.mark.parametrize(
+    "encode",
+    [
+        lambda v: json.dumps({"key": v}, separators=(",", ":")),
+        lambda v: json.dumps({"key": v}, ensure_ascii=False),
+        lambda v: "https://api.example/keys/" + quote(v, safe=""),
+        lambda v: "q=" + quote_plus(v),
+    ],
+    ids=["json", "json-unicode", "url-path", "url-query"],
+)
+def test_a_secret_is_concealed_where_it_reads_escaped(encode: Any) -> None:
+    """A prompt that rendered an object holding a PEM key shows it JSON-escaped (its line
+    breaks and quotes escaped); a URL shows it percent-encoded: both are concealed."""
+    pem = '-----BEGIN KEY-----\nAbC+d/"é"\n-----END KEY-----'
+    _, registry = _sealed({"creds": {"api_key": pem}})
+    stored = conceal(encode(pem), registry)
+    assert "AbC" not in stored and "BEGIN" not in stored, stored
+    assert TOKEN.search(stored)
 
 
 def test_a_short_number_secret_is_not_concealed_where_numbers_equal_it() -> None:

@@ -23,11 +23,12 @@ for once more with the error; a second bad reply fails the step with class
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from decimal import Decimal
 from functools import partial
@@ -112,8 +113,30 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
         json=wants_json,
         json_schema=recipe.get("output_schema"),
     )
-    reply = _call(ctx, model_name, request)
-    if not wants_json:
+    wait = settings.DJFLOW["MODEL_SLOT_WAIT_SECONDS"]
+    try:
+        slot = slots().held(ctx.account, wait_seconds=wait)
+        slot.__enter__()
+    except SlotsBusy:
+        # Offered again in 1 to 3 s: spread, so the waiters do not all come back at once.
+        seconds = 1.0 + 2.0 * random.random()
+        raise Deferred(
+            f"every model slot of account '{ctx.account}' is taken", seconds=seconds
+        ) from None
+    # One slot for the whole attempt, taken before its first call: an attempt is never handed
+    # back after a call it made (its retry would make and pay for that call again).
+    with _entered(slot):
+        return _ask(ctx, model_name, request, recipe)
+
+
+def _ask(
+    ctx: StepContext,
+    model_name: str,
+    request: providers.ModelRequest,
+    recipe: Mapping[str, Any],
+) -> Any:
+    reply = _call(ctx, model_name, request, recipe)
+    if not request.json:
         return reply.text
     value, problem = _parse(reply.text, recipe.get("output_schema"))
     if problem is None:
@@ -126,7 +149,7 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
             {"role": "user", "content": REASK.format(problem=problem)},
         ],
     )
-    reply = _call(ctx, model_name, again)
+    reply = _call(ctx, model_name, again, recipe)
     value, problem = _parse(reply.text, recipe.get("output_schema"))
     if problem is None:
         return value
@@ -152,8 +175,9 @@ def _recipe(step: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _field_of(field: str) -> str:
-    """An error's field within the step (``recipe_of_step`` names it from the step)."""
-    return field.rsplit(".", 1)[-1] if field else "recipe"
+    """An error's field within the step (``recipe_of_step`` names it from the step, with
+    nothing before it: ``output_schema.properties.x``)."""
+    return field or "recipe"
 
 
 def _named(step: Mapping[str, Any]) -> str:
@@ -161,8 +185,23 @@ def _named(step: Mapping[str, Any]) -> str:
     return f"recipe '{step['recipe']}'" + (f" version {version}" if version else "")
 
 
+@contextlib.contextmanager
+def _entered(slot: contextlib.AbstractContextManager[bool]) -> Iterator[None]:
+    """Leave ``slot`` (entered already) however the block ends."""
+    try:
+        yield
+    except BaseException as error:
+        if not slot.__exit__(type(error), error, error.__traceback__):
+            raise
+    else:
+        slot.__exit__(None, None, None)
+
+
 def _call(
-    ctx: StepContext, model_name: str, request: providers.ModelRequest
+    ctx: StepContext,
+    model_name: str,
+    request: providers.ModelRequest,
+    recipe: Mapping[str, Any],
 ) -> providers.ModelReply:
     provider, model = providers.split_model(model_name)
     request = replace(request, timeout_s=_seconds_left(ctx))
@@ -172,16 +211,7 @@ def _call(
         input_tokens=providers.estimate_input_tokens(request),
         max_tokens=request.max_tokens,
     )
-    wait = settings.DJFLOW["MODEL_SLOT_WAIT_SECONDS"]
-    try:
-        with slots().held(ctx.account, wait_seconds=wait):
-            return _reserved_call(ctx, provider, model_name, request, worst)
-    except SlotsBusy:
-        # Offered again in 1 to 3 s: spread, so the waiters do not all come back at once.
-        seconds = 1.0 + 2.0 * random.random()
-        raise Deferred(
-            f"every model slot of account '{ctx.account}' is taken", seconds=seconds
-        ) from None
+    return _reserved_call(ctx, provider, model_name, request, worst, recipe)
 
 
 def _reserved_call(
@@ -190,6 +220,7 @@ def _reserved_call(
     model_name: str,
     request: providers.ModelRequest,
     worst: Decimal | None,
+    recipe: Mapping[str, Any],
 ) -> providers.ModelReply:
     try:
         reservation = costs.reserve(
@@ -202,6 +233,7 @@ def _reserved_call(
     with ctx.span("model_call", kind="model_generation") as span:
         span.set_model(request.model, provider)
         started = time.monotonic()
+        named = {"recipe": recipe.get("name", ""), "recipe_version": recipe.get("version")}
         try:
             reply = providers.call(model_name, request)
         except providers.ModelError as error:
@@ -214,13 +246,35 @@ def _reserved_call(
                     prompt=prompt,
                     reply=None,
                     status=error.error_class,
-                    error={"class": error.error_class, "message": str(error)},
+                    # The provider's message may echo what it was sent.
+                    error=ctx.conceal({"class": error.error_class, "message": str(error)}),
                     latency_ms=_ms_since(started),
+                    **named,
                 ),
             )
             raise KindFailure(
                 f"recipe: {error}", class_=error.error_class, retry_after_ms=error.retry_after_ms
             ) from None
+        except BaseException as interrupted:
+            # The attempt's time limit (SIGALRM) or anything else cut the call short: the
+            # provider may still answer and bill it, so the call is charged its worst case
+            # (what was reserved), never nothing, and recorded as interrupted.
+            span.charged = reservation.amount
+            calls.call_record(
+                reservation=reservation,
+                call=calls.Call(
+                    provider=provider,
+                    model=request.model,
+                    prompt=prompt,
+                    reply=None,
+                    status="interrupted",
+                    error={"class": "interrupted", "message": type(interrupted).__name__},
+                    latency_ms=_ms_since(started),
+                    cost_usd=reservation.amount if worst is not None else None,
+                    **named,
+                ),
+            )
+            raise
         latency = _ms_since(started)
         cost = pricing.call_cost(
             provider,
@@ -255,6 +309,7 @@ def _reserved_call(
                 latency_ms=latency,
                 cost_usd=cost,
                 request_id=reply.request_id or "",
+                **named,
             ),
         )
         return reply
