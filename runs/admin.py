@@ -302,11 +302,26 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
 
     @admin.display(description="prompt (system and messages, after templates)")
     def pretty_prompt(self, call: ModelCall) -> str:
-        return _pretty_json(call.prompt.body)
+        return _pretty_json(_cut(call.prompt.body))
 
     @admin.display(description="reply")
     def pretty_reply(self, call: ModelCall) -> str:
-        return _pretty_json(call.reply.body) if call.reply is not None else "—"
+        return _pretty_json(_cut(call.reply.body)) if call.reply is not None else "—"
+
+
+# The most of a prompt's or reply's text an attempt's admin page shows (a page of many long
+# calls must stay a page); GET /api/v1/runs/{id}/calls/{call} has them whole.
+SHOWN_TEXT_CHARS = 20_000
+
+
+def _cut(value: Any) -> Any:
+    if isinstance(value, str) and len(value) > SHOWN_TEXT_CHARS:
+        return f"{value[:SHOWN_TEXT_CHARS]}… [{len(value) - SHOWN_TEXT_CHARS} more characters]"
+    if isinstance(value, dict):
+        return {key: _cut(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cut(item) for item in value]
+    return value
 
 
 @admin.register(StepRun)

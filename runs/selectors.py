@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from django.db.models import Prefetch, QuerySet
+from django.db.models import F, Prefetch, QuerySet
 
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
@@ -49,7 +49,11 @@ def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
             queryset=StepRun.objects.order_by("id").prefetch_related(
                 Prefetch(
                     "model_calls",
-                    queryset=ModelCall.objects.select_related("prompt", "reply").order_by("id"),
+                    # The sizes of the prompt and reply, not their texts (the call's own
+                    # resource has them).
+                    queryset=ModelCall.objects.annotate(
+                        prompt_size=F("prompt__size"), reply_size=F("reply__size")
+                    ).order_by("id"),
                 )
             ),
         ),
@@ -70,3 +74,26 @@ def run_get(*, run_id: Any, user: Any = None) -> Run:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, run)
     return run
+
+
+def model_call_get(*, run_id: Any, call_id: Any, user: Any = None) -> ModelCall:
+    """One model call of a run with its prompt and reply; 404 naming ``id`` for a run the
+    caller may not read, naming ``call`` for a call that is not the run's."""
+    try:
+        key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
+        raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
+    run = Run.objects.only("id", "workflow_id", "created_by_id", "secrets").filter(id=key).first()
+    if run is None:
+        raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    access.require_view_run(user, run)
+    call = (
+        ModelCall.objects.select_related("prompt", "reply")
+        .annotate(prompt_size=F("prompt__size"), reply_size=F("reply__size"))
+        .filter(run_id=run.id, id=call_id)
+        .first()
+    )
+    if call is None:
+        raise NotFound(errors=[FieldError("call", f"run {run.id} has no model call {call_id}")])
+    call.run = run
+    return call

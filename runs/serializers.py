@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from django.core.validators import RegexValidator
+from django.urls import reverse
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -168,38 +169,11 @@ PARENT_SCHEMA = {
 }
 
 
-# The most of one prompt's or reply's text a run's representation shows (a run of many long
-# calls must not become a response of hundreds of megabytes); the digest names the whole.
-SHOWN_TEXT_CHARS = 20_000
-
-
-def _shown_text(text: Any) -> Any:
-    if not isinstance(text, str) or len(text) <= SHOWN_TEXT_CHARS:
-        return text
-    return f"{text[:SHOWN_TEXT_CHARS]}… [{len(text) - SHOWN_TEXT_CHARS} more characters]"
-
-
-def _shown_content(content: Any) -> dict[str, Any] | None:
-    if content is None:
-        return None
-    body = content.body if isinstance(content.body, dict) else {"value": content.body}
-    shown: dict[str, Any] = {"digest": content.digest, "size": content.size}
-    for key, value in body.items():
-        if key == "messages" and isinstance(value, list):
-            shown[key] = [
-                {**m, "content": _shown_text(m.get("content"))} if isinstance(m, dict) else m
-                for m in value
-            ]
-        else:
-            shown[key] = _shown_text(value)
-    return shown
-
-
 CONTENT_SCHEMA = {
     "type": "object",
     "nullable": True,
-    "description": "stored once by the SHA-256 of its JSON (digest); texts over 20,000 "
-    "characters are shown cut",
+    "description": "stored once by the SHA-256 of its JSON (digest): a prompt's system and "
+    "messages after templates, a reply's text",
     "properties": {
         "digest": {"type": "string"},
         "size": {"type": "integer"},
@@ -209,44 +183,79 @@ CONTENT_SCHEMA = {
     },
 }
 
+CALL_FIELDS = [
+    "id",
+    "url",
+    "provider",
+    "model",
+    "answered_by",
+    "recipe",
+    "recipe_version",
+    "status",
+    "error",
+    "input_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "reasoning_tokens",
+    "latency_ms",
+    "cost_usd",
+    "reserved_usd",
+    "request_id",
+    "created_at",
+    "prompt_digest",
+    "prompt_size",
+    "reply_digest",
+    "reply_size",
+]
+
 
 class ModelCallSerializer(serializers.ModelSerializer):
-    """One model call of an attempt (CONTRACT section 10)."""
+    """One model call of an attempt (CONTRACT section 10), as its run lists it: what it cost
+    and where its prompt and reply are (``url``), not their texts, so a run of many long
+    calls stays a bounded response."""
 
+    url = serializers.SerializerMethodField(help_text="the call with its prompt and reply")
     cost_usd = serializers.FloatField(read_only=True, allow_null=True)
     reserved_usd = serializers.FloatField(read_only=True)
+    prompt_digest = serializers.CharField(source="prompt_id", read_only=True)
+    reply_digest = serializers.CharField(source="reply_id", read_only=True, allow_null=True)
+    prompt_size = serializers.IntegerField(read_only=True)
+    reply_size = serializers.IntegerField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = ModelCall
+        fields = CALL_FIELDS
+        read_only_fields = fields
+
+    def get_url(self, call: ModelCall) -> str:
+        return reverse("run-call", args=[str(call.run_id), call.id])
+
+
+class ModelCallDetailSerializer(ModelCallSerializer):
+    """``GET /runs/{id}/calls/{call}``: the call with its prompt and reply."""
+
     prompt = serializers.SerializerMethodField()
     reply = serializers.SerializerMethodField()
 
     class Meta:
         model = ModelCall
-        fields = [
-            "provider",
-            "model",
-            "answered_by",
-            "status",
-            "error",
-            "input_tokens",
-            "output_tokens",
-            "cached_tokens",
-            "reasoning_tokens",
-            "latency_ms",
-            "cost_usd",
-            "reserved_usd",
-            "request_id",
-            "created_at",
-            "prompt",
-            "reply",
-        ]
+        fields = [*CALL_FIELDS, "prompt", "reply"]
         read_only_fields = fields
 
     @extend_schema_field(CONTENT_SCHEMA)
     def get_prompt(self, call: ModelCall) -> dict[str, Any] | None:
-        return _shown_content(call.prompt)
+        return _content(call.prompt)
 
     @extend_schema_field(CONTENT_SCHEMA)
     def get_reply(self, call: ModelCall) -> dict[str, Any] | None:
-        return _shown_content(call.reply)
+        return _content(call.reply)
+
+
+def _content(content: Any) -> dict[str, Any] | None:
+    if content is None:
+        return None
+    body = content.body if isinstance(content.body, dict) else {"value": content.body}
+    return {"digest": content.digest, "size": content.size, **body}
 
 
 class StepRunSerializer(serializers.ModelSerializer):

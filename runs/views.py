@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from config.pagination import ContractCursorPagination
-from workflows import access
+from workflows import access, secrets
 from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
@@ -23,6 +23,7 @@ from .models import Run
 from .serializers import (
     EventDeliverySerializer,
     EventSerializer,
+    ModelCallDetailSerializer,
     RunListQuerySerializer,
     RunListSerializer,
     RunSerializer,
@@ -128,6 +129,20 @@ class RunDetailView(APIView):
     )
     def get(self, request: Request, run_id: str) -> Response:
         return Response(_render(request, selectors.run_get(run_id=run_id, user=request.user)))
+
+
+class ModelCallView(APIView):
+    @extend_schema(
+        operation_id="runs_model_call",
+        parameters=[RUN_ID],
+        description="One model call of the run, with its prompt (system and messages after "
+        "templates) and its reply; secrets of the run's input show as ••••.",
+        responses={200: ModelCallDetailSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str, call_id: int) -> Response:
+        call = selectors.model_call_get(run_id=run_id, call_id=call_id, user=request.user)
+        data = ModelCallDetailSerializer(call).data
+        return Response(secrets.shown(data) if call.run.secrets else data)
 
 
 def _render(request: Request, run: Run) -> Any:
