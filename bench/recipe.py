@@ -34,23 +34,41 @@ from tests.model_server import Answer, ModelServer, Recorded
 
 TARGET = 1.5
 WARM_STEPS = 5
+# bench.flows' longer no-op sequence: the engine's own cost of a step without a model call.
+FLOOR_STEPS = 200
 
 
 @dataclass(frozen=True)
 class Rounds:
-    """Every round's figures, ms per step (engine) and per hop (bare)."""
+    """Every round's figures, ms per step (engine) and per hop (bare); ``floor_*`` are the
+    same worker's no-op ``task`` steps and no-op relay, when measured."""
 
     engine: list[float]
     bare: list[float]
+    floor_engine: list[float]
+    floor_bare: list[float]
 
-    def row(self, steps: int) -> common.Row:
-        return common.Row(
-            f"{steps} recipe steps vs relay of SDK calls",
-            "ms/call",
-            statistics.median(self.engine),
-            statistics.median(self.bare),
-            True,
-        )
+    def rows(self, steps: int) -> list[common.Row]:
+        rows = [
+            common.Row(
+                f"{steps} recipe steps vs relay of SDK calls",
+                "ms/call",
+                statistics.median(self.engine),
+                statistics.median(self.bare),
+                True,
+            )
+        ]
+        if self.floor_engine:
+            rows.append(
+                common.Row(
+                    f"{FLOOR_STEPS} no-op steps vs no-op relay (the floor)",
+                    "ms/step",
+                    statistics.median(self.floor_engine),
+                    statistics.median(self.floor_bare),
+                    True,
+                )
+            )
+        return rows
 
 
 def _answer(request: Recorded) -> Answer:
@@ -104,20 +122,28 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def measure(
-    steps: int = 100, repeat: int = 3, concurrency: int = 2, loglevel: str = "warning"
+    steps: int = 100,
+    repeat: int = 3,
+    concurrency: int = 2,
+    loglevel: str = "warning",
+    floor: bool = True,
 ) -> Rounds:
     """Both sides on one worker, one model server, in one sitting; ``repeat`` rounds of
-    bare then engine. ``bench.common.configure()`` must have run."""
+    bare then engine (then, with ``floor``, the no-op relay and no-op steps on the same
+    worker). ``bench.common.configure()`` must have run."""
+    from bench import bare_celery
+    from bench import engine as noop_engine
     from bench import recipe_bare as bare
 
-    rounds = Rounds(engine=[], bare=[])
+    rounds = Rounds(engine=[], bare=[], floor_engine=[], floor_bare=[])
     with ModelServer(default=_answer) as server, _environ(server.openai_env()):
         workflow_id = save_workflow(steps)
         warm_id = save_workflow(WARM_STEPS)
         with common.running_worker(
             concurrency=concurrency,
             loglevel=loglevel,
-            include=("bench.recipe_bare",),
+            include=("bench.recipe_bare", "bench.bare_celery"),
+            workflow_modules=noop_engine.WORKFLOW_MODULES,
             env=server.openai_env(),
         ) as worker:
             # Every pool process imports the SDK and opens its connections on both paths.
@@ -126,9 +152,14 @@ def measure(
 
             warm = engine._start_runs(warm_id, 2 * concurrency)
             engine._wait(warm, timeout=60)
+            if floor:
+                bare_celery.relay(20, worker)
             for _ in range(repeat):
                 rounds.bare.append(bare.relay(steps, worker))
                 rounds.engine.append(engine_sequential(workflow_id, steps))
+                if floor:
+                    rounds.floor_bare.append(bare_celery.relay(FLOOR_STEPS, worker))
+                    rounds.floor_engine.append(noop_engine.engine_sequential(FLOOR_STEPS))
     return rounds
 
 
@@ -137,7 +168,7 @@ def report(rounds: Rounds, steps: int) -> str:
         f"round {n + 1}: engine {e:.2f} ms/step, bare {b:.2f} ms/hop, ratio {e / b:.2f}x"
         for n, (e, b) in enumerate(zip(rounds.engine, rounds.bare, strict=True))
     ]
-    return "\n".join([*lines, common.format_table([rounds.row(steps)])])
+    return "\n".join([*lines, common.format_table(rounds.rows(steps))])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,10 +177,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the median")
     parser.add_argument("--concurrency", type=int, default=2, help="worker pool size")
     parser.add_argument("--loglevel", default="warning", help="the worker's log level")
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="leave out the no-op steps beside the no-op relay (the engine's own floor)",
+    )
     args = parser.parse_args(argv)
 
     common.configure()
-    rounds = measure(args.steps, args.repeat, args.concurrency, args.loglevel)
+    rounds = measure(args.steps, args.repeat, args.concurrency, args.loglevel, args.floor)
     print(
         f"worker: celery -A config worker -P prefork -c {args.concurrency} -l {args.loglevel}, "
         f"broker {common.REDIS_URL}; median of {args.repeat}; ratio = engine / bare "
