@@ -65,14 +65,14 @@ def reserve(
     holds nothing where there is none."""
     if amount is not None:
         amount = amount.quantize(CENT_MILLIONTHS)
-    tree = (
+    row = (
         Run.objects.filter(id=run_id)
         .values_list("root_run_id", "version_id", "root_run__version_id")
         .first()
     )
-    if tree is None:
+    if row is None:
         raise OverBudget(f"run {run_id} does not exist")
-    root_id, version_id, root_version_id = tree
+    root_id, version_id, root_version_id = row
     if _limit_of(version_id) is None and (
         root_version_id is None or _limit_of(root_version_id) is None
     ):
