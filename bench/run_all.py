@@ -1,10 +1,12 @@
 """``python -m bench.run_all``: issue 3's benchmark, the engine beside bare Celery.
 
 Starts one ``celery -A config worker`` (prefork, ``-c 2``, the project's settings) on the
-bench services, measures bare Celery and the engine on it in one sitting, and prints
-``name | engine | bare | ratio``. Then issue 4's timer benchmark (``bench.timers``) and issue
-5's fan-out benchmark (``bench.fanout``) run, each in a process of its own, on its own
-database and Redis databases (``--timers none``, ``--fanout none`` skip them).
+bench services, measures bare Celery and the engine on it in one sitting, then issue 14's
+recipe step beside a bare task making the same model call (``bench.recipe``, a worker of its
+own; ``--recipe none`` skips it), and prints ``name | engine | bare | ratio``. Then issue 4's
+timer benchmark (``bench.timers``) and issue 5's fan-out benchmark (``bench.fanout``) run,
+each in a process of its own, on its own database and Redis databases (``--timers none``,
+``--fanout none`` skip them).
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ def main(argv: list[str] | None = None) -> None:
         default="all",
         help="which part of bench.fanout to run last (about 8 minutes for all)",
     )
+    parser.add_argument(
+        "--recipe",
+        choices=["all", "none"],
+        default="all",
+        help="the recipe step beside bare Celery's SDK call (bench.recipe, in this table)",
+    )
+    parser.add_argument("--recipe-steps", type=int, default=100, help="steps of the recipe run")
     args = parser.parse_args(argv)
 
     common.configure()
@@ -81,6 +90,15 @@ def main(argv: list[str] | None = None) -> None:
                 ),
                 common.Row(f"{runs}x{hops} vs {runs} relays", "steps/s", concurrent, relays, False),
             ]
+
+    if args.recipe != "none":
+        # A worker of its own: it needs the local model server's address in its environment.
+        from bench import recipe
+
+        rounds = recipe.measure(
+            args.recipe_steps, repeat, args.concurrency, args.loglevel, floor=False
+        )
+        rows += rounds.rows(args.recipe_steps)
 
     print(
         f"worker: celery -A config worker -P prefork -c {args.concurrency} -l {args.loglevel}, "

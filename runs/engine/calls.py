@@ -53,8 +53,7 @@ def digest(body: Any) -> str:
 def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
     """Record ``call`` on its attempt and settle its reservation to what it cost."""
     with transaction.atomic():
-        prompt = _store(call.prompt)
-        reply = _store(call.reply) if call.reply is not None else None
+        prompt, reply = _store(call.prompt, call.reply)
         costs.settle(reservation, actual=call.cost_usd)
         return ModelCall.objects.create(
             step_run_id=reservation.step_run_id,
@@ -79,14 +78,21 @@ def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
         )
 
 
-def _store(body: Any) -> str:
-    raw = _canonical(body)
-    key = hashlib.sha256(raw).hexdigest()
-    # The same content again is the row already stored: nothing is written twice.
-    Content.objects.bulk_create(
-        [Content(digest=key, body=body, size=len(raw))], ignore_conflicts=True
-    )
-    return key
+def _store(prompt: Any, reply: Any | None) -> tuple[str, str | None]:
+    """The digests of the prompt and the reply (None: no reply), stored in one statement.
+    The same content again is the row already stored: nothing is written twice. Rows go in
+    digest order, so two calls storing the same two contents wait for each other in the
+    same order, never both at once."""
+    bodies = [prompt] if reply is None else [prompt, reply]
+    rows: dict[str, Content] = {}
+    keys: list[str] = []
+    for body in bodies:
+        raw = _canonical(body)
+        key = hashlib.sha256(raw).hexdigest()
+        rows.setdefault(key, Content(digest=key, body=body, size=len(raw)))
+        keys.append(key)
+    Content.objects.bulk_create([rows[key] for key in sorted(rows)], ignore_conflicts=True)
+    return keys[0], (keys[1] if reply is not None else None)
 
 
 def _canonical(body: Any) -> bytes:
