@@ -100,6 +100,9 @@ class StepContext:
     account: str = ""
     # When the attempt's time is up (its timeout_ms from the claim).
     deadline_at: datetime | None = None
+    # The model calls the attempt made, each with its reservation: recorded, and settled, in
+    # the transaction that records the attempt (runs.engine.calls.calls_record).
+    model_calls: list[Any] = field(default_factory=list)
     # A value with the run's secrets replaced by their tokens: what the kinds store of what
     # they sent and got (a prompt rendered from a secret input).
     conceal: Callable[[Any], Any] = field(default=lambda value: value)

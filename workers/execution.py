@@ -29,7 +29,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch, vault
-from runs.engine import journal, unservable
+from runs.engine import calls, journal, unservable
 from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import record_result, request_advance
@@ -284,11 +284,14 @@ def _record_once(
         "reserved_usd": 0,
     }
     if row.path:
-        return _record_inside(row, claim, result, cost)
+        return _record_inside(row, claim, result, cost, ctx)
     with transaction.atomic():
         run = lock_run(row.run_id)
         if run is None:
             return "dropped", None
+        # The model calls it made, recorded and charged whether or not the result is still
+        # wanted: they were made either way.
+        calls.calls_record(ctx.model_calls)
         if not record_result(row.id, claim, result):
             # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
@@ -306,7 +309,7 @@ def _record_once(
 
 
 def _record_inside(
-    row: Claimed, claim: uuid.UUID, result: dict[str, Any], cost: Any
+    row: Claimed, claim: uuid.UUID, result: dict[str, Any], cost: Any, ctx: StepContext
 ) -> tuple[str, Held | None]:
     """Record an attempt inside a composite step (a branch, an item, an iteration) without
     the run's lock, and ask for an advance only when one can change something.
@@ -324,6 +327,7 @@ def _record_inside(
         if cost:
             # The run row before the step run: the order every advance locks them in.
             Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
+        calls.calls_record(ctx.model_calls)
         if not record_result(row.id, claim, result):
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None

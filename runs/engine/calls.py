@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -51,18 +52,31 @@ def digest(body: Any) -> str:
 
 
 def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
-    """Record ``call`` on its attempt and settle its reservation to what it cost."""
+    """Record one ``call`` on its attempt and settle its reservation to what it cost."""
     with transaction.atomic():
-        prompt, reply = _store(call.prompt, call.reply)
-        costs.settle(reservation, actual=call.cost_usd)
-        return ModelCall.objects.create(
+        [recorded] = calls_record([(reservation, call)])
+    return recorded
+
+
+def calls_record(made: Sequence[tuple[costs.Reservation, Call]]) -> list[ModelCall]:
+    """Record the calls one attempt made, and settle their reservations, in the caller's
+    transaction: the worker does it in the one that records the attempt (a call costs no
+    transaction of its own), whether or not the attempt's result is still wanted, since the
+    calls were made and paid for either way. A worker lost before then leaves its
+    reservations held, and the reconciler charges them (``costs.release_ended``)."""
+    if not made:
+        return []
+    digests = _store([body for _, call in made for body in (call.prompt, call.reply)])
+    costs.settle_all([(reservation, call.cost_usd) for reservation, call in made])
+    rows = [
+        ModelCall(
             step_run_id=reservation.step_run_id,
             run_id=reservation.run_id,
             provider=call.provider,
             model=call.model,
             answered_by=call.answered_by[:200],
-            prompt_id=prompt,
-            reply_id=reply,
+            prompt_id=digests[id(call.prompt)],
+            reply_id=digests[id(call.reply)] if call.reply is not None else None,
             status=call.status,
             error=call.error,
             input_tokens=call.input_tokens,
@@ -76,23 +90,27 @@ def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
             recipe=call.recipe,
             recipe_version=call.recipe_version,
         )
+        for reservation, call in made
+    ]
+    return ModelCall.objects.bulk_create(rows)
 
 
-def _store(prompt: Any, reply: Any | None) -> tuple[str, str | None]:
-    """The digests of the prompt and the reply (None: no reply), stored in one statement.
-    The same content again is the row already stored: nothing is written twice. Rows go in
-    digest order, so two calls storing the same two contents wait for each other in the
-    same order, never both at once."""
-    bodies = [prompt] if reply is None else [prompt, reply]
+def _store(bodies: Sequence[Any]) -> dict[int, str]:
+    """Store each body (None skipped) once by its digest, in one statement; answers each
+    body's digest by the body's ``id()``. The same content again is the row already stored:
+    nothing is written twice. Rows go in digest order, so two writers storing the same
+    contents wait for each other in the same order, never both at once."""
     rows: dict[str, Content] = {}
-    keys: list[str] = []
+    digests: dict[int, str] = {}
     for body in bodies:
+        if body is None:
+            continue
         raw = _canonical(body)
         key = hashlib.sha256(raw).hexdigest()
         rows.setdefault(key, Content(digest=key, body=body, size=len(raw)))
-        keys.append(key)
+        digests[id(body)] = key
     Content.objects.bulk_create([rows[key] for key in sorted(rows)], ignore_conflicts=True)
-    return keys[0], (keys[1] if reply is not None else None)
+    return digests
 
 
 def _canonical(body: Any) -> bytes:

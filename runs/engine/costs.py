@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -57,6 +58,9 @@ class Reservation:
     step_run_id: int
     run_id: Any
     amount: Decimal
+    # Written on the attempt's row (a limit counts it); a run and root without limits hold
+    # nothing there: no check would read it.
+    held: bool = True
 
 
 def reserve(
@@ -79,10 +83,9 @@ def reserve(
         root_version_id is None or _limit_of(root_version_id) is None
     ):
         # No limit on the run nor on its root (documents never change): no check counts
-        # this reservation, so there is nothing to take turns for and no lock to take; it is
-        # still held on the attempt's row until settled. One statement instead of a
-        # transaction of three.
-        return _hold(step_run_id, run_id, amount or ZERO)
+        # this reservation, so nothing is written and no lock taken (a step's cost on the
+        # path of every call). The amount is kept: a call cut short is charged it.
+        return Reservation(step_run_id, run_id, amount or ZERO, held=False)
     with transaction.atomic():
         root = _locked(root_id) if root_id is not None else None
         run = _locked(run_id)
@@ -109,18 +112,27 @@ def _hold(step_run_id: int, run_id: Any, held: Decimal) -> Reservation:
 def settle(reservation: Reservation, *, actual: Decimal | None) -> None:
     """Replace the reservation by what the call cost (None: nothing known to charge; the
     price table does not know the model, or the call failed before the provider answered)."""
-    charge = (actual or ZERO).quantize(CENT_MILLIONTHS)
-    # Inside a caller's transaction (``calls.call_record``) it joins it: a savepoint would
+    settle_all([(reservation, actual)])
+
+
+def settle_all(settled: Sequence[tuple[Reservation, Decimal | None]]) -> None:
+    """Settle the calls of one attempt at once: two statements however many calls."""
+    if not settled:
+        return
+    first = settled[0][0]
+    charge = sum(((actual or ZERO) for _, actual in settled), ZERO).quantize(CENT_MILLIONTHS)
+    held = sum((r.amount for r, _ in settled if r.held), ZERO)
+    # Inside a caller's transaction (the attempt's record) it joins it: a savepoint would
     # cost two round trips and buy nothing, since a failure here fails the caller too.
     with transaction.atomic(savepoint=False):
         # The run row first: the order every advance locks them in.
         if charge:
-            Run.objects.filter(id=reservation.run_id).update(cost_usd=F("cost_usd") + charge)
-        if charge or reservation.amount:
-            StepRun.objects.filter(id=reservation.step_run_id).update(
-                # Never below zero: the reconciler may have released it already (the
+            Run.objects.filter(id=first.run_id).update(cost_usd=F("cost_usd") + charge)
+        if charge or held:
+            StepRun.objects.filter(id=first.step_run_id).update(
+                # Never below zero: the reconciler may have charged it already (the
                 # attempt was given up as lost while the call went on).
-                reserved_usd=Greatest(F("reserved_usd") - reservation.amount, Value(ZERO)),
+                reserved_usd=Greatest(F("reserved_usd") - held, Value(ZERO)),
                 cost_usd=F("cost_usd") + charge,
             )
 

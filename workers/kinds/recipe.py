@@ -12,9 +12,11 @@ one. Around each model call, in this order:
 2. the call's worst case reserved against ``max_cost_usd`` (``runs.engine.costs``): a call
    that does not fit is never made, and the step fails with class ``limit``, which fails the
    run naming the limit;
-3. the call, then its record (prompt and reply stored once by content hash, tokens, latency,
-   cost) and the reservation settled to the actual cost, in one transaction
-   (``runs.engine.calls``).
+3. the call; what it asked and answered, its tokens, latency and cost are kept on the attempt
+   (``ctx.model_calls``) and recorded, the reservation settled to the actual cost, in the
+   transaction that records the attempt (``runs.engine.calls``): a call costs no transaction
+   of its own. A worker lost before then leaves the reservation held, and the reconciler
+   charges it at its worst case.
 
 A JSON reply that does not parse, or does not validate against ``output_schema``, is asked
 for once more with the error; a second bad reply fails the step with class
@@ -238,19 +240,21 @@ def _reserved_call(
             reply = providers.call(model_name, request)
         except providers.ModelError as error:
             span.charged = Decimal(0)
-            calls.call_record(
-                reservation=reservation,
-                call=calls.Call(
-                    provider=provider,
-                    model=request.model,
-                    prompt=prompt,
-                    reply=None,
-                    status=error.error_class,
-                    # The provider's message may echo what it was sent.
-                    error=ctx.conceal({"class": error.error_class, "message": str(error)}),
-                    latency_ms=_ms_since(started),
-                    **named,
-                ),
+            ctx.model_calls.append(
+                (
+                    reservation,
+                    calls.Call(
+                        provider=provider,
+                        model=request.model,
+                        prompt=prompt,
+                        reply=None,
+                        status=error.error_class,
+                        # The provider's message may echo what it was sent.
+                        error=ctx.conceal({"class": error.error_class, "message": str(error)}),
+                        latency_ms=_ms_since(started),
+                        **named,
+                    ),
+                )
             )
             raise KindFailure(
                 f"recipe: {error}", class_=error.error_class, retry_after_ms=error.retry_after_ms
@@ -260,19 +264,21 @@ def _reserved_call(
             # provider may still answer and bill it, so the call is charged its worst case
             # (what was reserved), never nothing, and recorded as interrupted.
             span.charged = reservation.amount
-            calls.call_record(
-                reservation=reservation,
-                call=calls.Call(
-                    provider=provider,
-                    model=request.model,
-                    prompt=prompt,
-                    reply=None,
-                    status="interrupted",
-                    error={"class": "interrupted", "message": type(interrupted).__name__},
-                    latency_ms=_ms_since(started),
-                    cost_usd=reservation.amount if worst is not None else None,
-                    **named,
-                ),
+            ctx.model_calls.append(
+                (
+                    reservation,
+                    calls.Call(
+                        provider=provider,
+                        model=request.model,
+                        prompt=prompt,
+                        reply=None,
+                        status="interrupted",
+                        error={"class": "interrupted", "message": type(interrupted).__name__},
+                        latency_ms=_ms_since(started),
+                        cost_usd=reservation.amount if worst is not None else None,
+                        **named,
+                    ),
+                )
             )
             raise
         latency = _ms_since(started)
@@ -288,29 +294,32 @@ def _reserved_call(
             if getattr(reply, name) is not None:
                 usage[name] = getattr(reply, name)
         span.set_usage(**usage)
-        # Charged now, as the reservation is settled: recording the attempt does not again.
+        # Charged with the reservation's settling, when the attempt is recorded: the
+        # record's own charge (spans priced from their usage) leaves this one out.
         span.charged = cost if cost is not None else Decimal(0)
         if cost is None:
             span.set_attribute("priced", False)
         span.set_attribute("gen_ai.response.model", reply.model)
-        calls.call_record(
-            reservation=reservation,
-            call=calls.Call(
-                provider=provider,
-                model=request.model,
-                prompt=prompt,
-                reply=ctx.conceal({"text": reply.text}),
-                status="ok",
-                answered_by=reply.model,
-                input_tokens=reply.input_tokens,
-                output_tokens=reply.output_tokens,
-                cached_tokens=reply.cached_tokens,
-                reasoning_tokens=reply.reasoning_tokens,
-                latency_ms=latency,
-                cost_usd=cost,
-                request_id=reply.request_id or "",
-                **named,
-            ),
+        ctx.model_calls.append(
+            (
+                reservation,
+                calls.Call(
+                    provider=provider,
+                    model=request.model,
+                    prompt=prompt,
+                    reply=ctx.conceal({"text": reply.text}),
+                    status="ok",
+                    answered_by=reply.model,
+                    input_tokens=reply.input_tokens,
+                    output_tokens=reply.output_tokens,
+                    cached_tokens=reply.cached_tokens,
+                    reasoning_tokens=reply.reasoning_tokens,
+                    latency_ms=latency,
+                    cost_usd=cost,
+                    request_id=reply.request_id or "",
+                    **named,
+                ),
+            )
         )
         return reply
 
