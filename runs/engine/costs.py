@@ -14,14 +14,15 @@ Invariants:
   it, with the run's row (and its root's) locked, so two reservations of one tree take turns
   and the second sees the first. Locks go root first, then the run: the order every other
   writer takes a parent before its children (``ending.py``). With no limit on the run nor
-  on its root nothing is checked, and the reservation is written alone, without the locks.
+  on its root nothing is checked and nothing written: no check would read it.
 - What a run has spent counts its attempts of the current generation (the planner's rule
   for ``max_cost_usd``: a retried run's limits count afresh), and for a root, the attempts
   of the runs below it started since; what it has reserved counts every held reservation,
   also on attempts that have ended, until they are released.
 - Settling and charging are additive updates by the row's id, not fenced by the claim: an
   attempt given up meanwhile (timed out, its lease lapsed) still made the call, and what it
-  cost is the run's.
+  cost is the run's. The worker settles an attempt's calls in the transaction that records
+  it (``calls.calls_record``).
 - A call cut short (the attempt's time limit struck during it) is charged its worst case: the
   provider may still answer and bill it. A reservation still held when its attempt is
   recorded is released (the worker writes 0); one held by an attempt that ended without
