@@ -246,9 +246,7 @@ def subworkflow_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
 
 
 # Said for every named recipe alike, whether it exists or not: the answer must not tell names.
-NAMING_A_RECIPE = (
-    f"naming a recipe needs the permission to read recipes ({access.RECIPE_READ[0]})"
-)
+NAMING_A_RECIPE = f"naming a recipe needs the permission to read recipes ({access.RECIPE_READ[0]})"
 
 
 def recipe_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:

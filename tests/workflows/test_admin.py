@@ -546,7 +546,10 @@ def test_the_workers_page_answers_only_to_who_may_view_it(
 # API's limits (workflows.json_limits), a form error each, never a 500.
 UNHANDLEABLE_DOCUMENTS = [
     ('{"id": "x", "steps": [], "description": ' + "[" * 150 + "]" * 150 + "}", "100 levels"),
-    ('{"id": "x", "steps": [], "description": ' + "[" * 100_000 + "]" * 100_000 + "}", "100 levels"),
+    (
+        '{"id": "x", "steps": [], "description": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "100 levels",
+    ),
     ('{"id": "x", "steps": [{"id": "a", "kind": "task", "input": "\\ud800"}]}', "\\ud800"),
     ('{"id": "x", "steps": [{"id": "a", "kind": "task", "input": {"k\\u0000": 1}}]}', "\\u0000"),
     ('{"id": "x", "steps": [], "description": ' + "9" * 5000 + "}", "4300 digits"),

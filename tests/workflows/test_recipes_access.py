@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -81,7 +80,9 @@ def test_an_author_without_recipe_rights_cannot_name_recipes_existing_or_not(
         api.post("/api/v1/definitions", naming(name), format="json").json()
         for name in ("triage", "no_such")
     ]
-    assert answers[0] == answers[1] == {"errors": [{"field": "steps[1].recipe", "message": MESSAGE}]}
+    assert (
+        answers[0] == answers[1] == {"errors": [{"field": "steps[1].recipe", "message": MESSAGE}]}
+    )
 
 
 def test_inline_recipe_steps_need_no_recipe_right() -> None:
