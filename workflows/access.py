@@ -304,6 +304,8 @@ def operated_workflow_ids(user: Any) -> list[str] | None:
 # - saving version 1 of a new name: ``workflows.add_recipe``;
 # - saving a new version of an existing name: ``workflows.change_recipe``, whoever saved the
 #   earlier ones (a recipe may be used by many workflows: changing it is its own right);
+# - naming a recipe in a workflow's ``recipe`` step: reading (a run shows the recipe's
+#   prompts, and its start whether the name exists); ``services.recipe_name_errors``;
 # - superusers and trusted code (``None``) everything. Nothing deletes a recipe.
 
 RECIPE_READ = ("workflows.view_recipe", "workflows.add_recipe", "workflows.change_recipe")

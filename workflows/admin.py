@@ -24,7 +24,7 @@ from django.utils.http import urlencode
 
 from config.admin_mixins import ReadOnlyMixin
 
-from . import access, heartbeats
+from . import access, heartbeats, selectors
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm
@@ -636,10 +636,10 @@ class RecipeAdmin(admin.ModelAdmin):
         if not can_save:
             for field in form.fields.values():
                 field.disabled = True
-        versions = list(
-            Recipe.objects.filter(name=name).order_by("-version").values_list("pk", "version")
+        versions = (
+            selectors.recipe_versions(name=name)
             if name is not None
-            else []
+            else selectors.RecipeVersions(newest=[], total=0)
         )
         context = {
             **self.admin_site.each_context(request),
@@ -648,7 +648,9 @@ class RecipeAdmin(admin.ModelAdmin):
             "recipe": recipe,
             "form": form,
             "can_save": can_save,
-            "versions": [(pk, number, _recipe_url(pk)) for pk, number in versions],
+            "versions": [(pk, number, _recipe_url(pk)) for pk, number in versions.newest],
+            "versions_total": versions.total,
+            "versions_hidden": versions.total - len(versions.newest),
             "preview_url": _recipe_url(recipe.pk, "preview") if recipe is not None else None,
             "media": self.media + form.media,
             "has_view_permission": True,

@@ -9,6 +9,7 @@ each ``{field, message}`` listed above the editor.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,56 @@ from django_json_widget.widgets import JSONEditorWidget
 
 from .access import ROLES
 from .errors import FieldError
+from .json_limits import MAX_JSON_DEPTH, json_depth, text_problems
+
+
+def json_from_text(text: str) -> Any:
+    """The JSON value of a form field's text, or a ``ValidationError`` for the field: text that
+    does not parse, and JSON that parses but that nothing after the form could handle
+    (``workflows.json_limits``, the API's own limits: nested past ``MAX_JSON_DEPTH``, a number
+    of too many digits, ``\\u0000`` or a lone surrogate anywhere). Those would otherwise be a
+    ``RecursionError`` in the service or a page that cannot be encoded: a 500 for staff input.
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise _too_deep() from None
+    except json.JSONDecodeError as exc:
+        raise forms.ValidationError(
+            "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
+            code="malformed_json",
+            params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
+        ) from exc
+    except ValueError:
+        # Python refuses integers of more than 4,300 digits (CVE-2020-10735).
+        raise forms.ValidationError(
+            "Malformed JSON: a number has more than %(digits)d digits.",
+            code="malformed_json",
+            params={"digits": sys.get_int_max_str_digits()},
+        ) from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise _too_deep()
+    problems = text_problems(value, top="the value")
+    if problems:
+        raise forms.ValidationError(
+            [
+                forms.ValidationError(
+                    "%(where)s: %(message)s",
+                    code="unstorable_text",
+                    params={"where": p.field, "message": p.message},
+                )
+                for p in problems
+            ]
+        )
+    return value
+
+
+def _too_deep() -> forms.ValidationError:
+    return forms.ValidationError(
+        "The JSON is nested more than %(depth)d levels deep.",
+        code="too_deep",
+        params={"depth": MAX_JSON_DEPTH},
+    )
 
 
 class DocumentEditorWidget(JSONEditorWidget):
@@ -83,15 +134,7 @@ class DocumentForm(forms.Form):
         self.document_errors: list[FieldError] = []
 
     def clean_document(self) -> Any:
-        text = self.cleaned_data["document"]
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise forms.ValidationError(
-                "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
-                code="malformed_json",
-                params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
-            ) from exc
+        document = json_from_text(self.cleaned_data["document"])
         if (
             self.workflow_id is not None
             and isinstance(document, dict)
@@ -209,14 +252,7 @@ class RecipeForm(forms.Form):
         text = self.cleaned_data["output_schema"]
         if not text.strip():
             return None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise forms.ValidationError(
-                "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
-                code="malformed_json",
-                params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
-            ) from exc
+        return json_from_text(text)
 
     def document(self) -> dict[str, Any]:
         """The recipe document of the cleaned fields; empty optional ones left out."""
@@ -264,11 +300,4 @@ class RecipePreviewForm(forms.Form):
 
     def clean_sample_input(self) -> Any:
         text = self.cleaned_data["sample_input"]
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise forms.ValidationError(
-                "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",
-                code="malformed_json",
-                params={"msg": exc.msg, "line": exc.lineno, "col": exc.colno},
-            ) from exc
+        return json_from_text(text)

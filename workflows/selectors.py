@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from django.db.models import Exists, Max, OuterRef, QuerySet, Subquery
 
 from .errors import FieldError, NotFound, echo
@@ -64,7 +66,27 @@ def recipe_get(*, name: str, version: int | None = None) -> Recipe:
     return found
 
 
-def recipe_version_numbers(*, name: str) -> list[int]:
-    """Every version number of recipe ``name``, newest first."""
-    versions = Recipe.objects.filter(name=name).order_by("-version")
-    return list(versions.values_list("version", flat=True))
+# How many version numbers a recipe's API item and admin page list: the newest ones. A recipe
+# saved by a script on every deploy gathers thousands; older versions stay readable by number.
+SHOWN_RECIPE_VERSIONS = 100
+
+
+@dataclass(frozen=True)
+class RecipeVersions:
+    """The newest ``SHOWN_RECIPE_VERSIONS`` versions of a recipe, newest first, as ``(pk,
+    number)``; ``total`` counts them all."""
+
+    newest: list[tuple[int, int]]
+    total: int
+
+    @property
+    def numbers(self) -> list[int]:
+        return [number for _, number in self.newest]
+
+
+def recipe_versions(*, name: str, limit: int = SHOWN_RECIPE_VERSIONS) -> RecipeVersions:
+    """The newest ``limit`` versions of recipe ``name`` and how many it has (two queries on
+    the (name, version) index, whatever the count)."""
+    versions = Recipe.objects.filter(name=name)
+    newest = versions.order_by("-version").values_list("pk", "version")[:limit]
+    return RecipeVersions(newest=list(newest), total=versions.count())

@@ -8,6 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from .models import Recipe, Workflow, WorkflowVersion
+from .selectors import SHOWN_RECIPE_VERSIONS
 
 
 class SavedDefinitionSerializer(serializers.Serializer):
@@ -109,13 +110,24 @@ class RecipeSerializer(RecipeSummarySerializer):
 
 
 class RecipeDetailSerializer(RecipeSerializer):
-    """The newest version, and ``versions``: every version number (``context["versions"]``)."""
+    """The newest version; ``versions``, the newest version numbers, and ``versions_total``, how
+    many there are (``context["versions"]``: a ``selectors.RecipeVersions``)."""
 
-    versions = serializers.SerializerMethodField(help_text="every version number, newest first")
+    versions = serializers.SerializerMethodField(
+        help_text=f"the newest {SHOWN_RECIPE_VERSIONS} version numbers, newest first"
+    )
+    versions_total = serializers.SerializerMethodField(
+        help_text="how many versions the recipe has (more than 'versions' lists when over "
+        f"{SHOWN_RECIPE_VERSIONS})"
+    )
 
     class Meta(RecipeSerializer.Meta):
-        fields = [*RecipeSerializer.Meta.fields, "versions"]
+        fields = [*RecipeSerializer.Meta.fields, "versions", "versions_total"]
 
     @extend_schema_field({"type": "array", "items": {"type": "integer"}})
     def get_versions(self, recipe: Recipe) -> list[int]:
-        return list(self.context["versions"])
+        return self.context["versions"].numbers
+
+    @extend_schema_field({"type": "integer"})
+    def get_versions_total(self, recipe: Recipe) -> int:
+        return int(self.context["versions"].total)

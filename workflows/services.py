@@ -72,6 +72,8 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
 
     ``user`` must be an author of the workflow, or hold ``workflows.add_workflow`` for a
     new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
+    What its steps name is held to the user's rights too: handlers (:func:`handler_errors`),
+    subworkflows (:func:`subworkflow_errors`), recipes (:func:`recipe_name_errors`).
     """
 
     def visible_exists(workflow_id: str, version: int | None) -> bool:
@@ -87,7 +89,13 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
         approval_rules=approval_rules(user),
         max_steps=settings.DJFLOW["MAX_DOCUMENT_STEPS"],
     )
-    raise_invalid([*handler_errors(prepared, user), *subworkflow_errors(prepared, user)])
+    raise_invalid(
+        [
+            *handler_errors(prepared, user),
+            *subworkflow_errors(prepared, user),
+            *recipe_name_errors(prepared, user),
+        ]
+    )
     digest = content_hash(prepared)
     requested = prepared.get("version")
     try:
@@ -235,6 +243,26 @@ def subworkflow_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
                 )
             )
     return errors
+
+
+# Said for every named recipe alike, whether it exists or not: the answer must not tell names.
+NAMING_A_RECIPE = f"naming a recipe needs the permission to read recipes ({access.RECIPE_READ[0]})"
+
+
+def recipe_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
+    """A ``recipe`` step that names a stored recipe (``recipe``) runs that recipe's prompts,
+    and a run's start and its model calls would show the saving user whether the name exists
+    and what the recipe says: naming one needs the right to read recipes
+    (``access.may_read_recipes``), as a ``task`` step's handler needs the right to author its
+    workflow (:func:`handler_errors`). The message is the same for every name, existing or
+    not. Inline recipe steps (``prompt``) read nothing stored and need no right."""
+    if access.may_read_recipes(user):
+        return []
+    return [
+        FieldError(f"{where}.recipe", NAMING_A_RECIPE)
+        for step, where in every_step(document)
+        if step.get("kind") == "recipe" and "recipe" in step
+    ]
 
 
 def raise_invalid(errors: list[FieldError]) -> None:

@@ -19,6 +19,7 @@ from . import access, selectors, services
 from .errors import FieldError, NotFound
 from .models import WorkflowVersion
 from .schema import load_schema
+from .selectors import SHOWN_RECIPE_VERSIONS
 from .serializers import (
     RecipeDetailSerializer,
     RecipeSerializer,
@@ -193,14 +194,18 @@ class RecipeListView(APIView):
 class RecipeDetailView(APIView):
     @extend_schema(
         operation_id="recipes_read",
-        description="The newest version of the recipe, with every version number.",
+        description=(
+            f"The newest version of the recipe, with the newest {SHOWN_RECIPE_VERSIONS}"
+            " version numbers (versions) and how many there are (versions_total); any version"
+            " is read by number."
+        ),
         responses={200: RecipeDetailSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, name: str) -> Response:
         access.require_recipe(request.user, name)
         recipe = selectors.recipe_get(name=name)
-        numbers = selectors.recipe_version_numbers(name=name)
-        return Response(RecipeDetailSerializer(recipe, context={"versions": numbers}).data)
+        versions = selectors.recipe_versions(name=name)
+        return Response(RecipeDetailSerializer(recipe, context={"versions": versions}).data)
 
 
 class RecipeVersionView(APIView):

@@ -540,3 +540,35 @@ def test_the_workers_page_answers_only_to_who_may_view_it(
     row = client.get(reverse("admin:workflows_workerheartbeat_change", args=["w1@test"]))
     assert row.status_code == list_code
     assert (b"simple.only" in row.content) == (list_code == 200)
+
+
+# JSON that parses (or nests too deep to) but that nothing after the form could handle: the
+# API's limits (workflows.json_limits), a form error each, never a 500.
+UNHANDLEABLE_DOCUMENTS = [
+    ('{"id": "x", "steps": [], "description": ' + "[" * 150 + "]" * 150 + "}", "100 levels"),
+    (
+        '{"id": "x", "steps": [], "description": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        "100 levels",
+    ),
+    ('{"id": "x", "steps": [{"id": "a", "kind": "task", "input": "\\ud800"}]}', "\\ud800"),
+    ('{"id": "x", "steps": [{"id": "a", "kind": "task", "input": {"k\\u0000": 1}}]}', "\\u0000"),
+    ('{"id": "x", "steps": [], "description": ' + "9" * 5000 + "}", "4300 digits"),
+]
+
+
+@pytest.mark.parametrize(("text", "words"), UNHANDLEABLE_DOCUMENTS)
+def test_json_past_the_apis_limits_is_a_form_error(admin_client, text: str, words: str):
+    response = post_document(admin_client, reverse(ADD_URL), text)
+    assert response.status_code == 200
+    (error,) = response.context["form"].errors["document"]
+    assert words in error
+    assert escape(error) in response.content.decode()
+    assert not Workflow.objects.exists()
+
+
+def test_a_lone_surrogate_is_named_where_it_is(admin_client):
+    text = '{"id": "x", "steps": [{"id": "a", "kind": "task", "input": ["ok", "\\udfff"]}]}'
+    response = post_document(admin_client, reverse(ADD_URL), text)
+    assert response.context["form"].errors["document"] == [
+        "steps[0].input[1]: a string may not contain a lone surrogate (\\udfff)"
+    ]

@@ -214,3 +214,90 @@ def test_an_adder_may_add_names_but_not_versions(root: Client) -> None:
     row = html.split('class="form-row field-name errors"', 1)
     assert len(row) == 2 and "change_recipe" in row[1]
     assert Recipe.objects.filter(name="greet").count() == 1
+
+
+# JSON that parses (or nests too deep to) but that nothing after the form could handle: the
+# API's limits (workflows.json_limits). Each is a field error, never a 500 (the test client
+# raises what the view raises).
+UNHANDLEABLE_JSON = [
+    pytest.param("[" * 150 + "]" * 150, "nested more than 100 levels deep", id="deep"),
+    pytest.param("[" * 100_000 + "]" * 100_000, "nested more than 100 levels deep", id="deeper"),
+    pytest.param('{"a": "\\ud800"}', "a: a string may not contain a lone surrogate", id="lone"),
+    pytest.param('{"\\u0000": 1}', "the value: a key may not contain the character", id="nul"),
+    pytest.param("9" * 5000, "a number has more than 4300 digits", id="digits"),
+]
+
+
+def field_errors(response: Any, field: str) -> list[str]:
+    return [str(e) for e in response.context["form"].errors.get(field, [])]
+
+
+@pytest.mark.parametrize(("text", "words"), UNHANDLEABLE_JSON)
+def test_an_output_schema_past_the_apis_limits_is_a_field_error(
+    root: Client, text: str, words: str
+) -> None:
+    response = root.post(ADD, {**FORM, "output": "json", "output_schema": text})
+    assert response.status_code == 200
+    (error,) = field_errors(response, "output_schema")
+    assert words in error
+    assert escape(error) in response.content.decode()
+    assert not Recipe.objects.exists()
+
+
+@pytest.mark.parametrize(("text", "words"), UNHANDLEABLE_JSON)
+def test_a_sample_input_past_the_apis_limits_is_a_field_error(
+    root: Client, text: str, words: str
+) -> None:
+    recipe, _ = recipe_save(document={"name": "greet", "prompt": "Hi ${input}"})
+    response = root.post(preview_url(recipe), {"sample_input": text, "sample_context": ""})
+    assert response.status_code == 200
+    html = response.content.decode()
+    (error,) = field_errors(response, "sample_input")
+    assert words in error
+    assert 'id="preview-error"' in html and escape(error) in html
+    assert 'id="rendered-prompt"' not in html
+
+
+def test_a_deep_but_allowed_sample_renders(root: Client) -> None:
+    recipe, _ = recipe_save(document={"name": "greet", "prompt": "Hi ${input}"})
+    sample = "[" * 100 + "]" * 100
+    response = root.post(preview_url(recipe), {"sample_input": sample, "sample_context": ""})
+    assert f'id="rendered-prompt">Hi {sample}</pre>' in response.content.decode()
+
+
+# --- the version list -------------------------------------------------------------------------
+
+
+def many_versions(name: str, count: int) -> list[Recipe]:
+    """``count`` versions of ``name``, written in one insert (a test's shortcut past the
+    service: each body must differ only for the service's sake)."""
+    return Recipe.objects.bulk_create(
+        Recipe(
+            name=name,
+            version=number,
+            document={"name": name, "version": number, "prompt": f"v{number}", "output": "text"},
+            content_hash=f"{number:064x}",
+        )
+        for number in range(1, count + 1)
+    )
+
+
+def test_the_page_lists_the_newest_100_versions_and_says_how_many(root: Client) -> None:
+    many_versions("greet", 130)
+    newest = Recipe.objects.get(name="greet", version=130)
+    response = root.get(change_url(newest))
+    assert response.status_code == 200
+    assert [number for _, number, _ in response.context["versions"]] == list(range(130, 30, -1))
+    listed = response.content.decode().split('id="recipe-versions"', 1)[1].split("</p>", 1)[0]
+    assert "the newest 100 of 130" in listed
+    assert ">31</a>" in listed and ">30</a>" not in listed
+    # An old version's page works too (its own number is simply not among the newest).
+    assert root.get(change_url(Recipe.objects.get(name="greet", version=2))).status_code == 200
+
+
+def test_a_short_version_list_says_nothing_of_a_cap(root: Client) -> None:
+    many_versions("greet", 3)
+    response = root.get(change_url(Recipe.objects.get(name="greet", version=3)))
+    listed = response.content.decode().split('id="recipe-versions"', 1)[1].split("</p>", 1)[0]
+    assert "the newest" not in listed
+    assert [number for _, number, _ in response.context["versions"]] == [3, 2, 1]

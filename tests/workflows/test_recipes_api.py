@@ -93,6 +93,7 @@ def test_read_the_newest_a_version_and_the_list(cook: APIClient) -> None:
     assert newest.status_code == 200
     assert newest.json()["version"] == 2
     assert newest.json()["versions"] == [2, 1]
+    assert newest.json()["versions_total"] == 2
     assert newest.json()["document"]["prompt"] == "Ticket: ${input}"
     assert newest.json()["created_by"] == "cook"
     assert newest.json()["model"] == "openai:gpt-4o-mini"
@@ -324,3 +325,35 @@ def test_resolve_is_the_newest_or_the_pinned_version() -> None:
     assert pinned is not None and pinned.document["prompt"] == "one"
     assert Recipe.objects.resolve("r", 3) is None
     assert Recipe.objects.resolve("other") is None
+
+
+def test_an_item_lists_the_newest_100_versions_and_counts_them_all(cook: APIClient) -> None:
+    # 150 versions in one insert (past the service, which would take a save each); the
+    # service saves the next one, so the newest is a real save.
+    Recipe.objects.bulk_create(
+        Recipe(
+            name="triage",
+            version=number,
+            document={"name": "triage", "version": number, "prompt": f"v{number}"},
+            content_hash=f"{number:064x}",
+        )
+        for number in range(1, 151)
+    )
+    saved = post(cook, {**TRIAGE, "prompt": "the newest"})
+    assert saved.json()["version"] == 151
+    item = cook.get("/api/v1/recipes/triage").json()
+    assert item["version"] == 151
+    assert item["versions"] == list(range(151, 51, -1))
+    assert item["versions_total"] == 151
+    # Any version is still read by number.
+    old = cook.get("/api/v1/recipes/triage/versions/1")
+    assert (old.status_code, old.json()["document"]["prompt"]) == (200, "v1")
+
+
+def test_the_schema_documents_the_cap(cook: APIClient) -> None:
+    schema = cook.get("/api/v1/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    read = schema["paths"]["/api/v1/recipes/{name}"]["get"]
+    assert "newest 100" in read["description"]
+    detail = schema["components"]["schemas"]["RecipeDetail"]["properties"]
+    assert "newest 100" in detail["versions"]["description"]
+    assert detail["versions_total"]["type"] == "integer"
