@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
+from functools import lru_cache
 from typing import Any
 
 from django.db import transaction
@@ -72,11 +73,7 @@ def reserve(
     holds nothing where there is none."""
     if amount is not None:
         amount = amount.quantize(CENT_MILLIONTHS)
-    row = (
-        Run.objects.filter(id=run_id)
-        .values_list("root_run_id", "version_id", "root_run__version_id")
-        .first()
-    )
+    row = _tree_of(str(run_id))
     if row is None:
         raise OverBudget(f"run {run_id} does not exist")
     root_id, version_id, root_version_id = row
@@ -102,6 +99,18 @@ def reserve(
             else:
                 _check(limited, amount, tree=tree, whose=whose)
         return _hold(step_run_id, run_id, amount or ZERO)
+
+
+@lru_cache(maxsize=1024)
+def _tree_of(run_id: str) -> tuple[Any, int, int | None] | None:
+    """A run's root and the versions of both: they never change, so a worker asks once per
+    run, not once per call."""
+    row = (
+        Run.objects.filter(id=run_id)
+        .values_list("root_run_id", "version_id", "root_run__version_id")
+        .first()
+    )
+    return None if row is None else (row[0], row[1], row[2])
 
 
 def _hold(step_run_id: int, run_id: Any, held: Decimal) -> Reservation:
