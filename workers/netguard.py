@@ -6,6 +6,10 @@ Invariants:
 - A host is resolved once per connection (``socket.getaddrinfo``) and every address it
   resolves to is checked; one refused address refuses the host, so a name that answers a
   public and a private address cannot be used to reach the private one.
+- Resolving is bounded by the connection's time-out (the request's time left): it runs in a
+  thread of a small per-process pool and the caller waits no longer than that, then fails
+  ``retryable`` (``getaddrinfo`` itself takes no time-out, and the worker's alarm would end
+  the attempt as ``timeout`` instead).
 - The connection goes to a checked address, never to the name again: the check happens in
   the network backend's ``connect_tcp`` (:class:`GuardedBackend`), which connects to the
   address it checked. A name whose answer changes between check and connect (DNS
@@ -14,7 +18,10 @@ Invariants:
 - Addresses are judged by what they are, not by how they were spelt: the resolver turns
   ``127.1``, ``2130706433`` and ``0x7f.1`` into 127.0.0.1 before the check, and an IPv6
   address carrying an IPv4 one (``::ffff:127.0.0.1``, NAT64 ``64:ff9b::/96``, 6to4
-  ``2002::/16``) is judged by the IPv4 address it carries.
+  ``2002::/16``) is judged by the IPv4 address it carries. Any other IPv6 address must be
+  global unicast (``2000::/3``), public (``is_global``) and not documentation (``2001:db8::/32``,
+  ``3fff::/20``): site-local ``fec0::/10``, which ``ipaddress`` calls neither private nor
+  reserved, is refused with the rest.
 - The client never reads the environment (``trust_env=False``): an ``HTTP(S)_PROXY``
   variable would otherwise send the request through a proxy, past the guard.
 - A refused address raises :class:`AddressRefused`, a ``StepFailure`` of class ``fatal``
@@ -23,10 +30,14 @@ Invariants:
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import ipaddress
+import os
 import socket
 import ssl
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +61,22 @@ _METADATA = frozenset(
 _SHARED = ipaddress.ip_network("100.64.0.0/10")
 # IPv6 prefixes that carry an IPv4 address in their low 32 bits (RFC 6052 NAT64).
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# The only IPv6 addresses that may be public (RFC 4291): the rest is refused whatever name
+# ipaddress gives it, so a range its tables miss (fec0::/10 on Python 3.11) cannot pass.
+_GLOBAL_UNICAST = ipaddress.ip_network("2000::/3")
+# Documentation (RFC 5737, 3849, 9637): never a real server; 3fff::/20 is newer than
+# ipaddress's tables.
+_DOCUMENTATION = tuple(
+    ipaddress.ip_network(n)
+    for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32", "3fff::/20")
+)
+# Threads resolving host names (getaddrinfo blocks and takes no time-out): one pool per
+# process, built on first use and again in a forked child (the parent's threads are not
+# there). A few threads: a worker process runs one step at a time, and a lookup that hangs
+# past its caller's time-out keeps its thread until the resolver gives up.
+_RESOLVER_THREADS = 4
+_resolver: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_resolver_lock = threading.Lock()
 
 
 class AddressRefused(StepFailure):
@@ -116,7 +143,7 @@ def refusal(address: IPAddress) -> str | None:
 
 def _judged(address: IPAddress) -> list[IPAddress]:
     """The addresses that decide: an IPv6 address that carries an IPv4 one is what it
-    carries (its IPv6 form sits in ranges ipaddress calls reserved); 6to4 is both."""
+    carries (its IPv6 form sits in ranges ipaddress calls reserved or not global)."""
     if isinstance(address, ipaddress.IPv4Address):
         return [address]
     if address.ipv4_mapped is not None:
@@ -124,7 +151,8 @@ def _judged(address: IPAddress) -> list[IPAddress]:
     if address in _NAT64:
         return [ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)]
     if address.sixtofour is not None:
-        return [address, address.sixtofour]
+        # Not 2002::/16 itself: newer Pythons call all of it non-global, 3.11 all of it global.
+        return [address.sixtofour]
     return [address]
 
 
@@ -135,22 +163,30 @@ def _class_of(address: IPAddress) -> str | None:
         (address.is_unspecified, "an unspecified address"),
         (address.is_loopback, "a loopback address"),
         (address.is_link_local, "a link-local address"),
+        (address.version == 6 and address.is_site_local, "a site-local address"),
         (address.is_multicast, "a multicast address"),
         (address.version == 4 and address in _SHARED, "a shared (carrier-grade NAT) address"),
+        (_in_any(address, _DOCUMENTATION), "a documentation address"),
         (address.is_reserved, "a reserved address"),
         (address.is_private, "a private address"),
+        (address.version == 6 and address not in _GLOBAL_UNICAST, "not a global unicast address"),
         # The rest of the special-purpose ranges (IANA's registry), whatever their name.
         (not address.is_global, "not a public address"),
     )
     return next((reason for refused, reason in checks if refused), None)
 
 
-def resolve_checked(host: str, port: int, allow: Allow) -> list[str]:
+def _in_any(address: IPAddress, networks: Iterable[IPNetwork]) -> bool:
+    return any(address in network for network in networks if network.version == address.version)
+
+
+def resolve_checked(host: str, port: int, allow: Allow, timeout: float | None = None) -> list[str]:
     """The addresses of ``host`` to connect to, each checked, in the resolver's order;
-    raises :class:`AddressRefused` naming the first refused one."""
+    raises :class:`AddressRefused` naming the first refused one, and a ``retryable``
+    ``StepFailure`` when resolving takes longer than ``timeout`` seconds."""
     name = host.strip("[]")
     try:
-        answers = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+        answers = _getaddrinfo(name, port, timeout)
     except (socket.gaierror, UnicodeError) as exc:
         raise httpcore2.ConnectError(f"{name} does not resolve: {exc}") from exc
     addresses: list[str] = []
@@ -167,6 +203,34 @@ def resolve_checked(host: str, port: int, allow: Allow) -> list[str]:
         for text in addresses:
             _check(name, text, allow)
     return addresses
+
+
+def _getaddrinfo(name: str, port: int, timeout: float | None) -> list[Any]:
+    if timeout is None:
+        return socket.getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    lookup = _resolver_pool().submit(socket.getaddrinfo, name, port, type=socket.SOCK_STREAM)
+    try:
+        return lookup.result(timeout=max(0.0, timeout))
+    except concurrent.futures.TimeoutError:
+        # A lookup still queued never runs; one running keeps its thread until it returns.
+        lookup.cancel()
+        raise StepFailure(
+            f"http: resolving {name} took longer than {round(timeout * 1000)} ms", "retryable"
+        ) from None
+
+
+def _resolver_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _resolver
+    pid = os.getpid()
+    with _resolver_lock:
+        if _resolver is None or _resolver[0] != pid:
+            # A pool inherited through fork is dropped, not shut down: its threads did not
+            # come along, and its queue's lock may have been held at the fork.
+            pool = concurrent.futures.ThreadPoolExecutor(
+                _RESOLVER_THREADS, thread_name_prefix="djflow-resolve"
+            )
+            _resolver = (pid, pool)
+        return _resolver[1]
 
 
 def _check(host: str, text: str, allow: Allow) -> None:
@@ -201,11 +265,14 @@ class GuardedBackend(httpcore2.NetworkBackend):
     ) -> httpcore2.NetworkStream:
         options = list(socket_options or [])
         failure: httpcore2.ConnectError | None = None
+        deadline = None if timeout is None else time.monotonic() + timeout
         # Each checked address in turn, as socket.create_connection would try the resolver's
         # answers (an unreachable IPv6 answer must not fail a host that has an IPv4 one).
-        for address in resolve_checked(host, port, self.allow):
+        for address in resolve_checked(host, port, self.allow, timeout):
+            # What resolving left of the time-out (a spent one fails the connect at once).
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
             try:
-                return self._inner.connect_tcp(address, port, timeout, local_address, options)
+                return self._inner.connect_tcp(address, port, left, local_address, options)
             except httpcore2.ConnectError as exc:
                 failure = exc
         assert failure is not None  # resolve_checked returns at least one address

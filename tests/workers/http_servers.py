@@ -7,13 +7,21 @@ body that trickles). Every request is recorded in :attr:`Server.seen`.
 
 from __future__ import annotations
 
+import ipaddress
 import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 Route = Callable[[BaseHTTPRequestHandler], None]
 
@@ -117,3 +125,35 @@ def serving(
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=5)
+
+
+def certificate(tmp_path: Path, name: str, *addresses: str) -> tuple[Path, Path]:
+    """A self-signed certificate (its own CA) for ``name`` and the IP ``addresses``, valid for
+    an hour: the paths of its PEM and of its key's."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    alt_names: list[x509.GeneralName] = [x509.DNSName(name)]
+    alt_names += [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=1))
+        .not_valid_after(now + timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path

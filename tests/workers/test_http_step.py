@@ -12,6 +12,8 @@ import email.utils
 import json
 import re
 import socket
+import ssl
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -22,7 +24,8 @@ import pytest
 
 from runs import services
 from runs.models import StepRun
-from tests.workers.http_servers import Server, reply, serving
+from tests.workers.http_servers import Server, certificate, reply, serving
+from workers import netguard
 from workers.context import StepContext, bound_logger
 from workers.kinds import http
 from workflows import kinds
@@ -197,21 +200,93 @@ def test_a_302_is_followed_as_get_without_the_body(server: Server) -> None:
     assert new.headers["X-Keep"] == "1" and "Content-Type" not in new.headers
 
 
-def test_a_307_keeps_method_and_body(server: Server) -> None:
+def test_a_307_keeps_method_body_and_headers_on_the_same_origin(server: Server) -> None:
     server.routes["/old"] = lambda h: reply(h, 307, "", {"Location": server.url("/new")})
     server.routes["/new"] = lambda h: reply(h, 200, "done")
-    assert _call(server.url("/old"), "PUT", body={"k": 1})["body"] == "done"
+    out = _call(server.url("/old"), "PUT", {"X-Api-Key": SECRET}, body={"k": 1})
+    assert out["body"] == "done"
     assert [(s.method, s.body) for s in server.seen] == [("PUT", b'{"k":1}'), ("PUT", b'{"k":1}')]
+    assert server.seen[1].headers["X-Api-Key"] == SECRET
 
 
-def test_credentials_are_not_sent_on_to_another_origin(server: Server) -> None:
+# What httpx2 sends of its own; nothing else may reach another origin.
+CLIENT_HEADERS = {"Host", "Accept", "Accept-Encoding", "Connection", "User-Agent"}
+
+
+@pytest.mark.parametrize("status", [302, 307])
+def test_none_of_the_steps_headers_is_sent_on_to_another_origin(
+    server: Server, status: int
+) -> None:
+    """Any header may carry a secret (``X-Api-Key: ${input.key}``), not just Authorization."""
     with serving({"/there": lambda h: reply(h, 200, "there")}) as other:
-        server.routes["/here"] = lambda h: reply(h, 302, "", {"Location": other.url("/there")})
-        headers = {"Authorization": f"Bearer {SECRET}", "Cookie": "a=b", "X-Other": "kept"}
+        server.routes["/here"] = lambda h: reply(h, status, "", {"Location": other.url("/there")})
+        headers = {
+            "Authorization": f"Bearer {SECRET}",
+            "Cookie": "a=b",
+            "X-Api-Key": SECRET,
+            "Accept": "application/json",
+        }
         assert _call(server.url("/here"), headers=headers)["body"] == "there"
+    [here] = server.seen
+    assert here.headers["X-Api-Key"] == SECRET and here.headers["Accept"] == "application/json"
     [arrived] = other.seen
-    assert "Authorization" not in arrived.headers and "Cookie" not in arrived.headers
-    assert arrived.headers["X-Other"] == "kept"
+    assert set(arrived.headers) <= CLIENT_HEADERS
+    assert SECRET not in str(arrived.headers) and arrived.headers["Accept"] == "*/*"
+
+
+@pytest.mark.parametrize("status", [307, 308])
+def test_a_307_or_308_to_another_origin_with_a_body_is_refused(server: Server, status: int) -> None:
+    with serving({"/there": lambda h: reply(h, 200, "there")}) as other:
+        server.routes["/here"] = lambda h: reply(
+            h, status, "", {"Location": other.url(f"/there?key={SECRET}")}
+        )
+        failed = _failure(server.url("/here"), method="POST", body={"card": SECRET})
+    assert failed.error_class == "fatal"
+    assert failed.message == (
+        f"http: a {status} redirect from http://127.0.0.1:{server.port} to "
+        f"http://127.0.0.1:{other.port} is refused: it would send the request body to "
+        "another origin"
+    )
+    assert other.seen == []
+
+
+def test_a_303_to_another_origin_after_a_post_is_followed_without_the_body(
+    server: Server,
+) -> None:
+    with serving({"/done": lambda h: reply(h, 200, "done")}) as other:
+        server.routes["/form"] = lambda h: reply(h, 303, "", {"Location": other.url("/done")})
+        assert _call(server.url("/form"), "POST", body={"card": SECRET})["body"] == "done"
+    [arrived] = other.seen
+    assert (arrived.method, arrived.body) == ("GET", b"")
+
+
+@pytest.fixture
+def tls_server(server: Server, tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    """An HTTPS server on 127.0.0.1 whose self-signed certificate the step's client trusts."""
+    cert_path, key_path = certificate(tmp_path, "localhost", "127.0.0.1")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_path, key_path)
+    trusted = ssl.create_default_context(cafile=str(cert_path))
+    monkeypatch.setattr(netguard, "_default_context", lambda: trusted)
+    with serving({}, tls=context) as running:
+        yield running
+
+
+def test_a_redirect_from_https_to_http_is_refused(tls_server: Server, server: Server) -> None:
+    server.routes["/plain"] = lambda h: reply(h, 200, "in the clear")
+    tls_server.routes["/ok"] = lambda h: reply(h, 200, "over tls")
+    tls_server.routes["/down"] = lambda h: reply(
+        h, 302, "", {"Location": server.url(f"/plain?key={SECRET}")}
+    )
+    tls = f"https://127.0.0.1:{tls_server.port}"
+    assert _call(f"{tls}/ok")["body"] == "over tls"
+    failed = _failure(f"{tls}/down", headers={"Authorization": f"Bearer {SECRET}"})
+    assert failed.error_class == "fatal"
+    assert failed.message == (
+        f"http: a 302 redirect from {tls} to http://127.0.0.1:{server.port} is refused: "
+        "it leaves https for http"
+    )
+    assert server.seen == []
 
 
 def test_a_redirect_to_a_refused_address_fails_naming_it(server: Server) -> None:
@@ -294,6 +369,32 @@ def test_an_answer_that_never_comes_is_retryable_before_the_time_limit(server: S
     started = time.monotonic()
     failed = _failure(server.url("/mute"), timeout_ms=500)
     assert failed.error_class == "retryable" and failed.message.startswith("http: timed out")
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_name_that_takes_too_long_to_resolve_is_retryable_inside_the_time_limit(
+    allow, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DNS cannot run here: the lookup of one name is replaced by one that hangs (until the
+    test ends); every other name goes to the real resolver."""
+    real = socket.getaddrinfo
+    release = threading.Event()
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "hangs.test":
+            release.wait(3)
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    started = time.monotonic()
+    try:
+        failed = _failure(f"http://hangs.test/x?key={SECRET}", timeout_ms=500)
+    finally:
+        release.set()
+    assert failed.error_class == "retryable"
+    # The attempt's time less a tenth, less what went before the lookup.
+    found = re.fullmatch(r"http: resolving hangs\.test took longer than (\d+) ms", failed.message)
+    assert found and 300 <= int(found[1]) <= 450
     assert time.monotonic() - started < 0.5
 
 

@@ -16,21 +16,19 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
-from tests.workers.http_servers import reply, serving
+from tests.workers.http_servers import certificate, reply, serving
 from workers import netguard
 from workers.netguard import AddressRefused, Allow
+from workflows.failures import StepFailure
 
 NOBODY = Allow()
 
@@ -57,8 +55,18 @@ NOBODY = Allow()
         ("100.127.255.254", "a shared (carrier-grade NAT) address"),
         ("169.254.169.254", "a cloud metadata address"),
         ("fd00:ec2::254", "a cloud metadata address"),
-        ("192.0.2.10", "a private address"),  # documentation (TEST-NET-1)
+        ("192.0.2.10", "a documentation address"),  # TEST-NET-1
         ("::7f00:1", "a reserved address"),  # IPv4-compatible, deprecated
+        # IPv6 outside global unicast, or special inside it (Python 3.11's ipaddress calls
+        # fec0::/10 and 3fff::/20 global).
+        ("fec0::1", "a site-local address"),
+        ("feff:ffff::1", "a site-local address"),
+        ("2001:db8::1", "a documentation address"),
+        ("3fff::1", "a documentation address"),
+        ("100::1", "a reserved address"),  # discard-only 100::/64
+        ("5f00::1", "a reserved address"),  # SRv6 SIDs
+        ("2001::1", "a private address"),  # Teredo
+        ("64:ff9b:1::a00:1", "a reserved address"),  # local-use NAT64, not unwrapped
         # IPv6 forms carrying an IPv4 address are judged by what they carry.
         ("::ffff:127.0.0.1", "a loopback address (it carries 127.0.0.1)"),
         ("::ffff:169.254.169.254", "a cloud metadata address (it carries 169.254.169.254)"),
@@ -73,10 +81,37 @@ def test_each_class_of_non_public_address_is_refused_with_its_reason(
 
 
 @pytest.mark.parametrize(
-    "address", ["93.184.215.14", "8.8.8.8", "2606:4700::1111", "::ffff:8.8.8.8", "64:ff9b::808:808"]
+    "address",
+    [
+        "93.184.215.14",
+        "8.8.8.8",
+        "2606:4700::1111",
+        "2a00:1450:4001:81c::200e",
+        "::ffff:8.8.8.8",
+        "64:ff9b::808:808",
+        "2002:808:808::1",  # 6to4 carrying a public address, whatever Python's tables say
+    ],
 )
 def test_public_addresses_pass(address: str) -> None:
     assert netguard.refusal(ipaddress.ip_address(address)) is None
+
+
+def test_no_ipv6_address_outside_global_unicast_passes() -> None:
+    """Every /10 of IPv6 outside 2000::/3 (except the prefixes carrying an IPv4 address,
+    judged by it): an address at its start, middle and end is refused."""
+    carriers = [ipaddress.ip_network("::ffff:0:0/96"), ipaddress.ip_network("64:ff9b::/96")]
+    passed = []
+    for prefix in range(1024):
+        if prefix >> 7 == 0b001:
+            continue  # 2000::/3
+        base = prefix << 118
+        for offset in (1, 1 << 117, (1 << 118) - 1):
+            address = ipaddress.IPv6Address(base + offset)
+            if any(address in net for net in carriers):
+                continue
+            if netguard.refusal(address) is None:
+                passed.append(str(address))
+    assert passed == []
 
 
 @pytest.mark.parametrize(
@@ -195,6 +230,51 @@ def test_public_answers_are_returned_in_the_resolvers_order(resolver) -> None:
     ]
 
 
+def test_resolving_longer_than_the_time_left_fails_retryable(resolver) -> None:
+    """A resolver that does not answer (DNS cannot run here: the lookup is replaced by one
+    that waits) costs the caller its time-out, not more; the lookup's thread is released
+    when the test ends."""
+    release = threading.Event()
+
+    def hangs() -> list[str]:
+        release.wait(5)
+        return ["93.184.215.14"]
+
+    resolver("slow.test", hangs)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StepFailure) as slow:
+            netguard.resolve_checked("slow.test", 443, NOBODY, timeout=0.2)
+    finally:
+        release.set()
+    elapsed = time.monotonic() - started
+    assert (slow.value.error_class, slow.value.message) == (
+        "retryable",
+        "http: resolving slow.test took longer than 200 ms",
+    )
+    assert 0.2 <= elapsed < 0.4
+    # An answer inside the time is checked as ever.
+    resolver("quick.test", lambda: ["10.0.0.5"])
+    with pytest.raises(AddressRefused, match=r"10\.0\.0\.5 \(from quick\.test\) is a private"):
+        netguard.resolve_checked("quick.test", 443, NOBODY, timeout=2)
+
+
+def test_a_forked_child_resolves_through_threads_of_its_own() -> None:
+    """A worker process forked after its parent resolved (Celery's prefork pool) must not
+    hand lookups to the parent's threads, which did not come along."""
+    allow = Allow.parse(["localhost"])
+    assert netguard.resolve_checked("localhost", 80, allow, timeout=2) == ["127.0.0.1"]
+    pid = os.fork()
+    if pid == 0:  # the child: its exit status is the verdict
+        code = 1
+        try:
+            code = 0 if netguard.resolve_checked("localhost", 80, allow, timeout=2) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def _answer_once_then(first: str, later: str) -> Answers:
     answers = iter([[first]])
     return lambda: next(answers, [later])
@@ -232,40 +312,12 @@ def test_the_connection_goes_to_the_checked_address_not_a_second_answer(
     assert rebound.seen == []
 
 
-def _certificate(tmp_path: Path, name: str) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(minutes=1))
-        .not_valid_after(now + timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def test_tls_to_a_pinned_address_still_checks_the_certificate_for_the_host_name(
     resolver, tmp_path: Path
 ) -> None:
     """Connecting to the checked IP must not cost TLS its name: the server is asked for
     the URL's host (SNI) and its certificate is checked against that name."""
-    cert_path, key_path = _certificate(tmp_path, "pinned.test")
+    cert_path, key_path = certificate(tmp_path, "pinned.test")
     resolver("pinned.test", lambda: ["127.0.0.2"])
     resolver("other.test", lambda: ["127.0.0.2"])
     names_asked: list[str | None] = []

@@ -10,7 +10,11 @@ Invariants:
 - Every connection, redirects included, goes through ``workers.netguard``: public addresses
   only, unless ``DJFLOW_HTTP_ALLOW`` lists the host; a refused address fails the attempt with
   class ``fatal``, naming it. Redirects are followed here (at most :data:`MAX_REDIRECTS`), so
-  each hop is checked; credentials headers are not sent on to another origin.
+  each hop is checked.
+- A redirect to another origin (scheme, host or port) carries none of the step's headers
+  (any of them may hold a secret: ``X-Api-Key: ${input.key}``), only those the client adds
+  itself, and never the step's body: one that would keep it (307, 308) fails ``fatal``. A
+  redirect from https to http fails ``fatal`` (the request would travel in the clear).
 - The attempt is bounded: the whole exchange must end a little inside the attempt's
   ``timeout_ms`` (then it fails ``retryable``, before the worker's own alarm), and a
   response body past ``DJFLOW_HTTP_MAX_RESPONSE_BYTES`` (decoded) fails it ``fatal``.
@@ -48,8 +52,6 @@ DEFAULT_TIMEOUT_MS = 60_000
 _FOLLOWED = frozenset({301, 302, 303, 307, 308})
 # These change the method to GET and drop the body (what browsers do; RFC 9110 15.4).
 _TO_GET = frozenset({301, 302, 303})
-# Not sent on to another origin after a redirect (httpx and browsers do the same).
-_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
 _BODY_HEADERS = frozenset({"content-type", "content-length", "content-encoding"})
 # RFC 9110's token: what a header name may be.
 _HEADER_NAME = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -216,19 +218,38 @@ def _redirect_target(request: _Request, response: httpx2.Response) -> httpx2.URL
 
 
 def _followed(request: _Request, status: int, target: httpx2.URL) -> _Request:
+    if request.url.scheme == "https" and target.scheme == "http":
+        raise StepFailure(
+            f"http: a {status} redirect from {_shown_origin(request.url)} to "
+            f"{_shown_origin(target)} is refused: it leaves https for http",
+            "fatal",
+        )
     method, body = request.method, request.body
     headers = dict(request.headers)
     if status in _TO_GET and method != "HEAD":
         method, body = "GET", None
         headers = {k: v for k, v in headers.items() if k.lower() not in _BODY_HEADERS}
     if _origin(target) != _origin(request.url):
-        headers = {k: v for k, v in headers.items() if k.lower() not in _CREDENTIALS}
+        if body is not None:
+            raise StepFailure(
+                f"http: a {status} redirect from {_shown_origin(request.url)} to "
+                f"{_shown_origin(target)} is refused: it would send the request body to "
+                "another origin",
+                "fatal",
+            )
+        # Which of the step's headers hold secrets is not known here: none goes on.
+        headers = {}
     return _Request(method, target, headers, body, request.redirects + 1)
 
 
 def _origin(url: httpx2.URL) -> tuple[str, str, int | None]:
     default = {"http": 80, "https": 443}.get(url.scheme)
     return url.scheme, url.host, url.port or default
+
+
+def _shown_origin(url: httpx2.URL) -> str:
+    """scheme://host[:port], as an error message may show it (no path: it may carry ids)."""
+    return netguard.shown(url).removesuffix(url.path)
 
 
 def _raise_for_status(request: _Request, response: httpx2.Response) -> None:
