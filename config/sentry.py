@@ -31,6 +31,10 @@ def init_sentry(*, dsn: str, environment: str, traces_sample_rate: float, **opti
         environment=environment,
         traces_sample_rate=traces_sample_rate,
         send_default_pii=False,
+        # No sentry-trace or baggage headers on outgoing requests (Sentry's default sends
+        # them to every host): an http step or a model call must not tell a third party
+        # our trace ids, and the http step sends a redirect's other origin none of ours.
+        trace_propagation_targets=[],
         before_send=before_send,
         before_send_transaction=before_send,
         before_breadcrumb=before_send,

@@ -309,7 +309,11 @@ def _record_once(
 
 
 def _record_inside(
-    row: Claimed, claim: uuid.UUID, result: dict[str, Any], cost: Any, ctx: StepContext
+    row: Claimed,
+    claim: uuid.UUID,
+    result: dict[str, Any],
+    cost: Any,
+    ctx: StepContext | None = None,
 ) -> tuple[str, Held | None]:
     """Record an attempt inside a composite step (a branch, an item, an iteration) without
     the run's lock, and ask for an advance only when one can change something.
@@ -327,7 +331,7 @@ def _record_inside(
         if cost:
             # The run row before the step run: the order every advance locks them in.
             Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
-        calls.calls_record(ctx.model_calls)
+        calls.calls_record(ctx.model_calls if ctx is not None else [])
         if not record_result(row.id, claim, result):
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None
