@@ -17,38 +17,19 @@ from tests.processes import CeleryProcess, CeleryProcesses, purge_broker, xdist_
 # With pytest-xdist (the README's `pytest` runs `-n 2`), each test process gets Redis
 # databases of its own for the broker and the results, as pytest-django gives it a test
 # database of its own: a message one sends must not reach the worker processes another
-# started. Set before anything connects (Celery reads its settings lazily).
+# started, and one's purge must not empty the other's queues. Set before anything connects
+# (Celery reads its settings lazily). The worker end-to-end tests run in both processes:
+# xdist's --dist loadgroup would keep them in one, but xdist 3.8 names a test's group by
+# setting Node._nodeid, which pytest 9 no longer reads (Node.nodeid comes from Node._id).
 xdist_services(os.environ.get("PYTEST_XDIST_WORKER"))
-
-# Modules whose tests start processes or servers of their own (the standalone on its port,
-# pip installs, Chromium): they run one at a time, in the process that runs the worker
-# end-to-end tests, so that no two of them compete for the two cores (timings in them are
-# real) or for a port.
-ONE_AT_A_TIME_MODULES = {
-    "test_readme",
-    "test_production_install",
-    "test_standalone",
-    "test_standalone_soak",
-    "test_ci_script",
-    "test_broker",
-    "test_processes",
-    "test_flower_events",
-}
-ONE_AT_A_TIME = "processes"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that starts real worker or beat processes is a worker end-to-end test
-    (marker ``worker_e2e``): .ci/run runs them a second time with the broker on RabbitMQ.
-    Those, the browser tests and the modules above share one xdist group: one test process
-    runs them in turn while the other runs the rest."""
+    (marker ``worker_e2e``): .ci/run runs them a second time with the broker on RabbitMQ."""
     for item in items:
-        processes = "celery_processes" in getattr(item, "fixturenames", ())
-        if processes:
+        if "celery_processes" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.worker_e2e)
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if processes or item.get_closest_marker("browser") or module in ONE_AT_A_TIME_MODULES:
-            item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME))
 
 
 @pytest.fixture(scope="session")

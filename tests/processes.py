@@ -100,8 +100,8 @@ def database_url(settings_dict: Mapping[str, Any]) -> str:
 def xdist_services(worker: str | None) -> None:
     """Point this test process at Redis databases of its own when it is pytest-xdist's
     ``gwN`` for N > 0: broker and results move up by 2 * N (gw0 keeps the configured ones).
-    Other brokers (RabbitMQ) are left as configured: their stage runs the worker tests in one
-    xdist group, which is one process."""
+    Other brokers (RabbitMQ) are left as configured: .ci/run's RabbitMQ stage runs the
+    worker tests in one process (``-n 0``)."""
     from django.conf import settings
 
     from config.celery import app

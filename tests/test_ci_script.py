@@ -84,7 +84,7 @@ def test_ci_runs_the_worker_end_to_end_tests_again_on_rabbitmq() -> None:
     assert "wait_for RabbitMQ" in script
     assert re.search(
         r"CELERY_BROKER_URL=amqp://guest:guest@127\.0\.0\.1:5672/djflow_ci \\\n"
-        r'\s+\.venv/bin/pytest -m "worker_e2e and not soak"',
+        r'\s+\.venv/bin/pytest -n 0 -m "worker_e2e and not soak"',
         script,
     )
     # Either run failing fails CI.
