@@ -270,6 +270,8 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
         "provider",
         "model",
         "answered_by",
+        "recipe",
+        "recipe_version",
         "status",
         "input_tokens",
         "output_tokens",

@@ -397,19 +397,7 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
     with transaction.atomic():
         now = timezone.now()
-        # running -> scheduled, the one move back (see runs.status.STEP_MOVES).
-        returned = move_steps(
-            StepRun.objects.filter(id=row.id, claim=claim),
-            StepStatus.SCHEDULED,
-            sources=[StepStatus.RUNNING],
-            claim=None,
-            worker="",
-            started_at=None,
-            deadline_at=None,
-            lease_expires_at=None,
-            refusals=F("refusals") + 1,
-            scheduled_at=now,
-        )
+        returned = _returned(row, claim, now, refusals=F("refusals") + 1)
         waits = returned and unservable.unservable_arm(
             step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
         )
@@ -436,22 +424,28 @@ def _defer(row: Claimed, claim: uuid.UUID, deferred: Deferred) -> None:
     """
     logger.info("attempt %s handed back for %.1f s: %s", row.id, deferred.seconds, deferred)
     with transaction.atomic():
-        returned = move_steps(
-            StepRun.objects.filter(id=row.id, claim=claim),
-            StepStatus.SCHEDULED,
-            sources=[StepStatus.RUNNING],
-            claim=None,
-            worker="",
-            started_at=None,
-            deadline_at=None,
-            lease_expires_at=None,
-            reserved_usd=0,
-            scheduled_at=timezone.now(),
-        )
-        if returned:
+        if _returned(row, claim, timezone.now()):
             dispatch.offer_later_on_commit(
                 row, workflow_id=row.workflow_id, seconds=deferred.seconds
             )
+
+
+def _returned(row: Claimed, claim: uuid.UUID, now: Any, **more: Any) -> bool:
+    """The claimed attempt back to ``scheduled`` (running -> scheduled, the one move back in
+    runs.status.STEP_MOVES), if the claim still holds; True when it did."""
+    moved = move_steps(
+        StepRun.objects.filter(id=row.id, claim=claim),
+        StepStatus.SCHEDULED,
+        sources=[StepStatus.RUNNING],
+        claim=None,
+        worker="",
+        started_at=None,
+        deadline_at=None,
+        lease_expires_at=None,
+        scheduled_at=now,
+        **more,
+    )
+    return moved == 1
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:

@@ -194,3 +194,53 @@ def test_concurrent_reservations_of_one_run_never_overshoot() -> None:
     assert len(fitted) == 3
     held = sum(StepRun.objects.filter(run=run).values_list("reserved_usd", flat=True))
     assert held == Decimal("0.09")
+
+
+def test_a_call_cut_short_is_kept_with_the_attempt_and_charged_its_worst_case(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The attempt's time limit strikes during the call: the provider may still answer and
+    bill it, so the call is kept as interrupted and charged what was reserved, and recording
+    the attempt settles it."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from workers import providers
+    from workers.context import StepContext, bound_logger
+    from workers.kinds import recipe as recipe_kind
+
+    run = _run(0.10)
+    attempt = _attempt(run)
+    ctx = StepContext(
+        run_id=str(run.id),
+        step_id="draft",
+        attempt=1,
+        idempotency_key="k",
+        workflow_id=run.workflow_id,
+        logger=bound_logger(str(run.id), "draft", 1),
+        step_run_id=attempt.id,
+    )
+
+    def struck(name: str, request: providers.ModelRequest) -> providers.ModelReply:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(providers, "call", struck)
+    request = providers.ModelRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(SoftTimeLimitExceeded):
+        recipe_kind._reserved_call(ctx, "openai", "openai:m", request, Decimal("0.03"), {})
+    [(held, call)] = ctx.model_calls
+    assert (call.status, call.cost_usd, held.amount) == (
+        "interrupted",
+        Decimal("0.03"),
+        held.amount,
+    )
+    assert ctx.cost_usd() == Decimal("0.03") and ctx.uncharged_usd() == 0
+    attempt.refresh_from_db()
+    assert attempt.reserved_usd == Decimal("0.03")  # held while the call was out
+    calls.calls_record(ctx.model_calls)
+    attempt.refresh_from_db()
+    run.refresh_from_db()
+    assert (attempt.reserved_usd, attempt.cost_usd, run.cost_usd) == (
+        0,
+        Decimal("0.03"),
+        Decimal("0.03"),
+    )

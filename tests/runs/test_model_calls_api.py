@@ -83,6 +83,10 @@ def test_a_call_of_another_run_is_a_404_naming_it(api: APIClient) -> None:
     response = api.get(f"/api/v1/runs/{run.id}/calls/{call.id}")
     assert response.status_code == 404
     assert [e["field"] for e in response.json()["errors"]] == ["call"]
+    # An id past any integer column is no call either, never a 500.
+    huge = api.get(f"/api/v1/runs/{other.id}/calls/{'9' * 40}")
+    assert huge.status_code == 404
+    assert [e["field"] for e in huge.json()["errors"]] == ["call"]
 
 
 def test_a_secret_in_a_prompt_shows_masked(api: APIClient) -> None:

@@ -30,7 +30,7 @@ import json
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from decimal import Decimal
 from functools import partial
@@ -61,28 +61,53 @@ _FENCED = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
 _RECORD_SECONDS = 1.0
 
 
-def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """What a start can know (``workflows.preflight``): the named recipe exists, and the
-    model's provider is configured."""
+class _Unready(Exception):
+    """What stops a recipe step before its first call, by the step's field: a start refuses
+    it (pre-flight), a step that meets it anyway fails naming it (a subworkflow's steps
+    are not checked at the start, and a recipe or a provider may go meanwhile)."""
+
+    def __init__(self, problems: list[tuple[str, str]], *, class_: str = "fatal") -> None:
+        super().__init__("; ".join(f"{field}: {message}" for field, message in problems))
+        self.problems = problems
+        self.class_ = class_
+
+
+def _ready(step: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The recipe the step runs and its model's name, or _Unready."""
     if "context" in step:
-        # Knowledge bases are the next issue's: refused at the start, not at the step.
-        return [("context", "knowledge-base context is not supported by this engine yet")]
+        # Knowledge bases are the next issue's.
+        raise _Unready([("context", "knowledge-base context is not supported by this engine yet")])
     stored = None
     if "recipe" in step:
         found = Recipe.objects.resolve(step["recipe"], step.get("recipe_version"))
         if found is None:
-            return [("recipe", f"{_named(step)} does not exist")]
+            raise _Unready([("recipe", f"{_named(step)} does not exist")])
         stored = found.document
     try:
         recipe = recipes.recipe_of_step(step, stored)
     except InvalidDocument as invalid:
-        return [(_field_of(error.field or ""), error.message) for error in invalid.errors]
+        # A stored recipe the step's overrides do not fit (checked at save for inline ones).
+        problems = [(error.field or "recipe", error.message) for error in invalid.errors]
+        raise _Unready(problems, class_="invalid_input") from None
     model = recipe.get("model") or providers.default_model()
-    field = "recipe" if stored is not None and "model" not in step else "model"
     if not model:
-        return [("model", "names no model, nor does its recipe, and DJFLOW_DEFAULT_MODEL is unset")]
-    why = providers.unconfigured(model)
-    return [(field, f"model '{model}': {why}")] if why else []
+        why = "names no model, nor does its recipe, and DJFLOW_DEFAULT_MODEL is unset"
+        raise _Unready([("model", why)])
+    unconfigured = providers.unconfigured(model)
+    if unconfigured:
+        field = "recipe" if stored is not None and "model" not in step else "model"
+        raise _Unready([(field, f"model '{model}': {unconfigured}")])
+    return recipe, model
+
+
+def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """What a start can know (``workflows.preflight``): the named recipe exists, and the
+    model's provider is configured."""
+    try:
+        _ready(step)
+    except _Unready as unready:
+        return unready.problems
+    return []
 
 
 def body_of(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
@@ -90,16 +115,10 @@ def body_of(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
 
 
 def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any) -> Any:
-    recipe = _recipe(step)
-    model_name = recipe.get("model") or providers.default_model()
-    if not model_name:
-        raise KindFailure(
-            "recipe: no model is named (by the step or its recipe) and DJFLOW_DEFAULT_MODEL "
-            "is unset"
-        )
-    why = providers.unconfigured(model_name)
-    if why:
-        raise KindFailure(f"recipe: model '{model_name}': {why}")
+    try:
+        recipe, model_name = _ready(step)
+    except _Unready as unready:
+        raise KindFailure(f"recipe: {unready}", class_=unready.class_) from None
     try:
         rendered = recipes.render(recipe, input, "")
     except recipes.RenderTooLarge as error:
@@ -116,18 +135,17 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
         json_schema=recipe.get("output_schema"),
     )
     wait = settings.DJFLOW["MODEL_SLOT_WAIT_SECONDS"]
-    try:
-        slot = slots().held(ctx.account, wait_seconds=wait)
-        slot.__enter__()
-    except SlotsBusy:
-        # Offered again in 1 to 3 s: spread, so the waiters do not all come back at once.
-        seconds = 1.0 + 2.0 * random.random()
-        raise Deferred(
-            f"every model slot of account '{ctx.account}' is taken", seconds=seconds
-        ) from None
     # One slot for the whole attempt, taken before its first call: an attempt is never handed
     # back after a call it made (its retry would make and pay for that call again).
-    with _entered(slot):
+    with contextlib.ExitStack() as slot:
+        try:
+            slot.enter_context(slots().held(ctx.account, wait_seconds=wait))
+        except SlotsBusy:
+            # Offered again in 1 to 3 s: spread, so the waiters do not all come back at once.
+            seconds = 1.0 + 2.0 * random.random()
+            raise Deferred(
+                f"every model slot of account '{ctx.account}' is taken", seconds=seconds
+            ) from None
         return _ask(ctx, model_name, request, recipe)
 
 
@@ -161,42 +179,9 @@ def _ask(
     )
 
 
-def _recipe(step: Mapping[str, Any]) -> dict[str, Any]:
-    stored = None
-    if "recipe" in step:
-        found = Recipe.objects.resolve(step["recipe"], step.get("recipe_version"))
-        if found is None:
-            raise KindFailure(f"recipe: {_named(step)} does not exist")
-        stored = found.document
-    try:
-        return recipes.recipe_of_step(step, stored)
-    except InvalidDocument as invalid:
-        # A stored recipe the step's overrides do not fit (checked at save for inline ones).
-        detail = "; ".join(f"{e.field}: {e.message}" for e in invalid.errors)
-        raise KindFailure(f"recipe: {detail}", class_="invalid_input") from None
-
-
-def _field_of(field: str) -> str:
-    """An error's field within the step (``recipe_of_step`` names it from the step, with
-    nothing before it: ``output_schema.properties.x``)."""
-    return field or "recipe"
-
-
 def _named(step: Mapping[str, Any]) -> str:
     version = step.get("recipe_version")
     return f"recipe '{step['recipe']}'" + (f" version {version}" if version else "")
-
-
-@contextlib.contextmanager
-def _entered(slot: contextlib.AbstractContextManager[bool]) -> Iterator[None]:
-    """Leave ``slot`` (entered already) however the block ends."""
-    try:
-        yield
-    except BaseException as error:
-        if not slot.__exit__(type(error), error, error.__traceback__):
-            raise
-    else:
-        slot.__exit__(None, None, None)
 
 
 def _call(
@@ -235,11 +220,10 @@ def _reserved_call(
     with ctx.span("model_call", kind="model_generation") as span:
         span.set_model(request.model, provider)
         started = time.monotonic()
-        named = {"recipe": recipe.get("name", ""), "recipe_version": recipe.get("version")}
-        try:
-            reply = providers.call(model_name, request)
-        except providers.ModelError as error:
-            span.charged = Decimal(0)
+
+        def made(charged: Decimal | None, **call: Any) -> None:
+            """Keep the call to be recorded with the attempt, and what it is charged."""
+            span.charged = charged if charged is not None else Decimal(0)
             ctx.model_calls.append(
                 (
                     reservation,
@@ -247,14 +231,25 @@ def _reserved_call(
                         provider=provider,
                         model=request.model,
                         prompt=prompt,
-                        reply=None,
-                        status=error.error_class,
-                        # The provider's message may echo what it was sent.
-                        error=ctx.conceal({"class": error.error_class, "message": str(error)}),
                         latency_ms=_ms_since(started),
-                        **named,
+                        cost_usd=charged,
+                        recipe=recipe.get("name", ""),
+                        recipe_version=recipe.get("version"),
+                        **call,
                     ),
                 )
+            )
+
+        try:
+            reply = providers.call(model_name, request)
+        except providers.ModelError as error:
+            # Failed with an answer (or none reached the provider): charged nothing. The
+            # provider's message may echo what it was sent.
+            made(
+                None,
+                reply=None,
+                status=error.error_class,
+                error=ctx.conceal({"class": error.error_class, "message": str(error)}),
             )
             raise KindFailure(
                 f"recipe: {error}", class_=error.error_class, retry_after_ms=error.retry_after_ms
@@ -263,25 +258,13 @@ def _reserved_call(
             # The attempt's time limit (SIGALRM) or anything else cut the call short: the
             # provider may still answer and bill it, so the call is charged its worst case
             # (what was reserved), never nothing, and recorded as interrupted.
-            span.charged = reservation.amount
-            ctx.model_calls.append(
-                (
-                    reservation,
-                    calls.Call(
-                        provider=provider,
-                        model=request.model,
-                        prompt=prompt,
-                        reply=None,
-                        status="interrupted",
-                        error={"class": "interrupted", "message": type(interrupted).__name__},
-                        latency_ms=_ms_since(started),
-                        cost_usd=reservation.amount if worst is not None else None,
-                        **named,
-                    ),
-                )
+            made(
+                reservation.amount if worst is not None else None,
+                reply=None,
+                status="interrupted",
+                error={"class": "interrupted", "message": type(interrupted).__name__},
             )
             raise
-        latency = _ms_since(started)
         cost = pricing.call_cost(
             provider,
             request.model,
@@ -294,32 +277,21 @@ def _reserved_call(
             if getattr(reply, name) is not None:
                 usage[name] = getattr(reply, name)
         span.set_usage(**usage)
-        # Charged with the reservation's settling, when the attempt is recorded: the
-        # record's own charge (spans priced from their usage) leaves this one out.
-        span.charged = cost if cost is not None else Decimal(0)
         if cost is None:
             span.set_attribute("priced", False)
         span.set_attribute("gen_ai.response.model", reply.model)
-        ctx.model_calls.append(
-            (
-                reservation,
-                calls.Call(
-                    provider=provider,
-                    model=request.model,
-                    prompt=prompt,
-                    reply=ctx.conceal({"text": reply.text}),
-                    status="ok",
-                    answered_by=reply.model,
-                    input_tokens=reply.input_tokens,
-                    output_tokens=reply.output_tokens,
-                    cached_tokens=reply.cached_tokens,
-                    reasoning_tokens=reply.reasoning_tokens,
-                    latency_ms=latency,
-                    cost_usd=cost,
-                    request_id=reply.request_id or "",
-                    **named,
-                ),
-            )
+        # Charged with the reservation's settling, when the attempt is recorded: the
+        # record's own charge (spans priced from their usage) leaves this one out.
+        made(
+            cost,
+            reply=ctx.conceal({"text": reply.text}),
+            status="ok",
+            answered_by=reply.model,
+            input_tokens=reply.input_tokens,
+            output_tokens=reply.output_tokens,
+            cached_tokens=reply.cached_tokens,
+            reasoning_tokens=reply.reasoning_tokens,
+            request_id=reply.request_id or "",
         )
         return reply
 

@@ -17,14 +17,10 @@ import anthropic
 
 from .base import (
     ClientCache,
-    ModelError,
     ModelReply,
     ModelRequest,
-    cause_name,
-    class_of_status,
-    error_detail,
-    retry_after_ms,
-    status_message,
+    sdk_request,
+    unreadable,
 )
 from .registry import Provider
 
@@ -33,37 +29,23 @@ from .registry import Provider
 NO_KEY = "no-key"
 
 _clients = ClientCache()
+# What a reply of this format is, in the message of one that is not.
+REPLY_IS = "a message"
 
 
 def call(provider: Provider, request: ModelRequest) -> ModelReply:
     client = _client(provider)
-    try:
-        message = client.messages.create(**_params(request))
-    except anthropic.APIStatusError as exc:
-        raise _status_error(provider, exc) from None
-    except anthropic.APITimeoutError:
-        raise ModelError(
-            f"provider {provider.name!r} did not answer within {request.timeout_s:g}s",
-            error_class="retryable",
-        ) from None
-    except anthropic.APIConnectionError as exc:
-        raise ModelError(
-            f"provider {provider.name!r} could not be reached: {cause_name(exc)}",
-            error_class="retryable",
-        ) from None
-    except (anthropic.APIResponseValidationError, ValueError):
-        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
-        raise _unreadable(provider) from None
-    if not isinstance(message.content, list) or message.usage is None:
-        raise _unreadable(provider)
-    return _reply(message, request)
-
-
-def _unreadable(provider: Provider) -> ModelError:
-    return ModelError(
-        f"provider {provider.name!r} sent a reply that is not a message",
-        error_class="retryable",
+    message = sdk_request(
+        anthropic,
+        lambda: client.messages.create(**_params(request)),
+        provider=provider.name,
+        secret=provider.api_key(),
+        timeout_s=request.timeout_s,
+        reply_is=REPLY_IS,
     )
+    if not isinstance(message.content, list) or message.usage is None:
+        raise unreadable(provider.name, REPLY_IS)
+    return _reply(message, request)
 
 
 def _client(provider: Provider) -> anthropic.Anthropic:
@@ -117,15 +99,4 @@ def _reply(message: Any, request: ModelRequest) -> ModelReply:
         reasoning_tokens=details.thinking_tokens if details is not None else None,
         stop_reason=message.stop_reason,
         request_id=getattr(message, "_request_id", None) or message.id,
-    )
-
-
-def _status_error(provider: Provider, exc: anthropic.APIStatusError) -> ModelError:
-    status = exc.status_code
-    error_class = class_of_status(status)
-    return ModelError(
-        status_message(provider.name, status, error_detail(exc.body), provider.api_key()),
-        error_class=error_class,
-        retry_after_ms=retry_after_ms(exc.response.headers) if error_class == "retryable" else None,
-        status=status,
     )

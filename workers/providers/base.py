@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 ErrorClass = Literal["retryable", "fatal"]
 
@@ -32,6 +32,9 @@ ErrorClass = Literal["retryable", "fatal"]
 # the step's retry budget, not one header, decides that.
 MAX_RETRY_AFTER_MS = 3_600_000
 MAX_PROVIDER_MESSAGE = 500
+
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -200,6 +203,54 @@ def estimate_input_tokens(request: ModelRequest) -> int:
     texts = [request.system or ""] + [message.get("content", "") for message in request.messages]
     size = sum(len(text.encode("utf-8")) for text in texts)
     return size + PER_MESSAGE_TOKENS * (len(request.messages) + 1) + PER_REQUEST_TOKENS
+
+
+def sdk_request(
+    sdk: Any,
+    send: Callable[[], T],
+    *,
+    provider: str,
+    secret: str | None,
+    timeout_s: float,
+    reply_is: str,
+) -> T:
+    """``send()``, one request through an official SDK, its errors as :class:`ModelError`.
+
+    The ``openai`` and ``anthropic`` SDKs are generated from one template: their exception
+    classes have the same names and fields, so one mapping serves both (``sdk`` is the
+    module). A time-out is checked before a connection error, of which it is a kind."""
+    try:
+        return send()
+    except sdk.APIStatusError as exc:
+        status = exc.status_code
+        error_class = class_of_status(status)
+        raise ModelError(
+            status_message(provider, status, error_detail(exc.body), secret),
+            error_class=error_class,
+            retry_after_ms=retry_after_ms(exc.response.headers)
+            if error_class == "retryable"
+            else None,
+            status=status,
+        ) from None
+    except sdk.APITimeoutError:
+        raise ModelError(
+            f"provider {provider!r} did not answer within {timeout_s:g}s",
+            error_class="retryable",
+        ) from None
+    except sdk.APIConnectionError as exc:
+        raise ModelError(
+            f"provider {provider!r} could not be reached: {cause_name(exc)}",
+            error_class="retryable",
+        ) from None
+    except (sdk.APIResponseValidationError, ValueError):
+        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
+        raise unreadable(provider, reply_is) from None
+
+
+def unreadable(provider: str, reply_is: str) -> ModelError:
+    return ModelError(
+        f"provider {provider!r} sent a reply that is not {reply_is}", error_class="retryable"
+    )
 
 
 def cause_name(exc: BaseException) -> str:

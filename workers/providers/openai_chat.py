@@ -16,15 +16,11 @@ import openai
 
 from .base import (
     ClientCache,
-    ModelError,
     ModelReply,
     ModelRequest,
-    cause_name,
-    class_of_status,
-    error_detail,
     estimate_input_tokens,
-    retry_after_ms,
-    status_message,
+    sdk_request,
+    unreadable,
 )
 from .registry import Provider
 
@@ -33,37 +29,23 @@ from .registry import Provider
 NO_KEY = "no-key"
 
 _clients = ClientCache()
+# What a reply of this format is, in the message of one that is not.
+REPLY_IS = "a chat completion"
 
 
 def call(provider: Provider, request: ModelRequest) -> ModelReply:
     client = _client(provider)
-    try:
-        completion = client.chat.completions.create(**_params(provider, client, request))
-    except openai.APIStatusError as exc:
-        raise _status_error(provider, exc) from None
-    except openai.APITimeoutError:
-        raise ModelError(
-            f"provider {provider.name!r} did not answer within {request.timeout_s:g}s",
-            error_class="retryable",
-        ) from None
-    except openai.APIConnectionError as exc:
-        raise ModelError(
-            f"provider {provider.name!r} could not be reached: {cause_name(exc)}",
-            error_class="retryable",
-        ) from None
-    except (openai.APIResponseValidationError, ValueError):
-        # A body that is not JSON (a proxy's HTML page with a 200): the SDK fails to decode.
-        raise _unreadable(provider) from None
-    if not completion.choices or completion.choices[0].message is None:
-        raise _unreadable(provider)
-    return _reply(completion, request)
-
-
-def _unreadable(provider: Provider) -> ModelError:
-    return ModelError(
-        f"provider {provider.name!r} sent a reply that is not a chat completion",
-        error_class="retryable",
+    completion = sdk_request(
+        openai,
+        lambda: client.chat.completions.create(**_params(provider, client, request)),
+        provider=provider.name,
+        secret=provider.api_key(),
+        timeout_s=request.timeout_s,
+        reply_is=REPLY_IS,
     )
+    if not completion.choices or completion.choices[0].message is None:
+        raise unreadable(provider.name, REPLY_IS)
+    return _reply(completion, request)
 
 
 def _client(provider: Provider) -> openai.OpenAI:
@@ -142,15 +124,4 @@ def _reply(completion: Any, request: ModelRequest) -> ModelReply:
         ),
         stop_reason=stop_reason,
         request_id=getattr(completion, "_request_id", None) or completion.id,
-    )
-
-
-def _status_error(provider: Provider, exc: openai.APIStatusError) -> ModelError:
-    status = exc.status_code
-    error_class = class_of_status(status)
-    return ModelError(
-        status_message(provider.name, status, error_detail(exc.body), provider.api_key()),
-        error_class=error_class,
-        retry_after_ms=retry_after_ms(exc.response.headers) if error_class == "retryable" else None,
-        status=status,
     )
