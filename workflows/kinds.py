@@ -80,6 +80,19 @@ class Scope(Protocol):
 
 
 @dataclass(frozen=True)
+class PreflightScope:
+    """What pre-flight offers a kind about the document around the step it checks."""
+
+    # The steps before this one in the document's order (nested ones included), as
+    # pre-flight walked them: e.g. a knowledge base named by a recipe's ``context`` may be
+    # one an earlier ``write_kb`` step writes.
+    earlier: tuple[Mapping[str, Any], ...] = ()
+
+    def earlier_of(self, kind: str) -> list[Mapping[str, Any]]:
+        return [step for step in self.earlier if step.get("kind") == kind]
+
+
+@dataclass(frozen=True)
 class Opening:
     """How a reached step's row opens (the planner writes it): ``waiting`` (with a timer of
     purpose ``timer`` at ``not_before`` when both are set), ``running`` (ended by the kind's
@@ -138,8 +151,10 @@ class Kind:
     # Starting a run: what can be known now to stop the step later, as (field, message)
     # pairs, the field one of the step's own ("recipe", "model"): a named recipe that does
     # not exist, a model whose provider is not configured. POST /runs answers 400 naming
-    # each, and nothing starts. It may read the database; it must not wait on the network.
-    preflight: Callable[[Mapping[str, Any]], list[tuple[str, str]]] | None = None
+    # each, and nothing starts. Given the step and what the document holds before it
+    # (:class:`PreflightScope`). It may read the database; a check that needs the network
+    # (an MCP server's tools) bounds its wait and caches its answer briefly.
+    preflight: Callable[[Mapping[str, Any], PreflightScope], list[tuple[str, str]]] | None = None
     # Worker: (step, workflow_id) -> the callable ``(ctx, input, prior) -> output`` that runs
     # the attempt, or None when this worker cannot serve it (the attempt is handed back to
     # a worker that can).

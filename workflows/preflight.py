@@ -21,10 +21,12 @@ from .validation import field_path
 
 def preflight_errors(document: Mapping[str, Any]) -> list[FieldError]:
     errors = []
+    earlier: list[Mapping[str, Any]] = []
     for path, step in walk_steps(document.get("steps", []), ["steps"]):
         kind = kinds.get(str(step.get("kind")))
-        if kind is None or kind.preflight is None:
-            continue
-        for field, message in kind.preflight(step):
-            errors.append(FieldError(field_path([*path, field]), message))
+        if kind is not None and kind.preflight is not None:
+            scope = kinds.PreflightScope(earlier=tuple(earlier))
+            for field, message in kind.preflight(step, scope):
+                errors.append(FieldError(field_path([*path, field]), message))
+        earlier.append(step)
     return errors

@@ -17,7 +17,7 @@ from workflows.services import definition_save
 pytestmark = pytest.mark.django_db
 
 
-def _checked(step: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _checked(step: Mapping[str, Any], scope: Any) -> list[tuple[str, str]]:
     if step.get("target") == "missing":
         return [("target", "target 'missing' does not exist")]
     return []

@@ -10,6 +10,7 @@ import pytest
 
 from workers.kinds import recipe as recipe_kind
 from workflows.failures import KindFailure
+from workflows.kinds import PreflightScope
 
 pytestmark = pytest.mark.django_db
 
@@ -28,7 +29,7 @@ INLINE = {"id": "ask", "kind": "recipe", "prompt": "hi", "model": "standin:echo"
 def test_a_step_that_cannot_run_is_refused_at_the_start_and_fails_naming_why(
     step: dict[str, Any], field: str, message: str, class_: str
 ) -> None:
-    [(named, why)] = recipe_kind.preflight(step)
+    [(named, why)] = recipe_kind.preflight(step, PreflightScope())
     assert named == field and message in why
     with pytest.raises(KindFailure) as failed:
         recipe_kind.run_recipe(step, ctx=None, input={}, prior={})  # type: ignore[arg-type]
@@ -37,4 +38,4 @@ def test_a_step_that_cannot_run_is_refused_at_the_start_and_fails_naming_why(
 
 
 def test_a_ready_step_passes_pre_flight() -> None:
-    assert recipe_kind.preflight(INLINE) == []
+    assert recipe_kind.preflight(INLINE, PreflightScope()) == []

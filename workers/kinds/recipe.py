@@ -100,7 +100,7 @@ def _ready(step: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     return recipe, model
 
 
-def preflight(step: Mapping[str, Any]) -> list[tuple[str, str]]:
+def preflight(step: Mapping[str, Any], scope: kinds.PreflightScope) -> list[tuple[str, str]]:
     """What a start can know (``workflows.preflight``): the named recipe exists, and the
     model's provider is configured."""
     try:
