@@ -7,8 +7,11 @@ Postgres and Redis, the production and test path.
 """
 
 import ipaddress
+import json
+import re
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import environ
 from csp.constants import NONCE, NONE, SELF, UNSAFE_INLINE
@@ -414,6 +417,57 @@ def _http_allow(entries: list[str]) -> list[str]:
     return allowed
 
 
+def _mcp_servers(raw: str) -> dict[str, dict[str, Any]]:
+    """DJFLOW_MCP_SERVERS, checked: ``{"name": {"url": "http(s)://...", "headers": {...}}}``
+    (streamable HTTP) or ``{"name": {"command": ["prog", "arg"], "env": {...}}}`` (stdio). A
+    bad entry refuses to start, naming it and the field; a header's or an env variable's value
+    is never quoted (they hold credentials)."""
+    try:
+        parsed = json.loads(raw or "{}")
+    except ValueError as error:
+        raise ImproperlyConfigured(f"DJFLOW_MCP_SERVERS is not JSON ({error})") from None
+    if not isinstance(parsed, dict):
+        raise ImproperlyConfigured("DJFLOW_MCP_SERVERS must be a JSON object of servers by name")
+    return {name: _mcp_server(name, entry) for name, entry in parsed.items()}
+
+
+def _mcp_server(name: str, entry: Any) -> dict[str, Any]:
+    def refuse(problem: str) -> ImproperlyConfigured:
+        return ImproperlyConfigured(f"DJFLOW_MCP_SERVERS[{name!r}]: {problem}")
+
+    if not 1 <= len(name) <= 200 or not name.isprintable():
+        raise refuse("a server's name is 1 to 200 printable characters")
+    if not isinstance(entry, dict):
+        raise refuse('must be an object: {"url": ...} or {"command": [...]}')
+    if ("url" in entry) == ("command" in entry):
+        raise refuse('give either "url" (streamable HTTP) or "command" (stdio), not both or none')
+    transport, extra = ("url", "headers") if "url" in entry else ("command", "env")
+    unknown = sorted(set(entry) - {transport, extra})
+    if unknown:
+        raise refuse(
+            f"unknown field {unknown[0]!r} (a {transport} server takes {transport!r} and {extra!r})"
+        )
+    pairs = entry.get(extra) or {}
+    if not isinstance(pairs, dict) or not all(
+        isinstance(k, str) and k and isinstance(v, str) and not any(c in v for c in "\r\n\0")
+        for k, v in pairs.items()
+    ):
+        raise refuse(f"{extra!r} must map names to strings without line breaks or NUL")
+    if transport == "url":
+        url = entry["url"]
+        if not isinstance(url, str) or not re.match(r"^https?://[^/?#\s]+", url):
+            raise refuse('"url" must be an http:// or https:// URL')
+        return {"url": url, "headers": pairs}
+    command = entry["command"]
+    if (
+        not isinstance(command, list)
+        or not command
+        or not all(isinstance(part, str) and part and "\0" not in part for part in command)
+    ):
+        raise refuse('"command" must be a non-empty list of strings: ["prog", "arg", ...]')
+    return {"command": command, "env": pairs}
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -509,6 +563,16 @@ DJFLOW = {
     # {"ollama": {"adapter": "openai", "base_url": "http://127.0.0.1:11434/v1",
     # "api_key_env": "OLLAMA_API_KEY"}} (api_key_env only where the endpoint wants a key).
     "PROVIDERS": env.json("DJFLOW_PROVIDERS", default={}),
+    # mcp_tool steps: the MCP servers by name (see _mcp_servers), and each process's pool of
+    # clients to them: at most MCP_POOL_SIZE open, the least recently used closed first, one
+    # idle for MCP_IDLE_SECONDS closed (workers/mcp/pool.py). Pre-flight at a start lists a
+    # server's tools, waiting at most MCP_PREFLIGHT_TIMEOUT_SECONDS, and keeps the list for
+    # MCP_PREFLIGHT_CACHE_SECONDS.
+    "MCP_SERVERS": _mcp_servers(env.str("DJFLOW_MCP_SERVERS", default="")),
+    "MCP_POOL_SIZE": env.int("DJFLOW_MCP_POOL_SIZE", default=20),
+    "MCP_IDLE_SECONDS": env.float("DJFLOW_MCP_IDLE_SECONDS", default=60.0),
+    "MCP_PREFLIGHT_TIMEOUT_SECONDS": env.float("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", default=3.0),
+    "MCP_PREFLIGHT_CACHE_SECONDS": env.float("DJFLOW_MCP_PREFLIGHT_CACHE_SECONDS", default=30.0),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
@@ -517,6 +581,13 @@ if DJFLOW["MODEL_CONCURRENCY"] < 1:
     )
 if DJFLOW["MODEL_SLOT_WAIT_SECONDS"] < 0:
     raise ImproperlyConfigured("DJFLOW_MODEL_SLOT_WAIT_SECONDS must not be negative")
+if DJFLOW["MCP_POOL_SIZE"] < 1:
+    raise ImproperlyConfigured(
+        f"DJFLOW_MCP_POOL_SIZE must be at least 1, not {DJFLOW['MCP_POOL_SIZE']}"
+    )
+for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS"):
+    if DJFLOW[_name] <= 0:
+        raise ImproperlyConfigured(f"DJFLOW_{_name} must be more than 0")
 
 # Celery's per-task lines about the engine's clock (the 1 s timer tick, the reconciler) are
 # dropped at their loggers: 186 of an idle minute's 186 lines (config.logging says more).

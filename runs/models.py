@@ -407,3 +407,33 @@ class ModelCall(models.Model):
 
     def __str__(self) -> str:
         return f"{self.provider}:{self.model} ({self.status})"
+
+
+class ToolCall(models.Model):
+    """One call of an MCP tool (CONTRACT section 10, "MCP tools"), on the attempt that made
+    it: the server and tool, the arguments sent and the result answered (by reference, stored
+    once by digest, like a model call's prompt and reply; a run secret in them is stored as its
+    token), how it ended and how long it took."""
+
+    step_run = models.ForeignKey(StepRun, on_delete=models.CASCADE, related_name="tool_calls")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+", db_index=False)
+    server = models.CharField(max_length=200)
+    tool = models.CharField(max_length=200)
+    arguments = models.ForeignKey(Content, on_delete=models.PROTECT, related_name="+")
+    # {"structured": ..., "text": ..., "is_error": bool}; None when no answer came.
+    result = models.ForeignKey(
+        Content, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    # "ok", the error's class ("fatal", "retryable", ...), or "interrupted" (the attempt's
+    # time limit ended it).
+    status = models.CharField(max_length=20)
+    error = models.JSONField(null=True, blank=True)
+    latency_ms = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["step_run", "id"]
+        indexes = [models.Index(fields=["run", "id"], name="tool_call_run")]
+
+    def __str__(self) -> str:
+        return f"{self.server}.{self.tool} ({self.status})"

@@ -10,7 +10,7 @@ class WorkersConfig(AppConfig):
 
         from . import kinds, slots, task_events
 
-        # The worker step kinds that call models and HTTP (recipe, http).
+        # The worker step kinds that call models, HTTP and MCP tools (recipe, http, mcp_tool).
         kinds.plug_in()
 
         # In a worker's main process: tell each execute_step whether task events are on.

@@ -103,6 +103,8 @@ class StepContext:
     # The model calls the attempt made, each with its reservation: recorded, and settled, in
     # the transaction that records the attempt (runs.engine.calls.calls_record).
     model_calls: list[Any] = field(default_factory=list)
+    # The MCP tool calls it made (runs.engine.calls.ToolUse), recorded in the same transaction.
+    tool_calls: list[Any] = field(default_factory=list)
     # A value with the run's secrets replaced by their tokens: what the kinds store of what
     # they sent and got (a prompt rendered from a secret input).
     conceal: Callable[[Any], Any] = field(default=lambda value: value)

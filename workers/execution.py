@@ -292,6 +292,7 @@ def _record_once(
         # The model calls it made, recorded and charged whether or not the result is still
         # wanted: they were made either way.
         calls.calls_record(ctx.model_calls)
+        calls.tool_calls_record(ctx.tool_calls)
         if not record_result(row.id, claim, result):
             # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
@@ -332,6 +333,7 @@ def _record_inside(
             # The run row before the step run: the order every advance locks them in.
             Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
         calls.calls_record(ctx.model_calls if ctx is not None else [])
+        calls.tool_calls_record(ctx.tool_calls if ctx is not None else [])
         if not record_result(row.id, claim, result):
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None

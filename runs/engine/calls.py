@@ -1,6 +1,8 @@
 """What a model call records (CONTRACT section 10): one :class:`~runs.models.ModelCall` per
 call, on the attempt that made it, with its prompt and reply stored once each by content hash
-(:class:`~runs.models.Content`), and its reservation settled, in one transaction.
+(:class:`~runs.models.Content`), and its reservation settled, in one transaction. An MCP tool
+call is recorded the same way (:class:`~runs.models.ToolCall`: its arguments and result by
+content hash), without a reservation: a tool call is not priced.
 
 Content addressing keeps storage linear in what is new: a conversation resent with every call
 (a JSON re-ask, a loop of turns) stores each distinct prompt once, and every call refers to
@@ -19,7 +21,7 @@ from typing import Any
 
 from django.db import transaction
 
-from ..models import Content, ModelCall
+from ..models import Content, ModelCall, ToolCall
 from . import costs
 
 
@@ -44,6 +46,21 @@ class Call:
     # The stored recipe the call rendered ("" for an inline one) and its version.
     recipe: str = ""
     recipe_version: int | None = None
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A finished MCP tool call, as the worker saw it (arguments and result concealed)."""
+
+    step_run_id: int
+    run_id: Any
+    server: str
+    tool: str
+    arguments: Any
+    result: Any | None
+    status: str
+    error: dict[str, Any] | None = None
+    latency_ms: int = 0
 
 
 def digest(body: Any) -> str:
@@ -93,6 +110,29 @@ def calls_record(made: Sequence[tuple[costs.Reservation, Call]]) -> list[ModelCa
         for reservation, call in made
     ]
     return ModelCall.objects.bulk_create(rows)
+
+
+def tool_calls_record(made: Sequence[ToolUse]) -> list[ToolCall]:
+    """Record the tool calls one attempt made, in the caller's transaction (the one that
+    records the attempt), whether or not its result is still wanted: they were made."""
+    if not made:
+        return []
+    digests = _store([body for use in made for body in (use.arguments, use.result)])
+    rows = [
+        ToolCall(
+            step_run_id=use.step_run_id,
+            run_id=use.run_id,
+            server=use.server[:200],
+            tool=use.tool[:200],
+            arguments_id=digests[id(use.arguments)],
+            result_id=digests[id(use.result)] if use.result is not None else None,
+            status=use.status,
+            error=use.error,
+            latency_ms=use.latency_ms,
+        )
+        for use in made
+    ]
+    return ToolCall.objects.bulk_create(rows)
 
 
 def _store(bodies: Sequence[Any]) -> dict[int, str]:

@@ -1,0 +1,468 @@
+"""A per-process pool of MCP clients (CONTRACT section 10, "MCP tools").
+
+MCP sessions belong to the event loop that made them (the SDK is anyio: its task groups and
+streams are bound to one loop, and a client's task group must be left by the task that
+entered it). So each process keeps ONE event loop, run by a daemon thread, made on first use;
+synchronous callers (a step's body, pre-flight in a web request) hand it coroutines with
+``asyncio.run_coroutine_threadsafe`` and wait a bounded time. Nothing runs ``asyncio.run()``
+per call: a client outlives the call that opened it.
+
+Invariants:
+
+- At most ``DJFLOW_MCP_POOL_SIZE`` clients are open at once in a process (20 by default).
+  Opening one more first closes the least recently used client no call is using; when every
+  open client is in use, the opener waits (within its own time bound) for one to be free.
+- A client no call has used for ``DJFLOW_MCP_IDLE_SECONDS`` (60 by default) is closed by the
+  loop's reaper.
+- A client whose call failed on its connection (refused, reset, a closed stream, a stdio
+  server that exited, a time-out) is discarded: the next use opens a new one.
+- Each client lives in a task of its own (:class:`_Held`), which enters the SDK's ``Client``
+  and leaves it again when told to close: entering and leaving happen in one task, as anyio
+  requires.
+- After ``fork()`` the child starts with no loop and no clients (``os.register_at_fork``):
+  a prefork Celery child (or a gunicorn worker) must never touch its parent's loop, whose
+  thread does not exist in it, nor its parent's connections. What the parent had open is
+  kept referenced in the child, never closed there: closing would act on the parent's
+  sockets and pipes from a loop that is not running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import httpx2
+from django.conf import settings
+from mcp import Client, MCPError, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult, TextContent
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Time a closing client gets to shut down (a stdio server is sent EOF, then terminated).
+_CLOSE_SECONDS = 5.0
+
+
+class Unknown(LookupError):
+    """The server is not in ``DJFLOW_MCP_SERVERS``."""
+
+
+class Unreachable(Exception):
+    """The server could not be reached, or the connection broke: worth another try."""
+
+
+class TimedOut(Exception):
+    """The exchange did not end in the time it was given."""
+
+
+class Refused(Exception):
+    """The server answered with a protocol error (bad arguments, an unknown method): the same
+    call would be refused again."""
+
+
+def servers() -> Mapping[str, Mapping[str, Any]]:
+    configured: Mapping[str, Mapping[str, Any]] = settings.DJFLOW["MCP_SERVERS"]
+    return configured
+
+
+def _config(name: str) -> Mapping[str, Any]:
+    config = servers().get(name)
+    if config is None:
+        raise Unknown(name)
+    return config
+
+
+def _client_for(
+    config: Mapping[str, Any], timeout: float
+) -> tuple[Client, httpx2.AsyncClient | None]:
+    """The SDK's client for one configured server, and the HTTP client it sends through (the
+    caller closes it: the SDK leaves a client it was given open)."""
+    if "url" in config:
+        # Headers (credentials) go on the HTTP client, never into a log or a message.
+        http = httpx2.AsyncClient(
+            headers=dict(config.get("headers") or {}),
+            timeout=httpx2.Timeout(timeout, read=None),
+        )
+        return Client(streamable_http_client(config["url"], http_client=http)), http
+    command = list(config["command"])
+    params = StdioServerParameters(command=command[0], args=command[1:], env=config.get("env"))
+    return Client(params), None
+
+
+class _Held:
+    """One open client, held by a task of its own (entered and left in that task)."""
+
+    def __init__(self, name: str, config: Mapping[str, Any]) -> None:
+        self.name = name
+        self.config = config
+        self.client: Client | None = None
+        self.in_use = 0
+        self.last_used = time.monotonic()
+        self.broken = False
+        self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # Its error is read by open(), unless open() gave up waiting first: not worth a log.
+        self._ready.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._closing = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def open(self, timeout: float) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._hold(timeout))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _hold(self, timeout: float) -> None:
+        client, http = _client_for(self.config, timeout)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                if http is not None:
+                    await stack.enter_async_context(http)
+                self.client = await stack.enter_async_context(client)
+                self._ready.set_result(None)
+                await self._closing.wait()
+        except BaseException as error:
+            self.broken = True
+            if not self._ready.done():
+                if isinstance(error, asyncio.CancelledError):
+                    self._ready.cancel()
+                else:
+                    self._ready.set_exception(_leaf(error))
+            elif not self._closing.is_set():
+                logger.info("MCP server '%s': connection ended (%s)", self.name, _named(error))
+            if isinstance(error, asyncio.CancelledError):
+                raise
+        finally:
+            self.client = None
+
+    async def close(self) -> None:
+        self._closing.set()
+        if self._task is None or self._task.done():
+            return
+        if self.client is None:
+            # Still connecting (or failed to): nothing to shut down cleanly.
+            self._task.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_SECONDS)
+        except BaseException:
+            # A client that does not shut down in time is cancelled (its task group ends).
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(self._task, _CLOSE_SECONDS)
+
+    @property
+    def usable(self) -> bool:
+        return self.client is not None and not self.broken and not self._closing.is_set()
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool answered."""
+
+    structured: Any
+    texts: list[str]
+    is_error: bool
+    meta: dict[str, Any]
+
+
+class Pool:
+    """The clients of one process, on the loop of one thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Touched only on the loop's thread: name -> open client, least recently used first.
+        self._held: OrderedDict[str, _Held] = OrderedDict()
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._changed: asyncio.Condition | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        # Most clients ever open at once in this process (for tests and metrics).
+        self.most_open = 0
+
+    # --- the synchronous side ------------------------------------------------------------
+
+    def run(self, make: Callable[[], Awaitable[T]], timeout: float) -> T:
+        """Run ``make()`` on the pool's loop and wait for it at most ``timeout`` seconds (plus
+        a moment for it to end itself: the coroutines bound their own time)."""
+        future = asyncio.run_coroutine_threadsafe(_awaited(make), self._running_loop())
+        try:
+            return future.result(timeout + 1.0)
+        except TimeoutError:
+            raise TimedOut(f"timed out after {int(timeout * 1000)} ms") from None
+        finally:
+            # An alarm (the attempt's time limit) or a time-out here: the call stops too.
+            if not future.done():
+                future.cancel()
+
+    def call_tool(
+        self, server: str, tool: str, arguments: Mapping[str, Any], timeout: float
+    ) -> ToolResult:
+        _config(server)
+        return self.run(lambda: self._call_tool(server, tool, dict(arguments), timeout), timeout)
+
+    def list_tools(self, server: str, timeout: float) -> list[str]:
+        _config(server)
+        return self.run(lambda: self._list_tools(server, timeout), timeout)
+
+    def open_count(self) -> int:
+        """How many clients are open now (asked on the loop, so the answer is consistent)."""
+        if self._loop is None:
+            return 0
+        return self.run(self._count, 5.0)
+
+    def close_all(self, timeout: float = 10.0) -> None:
+        if self._loop is not None:
+            self.run(self._close_all, timeout)
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                started = threading.Event()
+                thread = threading.Thread(
+                    target=_serve, args=(loop, started), name="djflow-mcp-pool", daemon=True
+                )
+                thread.start()
+                started.wait()
+                self._loop = loop
+                asyncio.run_coroutine_threadsafe(self._reap(), loop)
+            return self._loop
+
+    # --- the loop's side -----------------------------------------------------------------
+
+    async def _call_tool(
+        self, server: str, tool: str, arguments: dict[str, Any], timeout: float
+    ) -> ToolResult:
+        deadline = time.monotonic() + timeout
+        held = await self._acquire(server, deadline)
+        try:
+            assert held.client is not None
+            left = max(deadline - time.monotonic(), 0.001)
+            result: CallToolResult = await _bounded(
+                held, held.client.call_tool(tool, arguments, read_timeout_seconds=left), left
+            )
+        finally:
+            await self._release(held)
+        return _result_of(result)
+
+    async def _list_tools(self, server: str, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        held = await self._acquire(server, deadline)
+        try:
+            assert held.client is not None
+            names: list[str] = []
+            cursor: str | None = None
+            # A bounded walk: a paginator that never ends cannot hold the caller.
+            for _ in range(100):
+                left = max(deadline - time.monotonic(), 0.001)
+                page = await _bounded(
+                    held, held.client.list_tools(cursor=cursor, cache_mode="refresh"), left
+                )
+                names.extend(t.name for t in page.tools)
+                cursor = page.next_cursor
+                if cursor is None:
+                    break
+            return names
+        finally:
+            await self._release(held)
+
+    async def _acquire(self, name: str, deadline: float) -> _Held:
+        """The open client of ``name``, opened (and the pool kept within its size) if need
+        be; marked in use until released."""
+        lock = self._opening.setdefault(name, asyncio.Lock())
+        async with lock:
+            held = self._held.get(name)
+            if held is not None and not held.usable:
+                await self._discard(held)
+                held = None
+            if held is None:
+                await self._make_room(deadline)
+                held = _Held(name, _config(name))
+                self._held[name] = held
+                self.most_open = max(self.most_open, len(self._held))
+                budget = max(deadline - time.monotonic(), 0.001)
+                try:
+                    await held.open(budget)
+                except TimeoutError:
+                    await self._discard(held)
+                    raise TimedOut(f"connecting took longer than {int(budget * 1000)} ms") from None
+                except BaseException as error:
+                    await self._discard(held)
+                    raise _mapped(error) from None
+            held.in_use += 1
+            held.last_used = time.monotonic()
+            self._held.move_to_end(name)
+            return held
+
+    async def _release(self, held: _Held) -> None:
+        held.in_use -= 1
+        held.last_used = time.monotonic()
+        if held.broken:
+            # Closed in the background: the caller has its answer (an error) already.
+            self._discard_soon(held)
+        await self._notify()
+
+    def _discard_soon(self, held: _Held) -> None:
+        if self._held.get(held.name) is held:
+            del self._held[held.name]
+        task = asyncio.get_running_loop().create_task(self._discard(held))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _make_room(self, deadline: float) -> None:
+        size = max(1, int(settings.DJFLOW["MCP_POOL_SIZE"]))
+        while len(self._held) >= size:
+            victim = next((h for h in self._held.values() if h.in_use == 0), None)
+            if victim is not None:
+                await self._discard(victim)
+                continue
+            # Every open client is in a call: wait for one to end.
+            changed = self._condition()
+            async with changed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimedOut(f"every one of the {size} MCP clients of this process is busy")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), left)
+
+    async def _discard(self, held: _Held) -> None:
+        if self._held.get(held.name) is held:
+            del self._held[held.name]
+        await held.close()
+        await self._notify()
+
+    async def _notify(self) -> None:
+        changed = self._condition()
+        async with changed:
+            changed.notify_all()
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _count(self) -> int:
+        return len(self._held)
+
+    async def _close_all(self) -> None:
+        for held in list(self._held.values()):
+            await self._discard(held)
+
+    async def _reap(self) -> None:
+        """Close the clients idle past DJFLOW_MCP_IDLE_SECONDS, for as long as the loop runs."""
+        while True:
+            idle = float(settings.DJFLOW["MCP_IDLE_SECONDS"])
+            await asyncio.sleep(min(max(idle / 4, 0.05), 5.0))
+            now = time.monotonic()
+            for held in list(self._held.values()):
+                if held.in_use == 0 and (now - held.last_used >= idle or not held.usable):
+                    await self._discard(held)
+
+
+def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+    asyncio.set_event_loop(loop)
+    loop.call_soon(started.set)
+    loop.run_forever()
+
+
+async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
+    return await make()
+
+
+async def _bounded(held: _Held, call: Awaitable[T], seconds: float) -> T:
+    """``call``'s answer within ``seconds``; a time-out or a broken connection discards the
+    client (marked broken: its release closes it)."""
+    try:
+        return await asyncio.wait_for(call, seconds)
+    except TimeoutError:
+        held.broken = True
+        raise TimedOut(f"no answer within {int(seconds * 1000)} ms") from None
+    except BaseException as error:
+        mapped = _mapped(error)
+        if not isinstance(mapped, Refused):
+            held.broken = True
+        raise mapped from None
+
+
+def _mapped(error: BaseException) -> BaseException:
+    leaf = _leaf(error)
+    if isinstance(leaf, MCPError):
+        if leaf.error.code == REQUEST_TIMEOUT:
+            return TimedOut(str(leaf))
+        if leaf.error.code == CONNECTION_CLOSED:
+            return Unreachable(f"the connection closed ({leaf})")
+        return Refused(f"{leaf} (code {leaf.error.code})")
+    if isinstance(leaf, (TimedOut, Unreachable, Refused, asyncio.CancelledError)):
+        return leaf
+    if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
+        return TimedOut(_named(leaf))
+    if isinstance(leaf, httpx2.HTTPStatusError):
+        status = leaf.response.status_code
+        if status in (408, 429) or status >= 500:
+            return Unreachable(f"it answered HTTP {status}")
+        return Refused(f"it answered HTTP {status}")
+    # Refused or reset connections, a closed stream, a stdio server that exited or could not
+    # be started, what else the transport raised: another try may find it up.
+    return Unreachable(_named(leaf))
+
+
+def _leaf(error: BaseException) -> BaseException:
+    """The first error inside (anyio's task groups wrap what their tasks raised)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+def _named(error: BaseException) -> str:
+    text = str(error)
+    if isinstance(error, (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream)):
+        text = "the stream is closed"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _result_of(result: CallToolResult) -> ToolResult:
+    texts = [block.text for block in result.content if isinstance(block, TextContent)]
+    meta = dict(result.meta or {})
+    return ToolResult(
+        structured=result.structured_content, texts=texts, is_error=result.is_error, meta=meta
+    )
+
+
+# --- one pool per process -----------------------------------------------------------------
+
+_pool: Pool | None = None
+_pool_lock = threading.Lock()
+# A parent's pools, kept referenced in a forked child and never used there (module docstring).
+_abandoned: list[Pool] = []
+
+
+def pool() -> Pool:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = Pool()
+        return _pool
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    if _pool is not None:
+        _abandoned.append(_pool)
+    _pool = None
+    # The parent's lock may have been held by another thread at the fork.
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
