@@ -188,6 +188,7 @@ class Pool:
         self._opening: dict[str, asyncio.Lock] = {}
         self._changed: asyncio.Condition | None = None
         self._closing: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
         # Most clients ever open at once in this process (for tests and metrics).
         self.most_open = 0
 
@@ -226,6 +227,20 @@ class Pool:
         if self._loop is not None:
             self.run(self._close_all, timeout)
 
+    def shutdown(self) -> None:
+        """Close every client and stop the loop (its thread ends); a later use starts anew."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        # What belonged to that loop (its locks, its condition) is not the next one's.
+        self._changed = None
+        self._opening = {}
+        self._held = OrderedDict()
+
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
@@ -237,7 +252,7 @@ class Pool:
                 thread.start()
                 started.wait()
                 self._loop = loop
-                asyncio.run_coroutine_threadsafe(self._reap(), loop)
+                asyncio.run_coroutine_threadsafe(self._start_reaper(), loop).result()
             return self._loop
 
     # --- the loop's side -----------------------------------------------------------------
@@ -356,9 +371,19 @@ class Pool:
     async def _count(self) -> int:
         return len(self._held)
 
+    async def _shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._reaper
+        await self._close_all()
+
     async def _close_all(self) -> None:
         for held in list(self._held.values()):
             await self._discard(held)
+
+    async def _start_reaper(self) -> None:
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
 
     async def _reap(self) -> None:
         """Close the clients idle past DJFLOW_MCP_IDLE_SECONDS, for as long as the loop runs."""

@@ -1,0 +1,154 @@
+"""The per-process MCP client pool (workers/mcp/pool.py) against real MCP servers (the SDK's
+MCPServer over streamable HTTP on loopback, and over stdio): answers, errors, time-outs, the
+size bound and least-recently-used eviction, idle closing and a broken client replaced, each
+measured through the HTTP server's own count of open connections; and a pool used in a
+parent and then in a forked child."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.processes import wait_for
+from tests.workers.mcp_servers import HttpMcpServer, free_port, stdio_config
+from workers.mcp import pool as mcp
+
+
+@pytest.fixture
+def server() -> Iterator[HttpMcpServer]:
+    with HttpMcpServer() as running:
+        yield running
+
+
+@pytest.fixture
+def configure(settings) -> Any:
+    def configure(servers: dict[str, Any], **knobs: Any) -> None:
+        settings.DJFLOW = {**settings.DJFLOW, "MCP_SERVERS": servers, **knobs}
+
+    return configure
+
+
+@pytest.fixture
+def pool() -> Iterator[mcp.Pool]:
+    made = mcp.Pool()
+    yield made
+    made.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["http", "stdio"])
+def test_answers_and_tool_errors_on_both_transports(
+    transport: str, server: HttpMcpServer, configure: Any, pool: mcp.Pool
+) -> None:
+    config = {"url": server.url()} if transport == "http" else stdio_config()
+    configure({"tools": config})
+    assert set(pool.list_tools("tools", 10)) >= {"echo", "say", "broken", "flaky"}
+    echoed = pool.call_tool("tools", "echo", {"text": "héllo"}, 10)
+    assert (echoed.structured, echoed.is_error) == ({"echo": "héllo", "length": 5}, False)
+    said = pool.call_tool("tools", "say", {"text": "hi"}, 10)
+    assert (said.structured, said.texts) == (None, ["hi", "(2)"])
+    failed = pool.call_tool("tools", "broken", {"message": "no such order"}, 10)
+    assert failed.is_error and failed.texts == ["Error executing tool broken: no such order"]
+    # One client served every call.
+    assert pool.open_count() == 1
+
+
+def test_unknown_server_and_time_out(server: HttpMcpServer, configure: Any, pool: mcp.Pool) -> None:
+    configure({"tools": {"url": server.url()}})
+    with pytest.raises(mcp.Unknown):
+        pool.call_tool("nowhere", "echo", {}, 5)
+    started = time.monotonic()
+    with pytest.raises(mcp.TimedOut):
+        pool.call_tool("tools", "slow", {"seconds": 5}, 0.5)
+    assert time.monotonic() - started < 2
+    # The timed-out client was discarded; a new one answers.
+    wait_for(lambda: pool.open_count() == 0, timeout=5)
+    assert pool.call_tool("tools", "echo", {"text": "x"}, 5).structured["echo"] == "x"
+
+
+def test_size_bound_and_least_recently_used_first(
+    server: HttpMcpServer, configure: Any, pool: mcp.Pool
+) -> None:
+    configure({f"p{i}": {"url": server.url(f"?n={i}")} for i in range(5)}, MCP_POOL_SIZE=3)
+    for name in ("p0", "p1", "p2", "p0", "p3"):
+        pool.call_tool(name, "echo", {"text": name}, 5)
+    # p1 was the least recently used when p3 needed room.
+    assert list(pool._held) == ["p2", "p0", "p3"]
+    pool.call_tool("p4", "echo", {"text": "p4"}, 5)
+    assert list(pool._held) == ["p0", "p3", "p4"]
+    assert server.most_connections == 3
+    wait_for(lambda: server.open_connections == 3, timeout=5)
+
+
+def test_idle_clients_close(server: HttpMcpServer, configure: Any, pool: mcp.Pool) -> None:
+    configure({"a": {"url": server.url()}, "b": {"url": server.url("?b")}}, MCP_IDLE_SECONDS=1.0)
+    pool.call_tool("a", "echo", {"text": "a"}, 5)
+    pool.call_tool("b", "echo", {"text": "b"}, 5)
+    assert server.open_connections == 2
+    started = time.monotonic()
+    wait_for(lambda: server.open_connections == 0, timeout=5)
+    assert 0.9 <= time.monotonic() - started <= 2.5
+    assert pool.open_count() == 0
+
+
+def test_a_broken_client_is_replaced(configure: Any, pool: mcp.Pool) -> None:
+    port = free_port()
+    first = HttpMcpServer(port=port)
+    configure({"tools": {"url": first.url()}})
+    with first:
+        assert pool.call_tool("tools", "echo", {"text": "1"}, 5).structured["echo"] == "1"
+    with pytest.raises(mcp.Unreachable):
+        pool.call_tool("tools", "echo", {"text": "2"}, 5)
+    with HttpMcpServer(port=port):
+        assert pool.call_tool("tools", "echo", {"text": "3"}, 5).structured["echo"] == "3"
+
+
+def test_headers_reach_the_server_and_never_show(configure: Any, pool: mcp.Pool) -> None:
+    with HttpMcpServer(token="s3cr3t-t0ken") as guarded:
+        configure(
+            {
+                "good": {"url": guarded.url(), "headers": {"Authorization": "Bearer s3cr3t-t0ken"}},
+                "bad": {"url": guarded.url("?bad"), "headers": {"Authorization": "Bearer wrong"}},
+            }
+        )
+        assert pool.call_tool("good", "echo", {"text": "in"}, 5).structured["echo"] == "in"
+        with pytest.raises((mcp.Refused, mcp.Unreachable)) as refused:
+            pool.call_tool("bad", "echo", {"text": "out"}, 5)
+        assert guarded.refused >= 1
+        assert "wrong" not in str(refused.value) and "s3cr3t" not in str(refused.value)
+
+
+def test_a_pool_used_in_a_parent_works_in_a_forked_child(
+    server: HttpMcpServer, configure: Any
+) -> None:
+    configure({"tools": {"url": server.url()}})
+    parent = mcp.pool()
+    try:
+        assert parent.call_tool("tools", "echo", {"text": "parent"}, 5).structured
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the child reports through the pipe)
+            try:
+                os.close(read)
+                fresh = mcp.pool()
+                answer = fresh.call_tool("tools", "echo", {"text": "child"}, 5)
+                report = {"echo": answer.structured["echo"], "fresh": fresh is not parent}
+            except BaseException as error:
+                report = {"error": repr(error)}
+            os.write(write, json.dumps(report).encode())
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(child, 0)
+        with os.fdopen(read) as pipe:
+            report = json.loads(pipe.read() or "{}")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert report == {"echo": "child", "fresh": True}
+        # The parent's pool was not disturbed by the child.
+        assert parent.call_tool("tools", "echo", {"text": "again"}, 5).structured["echo"] == "again"
+        assert parent.open_count() == 1
+    finally:
+        parent.shutdown()
