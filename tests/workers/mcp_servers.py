@@ -135,8 +135,9 @@ class HttpMcpServer:
         app = build(self.calls).streamable_http_app(
             transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False)
         )
-        if token is not None:
-            app = self._requiring(app, f"Bearer {token}")
+        # An HTTP status every request is answered with instead of MCP (None: MCP).
+        self.status: int | None = None
+        app = self._guarded(app, f"Bearer {token}" if token is not None else None)
         config = uvicorn.Config(
             app,
             host="127.0.0.1",
@@ -151,16 +152,20 @@ class HttpMcpServer:
             target=self._server.run, daemon=True, name="mcp-test-server"
         )
 
-    def _requiring(self, app: Any, authorization: str) -> Any:
-        """``app`` behind a check of the Authorization header (401 without it)."""
+    def _guarded(self, app: Any, authorization: str | None) -> Any:
+        """``app`` behind a check of the Authorization header (401 without it), answering
+        ``self.status`` instead when it is set."""
 
         async def guarded(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] == "http":
                 sent = dict(scope["headers"]).get(b"authorization", b"").decode()
-                if sent != authorization:
+                status = self.status
+                if status is None and authorization is not None and sent != authorization:
                     self.refused += 1
-                    await send({"type": "http.response.start", "status": 401, "headers": []})
-                    await send({"type": "http.response.body", "body": b"who are you?"})
+                    status = 401
+                if status is not None:
+                    await send({"type": "http.response.start", "status": status, "headers": []})
+                    await send({"type": "http.response.body", "body": b"not now"})
                     return
             await app(scope, receive, send)
 

@@ -107,6 +107,18 @@ def test_a_broken_client_is_replaced(configure: Any, pool: mcp.Pool) -> None:
         assert pool.call_tool("tools", "echo", {"text": "3"}, 5).structured["echo"] == "3"
 
 
+def test_a_server_error_status_is_worth_another_try(
+    server: HttpMcpServer, configure: Any, pool: mcp.Pool
+) -> None:
+    configure({"tools": {"url": server.url()}})
+    assert pool.call_tool("tools", "echo", {"text": "up"}, 5).structured["echo"] == "up"
+    server.status = 503
+    with pytest.raises(mcp.Unreachable, match="it answered HTTP 503"):
+        pool.call_tool("tools", "echo", {"text": "busy"}, 5)
+    server.status = None
+    assert pool.call_tool("tools", "echo", {"text": "back"}, 5).structured["echo"] == "back"
+
+
 def test_headers_reach_the_server_and_never_show(configure: Any, pool: mcp.Pool) -> None:
     with HttpMcpServer(token="s3cr3t-t0ken") as guarded:
         configure(
@@ -116,9 +128,10 @@ def test_headers_reach_the_server_and_never_show(configure: Any, pool: mcp.Pool)
             }
         )
         assert pool.call_tool("good", "echo", {"text": "in"}, 5).structured["echo"] == "in"
-        with pytest.raises((mcp.Refused, mcp.Unreachable)) as refused:
+        with pytest.raises(mcp.Refused) as refused:
             pool.call_tool("bad", "echo", {"text": "out"}, 5)
         assert guarded.refused >= 1
+        assert str(refused.value) == "it answered HTTP 401"
         assert "wrong" not in str(refused.value) and "s3cr3t" not in str(refused.value)
 
 

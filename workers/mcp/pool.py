@@ -44,7 +44,13 @@ import httpx2
 from django.conf import settings
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
-from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult, TextContent
+from mcp_types import (
+    CONNECTION_CLOSED,
+    INTERNAL_ERROR,
+    REQUEST_TIMEOUT,
+    CallToolResult,
+    TextContent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +90,23 @@ def _config(name: str) -> Mapping[str, Any]:
 
 
 def _client_for(
-    config: Mapping[str, Any], timeout: float
+    config: Mapping[str, Any], timeout: float, on_status: Callable[[int], None]
 ) -> tuple[Client, httpx2.AsyncClient | None]:
     """The SDK's client for one configured server, and the HTTP client it sends through (the
-    caller closes it: the SDK leaves a client it was given open)."""
+    caller closes it: the SDK leaves a client it was given open). ``on_status`` hears each
+    HTTP error status: the SDK turns every one but 404 into the same JSON-RPC error, and
+    whether another try may help (503) or not (401) is in the status."""
+
+    async def heard(response: httpx2.Response) -> None:
+        if response.status_code >= 400:
+            on_status(response.status_code)
+
     if "url" in config:
         # Headers (credentials) go on the HTTP client, never into a log or a message.
         http = httpx2.AsyncClient(
             headers=dict(config.get("headers") or {}),
             timeout=httpx2.Timeout(timeout, read=None),
+            event_hooks={"response": [heard]},
         )
         return Client(streamable_http_client(config["url"], http_client=http)), http
     command = list(config["command"])
@@ -110,6 +124,8 @@ class _Held:
         self.in_use = 0
         self.last_used = time.monotonic()
         self.broken = False
+        # The last HTTP error status the server answered (streamable HTTP only).
+        self.http_status: int | None = None
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Its error is read by open(), unless open() gave up waiting first: not worth a log.
         self._ready.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -125,7 +141,7 @@ class _Held:
             raise
 
     async def _hold(self, timeout: float) -> None:
-        client, http = _client_for(self.config, timeout)
+        client, http = _client_for(self.config, timeout, self._heard)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 if http is not None:
@@ -146,6 +162,9 @@ class _Held:
                 raise
         finally:
             self.client = None
+
+    def _heard(self, status: int) -> None:
+        self.http_status = status
 
     async def close(self) -> None:
         self._closing.set()
@@ -315,7 +334,7 @@ class Pool:
                     raise TimedOut(f"connecting took longer than {int(budget * 1000)} ms") from None
                 except BaseException as error:
                     await self._discard(held)
-                    raise _mapped(error) from None
+                    raise _mapped(error, held.http_status) from None
             held.in_use += 1
             held.last_used = time.monotonic()
             self._held.move_to_end(name)
@@ -409,20 +428,25 @@ async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
 async def _bounded(held: _Held, call: Awaitable[T], seconds: float) -> T:
     """``call``'s answer within ``seconds``; a time-out or a broken connection discards the
     client (marked broken: its release closes it)."""
+    held.http_status = None
     try:
         return await asyncio.wait_for(call, seconds)
     except TimeoutError:
         held.broken = True
         raise TimedOut(f"no answer within {int(seconds * 1000)} ms") from None
     except BaseException as error:
-        mapped = _mapped(error)
+        mapped = _mapped(error, held.http_status)
         if not isinstance(mapped, Refused):
             held.broken = True
         raise mapped from None
 
 
-def _mapped(error: BaseException) -> BaseException:
+def _mapped(error: BaseException, http_status: int | None = None) -> BaseException:
     leaf = _leaf(error)
+    if http_status is not None and isinstance(leaf, MCPError) and leaf.error.code == INTERNAL_ERROR:
+        if http_status in (408, 429) or http_status >= 500:
+            return Unreachable(f"it answered HTTP {http_status}")
+        return Refused(f"it answered HTTP {http_status}")
     if isinstance(leaf, MCPError):
         if leaf.error.code == REQUEST_TIMEOUT:
             return TimedOut(str(leaf))
@@ -433,11 +457,6 @@ def _mapped(error: BaseException) -> BaseException:
         return leaf
     if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
         return TimedOut(_named(leaf))
-    if isinstance(leaf, httpx2.HTTPStatusError):
-        status = leaf.response.status_code
-        if status in (408, 429) or status >= 500:
-            return Unreachable(f"it answered HTTP {status}")
-        return Refused(f"it answered HTTP {status}")
     # Refused or reset connections, a closed stream, a stdio server that exited or could not
     # be started, what else the transport raised: another try may find it up.
     return Unreachable(_named(leaf))
