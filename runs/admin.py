@@ -24,7 +24,7 @@ from workflows.errors import EngineError
 from workflows.secrets import shown, shown_text
 
 from .engine import unservable
-from .models import Event, ModelCall, Run, RunAction, StepRun, Timer
+from .models import Event, ModelCall, Run, RunAction, StepRun, Timer, ToolCall
 from .services import run_cancel, run_retry
 from .status import StepStatus
 
@@ -311,6 +311,46 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
         return _pretty_json(_cut(call.reply.body)) if call.reply is not None else "—"
 
 
+class ToolCallInline(ReadOnlyMixin, admin.StackedInline):
+    """The attempt's MCP tool calls: server, tool, the arguments sent and the result answered
+    (a run secret in them shown as ``••••``), status and latency."""
+
+    model = ToolCall
+    fields = (
+        "server",
+        "tool",
+        "status",
+        "latency_ms",
+        "pretty_error",
+        "pretty_arguments",
+        "pretty_result",
+    )
+    readonly_fields = fields
+    ordering = ("id",)
+    extra = 0
+    verbose_name_plural = "tool calls"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        return super().get_queryset(request).select_related("arguments", "result")
+
+    def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        if obj is None:
+            return access.has_any_role(request.user)
+        return access.may_view_run(request.user, obj.run.workflow_id, obj.run.created_by_id)
+
+    @admin.display(description="error")
+    def pretty_error(self, call: ToolCall) -> str:
+        return _pretty_json(call.error) if call.error else "—"
+
+    @admin.display(description="arguments")
+    def pretty_arguments(self, call: ToolCall) -> str:
+        return _pretty_json(_cut(call.arguments.body))
+
+    @admin.display(description="result")
+    def pretty_result(self, call: ToolCall) -> str:
+        return _pretty_json(_cut(call.result.body)) if call.result is not None else "—"
+
+
 # The most of a prompt's or reply's text an attempt's admin page shows (a page of many long
 # calls must stay a page); GET /api/v1/runs/{id}/calls/{call} has them whole.
 SHOWN_TEXT_CHARS = 20_000
@@ -329,7 +369,7 @@ def _cut(value: Any) -> Any:
 @admin.register(StepRun)
 class StepRunAdmin(RunScopedAdmin):
     run_prefix = "run__"
-    inlines = (ModelCallInline,)
+    inlines = (ModelCallInline, ToolCallInline)
 
     list_display = (
         "__str__",

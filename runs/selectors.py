@@ -10,7 +10,7 @@ from django.db.models import F, Prefetch, QuerySet
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
 
-from .models import ModelCall, Run, RunAction, StepRun
+from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 
 
 def run_list(
@@ -54,7 +54,13 @@ def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
                     queryset=ModelCall.objects.annotate(
                         prompt_size=F("prompt__size"), reply_size=F("reply__size")
                     ).order_by("id"),
-                )
+                ),
+                Prefetch(
+                    "tool_calls",
+                    queryset=ToolCall.objects.annotate(
+                        arguments_size=F("arguments__size"), result_size=F("result__size")
+                    ).order_by("id"),
+                ),
             ),
         ),
         Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),

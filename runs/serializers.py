@@ -19,7 +19,7 @@ from rest_framework import serializers
 from workflows import secrets
 
 from .engine import unservable
-from .models import ModelCall, Run, RunAction, StepRun
+from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 from .status import RunStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -251,6 +251,34 @@ class ModelCallDetailSerializer(ModelCallSerializer):
         return _content(call.reply)
 
 
+class ToolCallSerializer(serializers.ModelSerializer):
+    """One MCP tool call of an attempt (CONTRACT section 10, "MCP tools"), as its run lists
+    it: where its arguments and result are stored and how big they are, not their bodies
+    (the attempt's ``input`` is the call as made and its ``output`` the tool's answer)."""
+
+    arguments_digest = serializers.CharField(source="arguments_id", read_only=True)
+    arguments_size = serializers.IntegerField(read_only=True)
+    result_digest = serializers.CharField(source="result_id", read_only=True, allow_null=True)
+    result_size = serializers.IntegerField(read_only=True, allow_null=True)
+
+    class Meta:
+        model = ToolCall
+        fields = [
+            "id",
+            "server",
+            "tool",
+            "status",
+            "error",
+            "latency_ms",
+            "created_at",
+            "arguments_digest",
+            "arguments_size",
+            "result_digest",
+            "result_size",
+        ]
+        read_only_fields = fields
+
+
 def _content(content: Any) -> dict[str, Any] | None:
     if content is None:
         return None
@@ -267,6 +295,7 @@ class StepRunSerializer(serializers.ModelSerializer):
     usage = serializers.JSONField(read_only=True)
     error = serializers.SerializerMethodField()
     model_calls = ModelCallSerializer(many=True, read_only=True)
+    tool_calls = ToolCallSerializer(many=True, read_only=True)
 
     class Meta:
         model = StepRun
@@ -290,6 +319,7 @@ class StepRunSerializer(serializers.ModelSerializer):
             "usage",
             "cost_usd",
             "model_calls",
+            "tool_calls",
             "waiting_for",
             "waiting_since",
         ]
