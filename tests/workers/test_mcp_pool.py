@@ -95,6 +95,13 @@ def test_idle_clients_close(server: HttpMcpServer, configure: Any, pool: mcp.Poo
     assert pool.open_count() == 0
 
 
+def test_a_client_still_opening_is_not_reaped(configure: Any, pool: mcp.Pool) -> None:
+    # The reaper runs every 50 ms; starting a stdio server takes far longer.
+    configure({"local": stdio_config()}, MCP_IDLE_SECONDS=0.2)
+    assert pool.call_tool("local", "echo", {"text": "x"}, 10).structured["echo"] == "x"
+    wait_for(lambda: pool.open_count() == 0, timeout=5)
+
+
 def test_a_broken_client_is_replaced(configure: Any, pool: mcp.Pool) -> None:
     port = free_port()
     first = HttpMcpServer(port=port)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import threading
@@ -133,7 +134,11 @@ class _Held:
         self._task: asyncio.Task[None] | None = None
 
     async def open(self, timeout: float) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._hold(timeout))
+        # A context of its own: the client outlives the call that opened it, and must not
+        # carry that call's context variables (a tracing span, say) into later ones.
+        self._task = asyncio.get_running_loop().create_task(
+            self._hold(timeout), context=contextvars.Context()
+        )
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except BaseException:
@@ -167,19 +172,19 @@ class _Held:
         self.http_status = status
 
     async def close(self) -> None:
+        """Tell the holding task to leave the client, and wait for it (bounded). A cancel of
+        the caller is never swallowed here (asyncio.wait does not raise the task's own)."""
         self._closing.set()
         if self._task is None or self._task.done():
             return
         if self.client is None:
             # Still connecting (or failed to): nothing to shut down cleanly.
             self._task.cancel()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), _CLOSE_SECONDS)
-        except BaseException:
+        done, _ = await asyncio.wait({self._task}, timeout=_CLOSE_SECONDS)
+        if not done:
             # A client that does not shut down in time is cancelled (its task group ends).
             self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(self._task, _CLOSE_SECONDS)
+            await asyncio.wait({self._task}, timeout=_CLOSE_SECONDS)
 
     @property
     def usable(self) -> bool:
@@ -326,6 +331,8 @@ class Pool:
                 held = _Held(name, _config(name))
                 self._held[name] = held
                 self.most_open = max(self.most_open, len(self._held))
+                # In use while it opens: the reaper leaves it alone.
+                held.in_use = 1
                 budget = max(deadline - time.monotonic(), 0.001)
                 try:
                     await held.open(budget)
@@ -335,7 +342,8 @@ class Pool:
                 except BaseException as error:
                     await self._discard(held)
                     raise _mapped(error, held.http_status) from None
-            held.in_use += 1
+            else:
+                held.in_use += 1
             held.last_used = time.monotonic()
             self._held.move_to_end(name)
             return held
