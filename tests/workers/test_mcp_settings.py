@@ -1,0 +1,79 @@
+"""DJFLOW_MCP_SERVERS is checked when the settings load: a bad entry refuses to start, naming
+the entry and what is wrong with it, and never quoting a header's or an env variable's value
+(they hold credentials)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from config.settings import _mcp_servers
+
+BASE_DIR = Path(__file__).resolve().parent.parent.parent
+SECRET = "Bearer hush-hush-42"
+
+BAD = {
+    "not-json": ("{nope", "DJFLOW_MCP_SERVERS is not JSON"),
+    "not-an-object": ("[1, 2]", "DJFLOW_MCP_SERVERS must be a JSON object"),
+    "entry-not-object": ('{"a": "http://x"}', "DJFLOW_MCP_SERVERS['a']: must be an object"),
+    "neither": ('{"a": {}}', "DJFLOW_MCP_SERVERS['a']: give either \"url\""),
+    "both": ('{"a": {"url": "http://x", "command": ["x"]}}', "not both or none"),
+    "bad-scheme": ('{"a": {"url": "file:///etc/passwd"}}', "must be an http:// or https:// URL"),
+    "unknown-field": ('{"a": {"url": "http://x", "header": {}}}', "unknown field 'header'"),
+    "empty-command": ('{"s": {"command": []}}', "DJFLOW_MCP_SERVERS['s']: \"command\" must be"),
+    "command-not-list": ('{"s": {"command": "python -m x"}}', '"command" must be a non-empty'),
+    "env-not-strings": ('{"s": {"command": ["x"], "env": {"A": 1}}}', "'env' must map names"),
+    "header-line-break": (
+        json.dumps({"h": {"url": "http://x", "headers": {"Authorization": SECRET + "\r\nX: y"}}}),
+        "DJFLOW_MCP_SERVERS['h']: 'headers' must map names to strings",
+    ),
+    "empty-name": ('{"": {"url": "http://x"}}', "1 to 200 printable characters"),
+}
+
+
+@pytest.mark.parametrize("raw, expected", list(BAD.values()), ids=list(BAD))
+def test_a_bad_entry_is_refused_naming_it(raw: str, expected: str) -> None:
+    with pytest.raises(ImproperlyConfigured) as refused:
+        _mcp_servers(raw)
+    assert expected in str(refused.value)
+    assert "hush-hush" not in str(refused.value)
+
+
+def test_good_entries_are_kept_normalised() -> None:
+    raw = json.dumps(
+        {
+            "docs": {"url": "https://mcp.example.com/mcp", "headers": {"Authorization": SECRET}},
+            "local": {"command": ["python", "-m", "tools"]},
+        }
+    )
+    assert _mcp_servers(raw) == {
+        "docs": {"url": "https://mcp.example.com/mcp", "headers": {"Authorization": SECRET}},
+        "local": {"command": ["python", "-m", "tools"], "env": {}},
+    }
+    assert _mcp_servers("") == {}
+
+
+def test_a_process_with_a_bad_entry_does_not_start(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    environ.update(
+        DJANGO_SETTINGS_MODULE="config.settings",
+        DJFLOW_VAR_DIR=str(tmp_path),
+        DJFLOW_MCP_SERVERS=json.dumps({"docs": {"url": "ftp://x", "headers": {"A": SECRET}}}),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        cwd=BASE_DIR,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "ImproperlyConfigured: DJFLOW_MCP_SERVERS['docs']" in done.stderr
+    assert "hush-hush" not in done.stderr
