@@ -413,13 +413,15 @@ def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatc
     assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == [
         "workflows.examples.support_ticket",
         "workflows.examples.ticket_triage",
+        "workflows.examples.ticket_tools",
     ]
     assert (
-        "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage"
-        " (the examples" in out.getvalue()
+        "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage,"
+        " workflows.examples.ticket_tools (the examples" in out.getvalue()
     )
     assert WorkflowVersion.objects.filter(workflow_id="support_ticket").exists()
     assert WorkflowVersion.objects.filter(workflow_id="ticket_triage").exists()
+    assert WorkflowVersion.objects.filter(workflow_id="ticket_tools").exists()
 
 
 def test_with_no_provider_configured_the_stand_in_answers_and_says_so() -> None:
@@ -438,6 +440,16 @@ def test_with_no_provider_configured_the_stand_in_answers_and_says_so() -> None:
     named = child_env(address, [], {"DJFLOW_DEFAULT_MODEL": "openai:gpt-4o-mini"})
     assert named["DJFLOW_DEFAULT_MODEL"] == "openai:gpt-4o-mini"
     assert "openai:gpt-4o-mini" in default_model_note(named)
+
+
+def test_the_example_mcp_server_is_configured_unless_servers_are_named() -> None:
+    from workers.management.commands.standalone import Address, child_env
+
+    address = Address.parse("127.0.0.1:8000")
+    bare = json.loads(child_env(address, [], {})["DJFLOW_MCP_SERVERS"])
+    assert bare == {"tickets": {"command": [sys.executable, "-m", "workflows.examples.mcp_server"]}}
+    mine = child_env(address, [], {"DJFLOW_MCP_SERVERS": ""})
+    assert mine["DJFLOW_MCP_SERVERS"] == ""
 
 
 def test_named_workflow_modules_replace_the_example(db, monkeypatch, settings) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 from typing import Any
 
 import pytest
@@ -97,8 +98,10 @@ def test_tool_calls_answers_errors_and_retries(
 ) -> None:
     with HttpMcpServer() as server:
         live = {"url": server.url()}
+        example = {"command": [sys.executable, "-m", "workflows.examples.mcp_server"]}
         web_servers(
-            monkeypatch, {"web": live, "local": stdio_config(), "down": live, "ghost": live}
+            monkeypatch,
+            {"web": live, "local": stdio_config(), "down": live, "ghost": live, "tickets": example},
         )
         celery_worker(
             env=worker_env(
@@ -107,8 +110,10 @@ def test_tool_calls_answers_errors_and_retries(
                     "local": stdio_config(),
                     # Reachable at the start (pre-flight), not from the worker.
                     "down": {"url": f"http://127.0.0.1:{free_port()}/mcp"},
+                    "tickets": example,
                 }
             ),
+            workflow_modules=["workflows.examples.ticket_tools"],
             concurrency=1,
         )
         logs = celery_processes.logs
@@ -201,6 +206,17 @@ def test_tool_calls_answers_errors_and_retries(
         run = finished(start("mcp_args", {"list": [1]}).id, logs)
         assert (run.status, run.error["class"]) == ("failed", "invalid_input"), run.error
         assert "arguments: resolved to an array, not an object" in run.error["message"]
+
+        # 8. The example: the bundled server over stdio, its structured answer read by a
+        # condition.
+        ticket = "The export crashes on big files. Can you fix it?"
+        run = finished(start("ticket_tools", {"ticket": ticket}).id, logs)
+        assert run.status == "completed", run.error
+        assert run.output == {
+            "stats": {"words": 10, "characters": 48, "lines": 1, "questions": 1, "urgent": True},
+            "slug": "the-export-crashes-on-big-files-can-you",
+            "urgent_slug": "urgent-the-export-crashes-on-big-files-can-you",
+        }
 
 
 def test_the_pool_holds_at_most_20_clients_and_closes_idle_ones(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -140,6 +142,35 @@ def test_headers_reach_the_server_and_never_show(configure: Any, pool: mcp.Pool)
         assert guarded.refused >= 1
         assert str(refused.value) == "it answered HTTP 401"
         assert "wrong" not in str(refused.value) and "s3cr3t" not in str(refused.value)
+
+
+def test_the_example_server_over_streamable_http(configure: Any, pool: mcp.Pool) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "workflows.examples.mcp_server", "--http", "--port", str(port)]
+    example = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        configure({"tickets": {"url": f"http://127.0.0.1:{port}/mcp"}})
+
+        def listed() -> list[str] | None:
+            try:
+                return pool.list_tools("tickets", 2)
+            except mcp.Unreachable:
+                return None
+
+        assert sorted(wait_for(listed, timeout=20, interval=0.2)) == ["slugify", "ticket_stats"]
+        stats = pool.call_tool("tickets", "ticket_stats", {"text": "Down again? ASAP"}, 5)
+        assert stats.structured == {
+            "words": 3,
+            "characters": 16,
+            "lines": 1,
+            "questions": 1,
+            "urgent": True,
+        }
+        slug = pool.call_tool("tickets", "slugify", {"text": "Ça marche!", "max_length": 5}, 5)
+        assert (slug.structured, slug.texts) == (None, ["ca-ma"])
+    finally:
+        example.terminate()
+        example.wait(10)
 
 
 def test_a_pool_used_in_a_parent_works_in_a_forked_child(

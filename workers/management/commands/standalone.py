@@ -52,6 +52,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import json
 import os
 import secrets
 import signal
@@ -82,8 +83,18 @@ WORKER_READY_SECONDS = 60.0
 DEFAULT_ADDR = "127.0.0.1:8000"
 DEFAULT_SUPERUSER = "admin"
 # Loaded when the user names no modules of their own (WORKFLOW_MODULES unset): the contract's
-# example and the AI one, so a first run has workflows to start.
-EXAMPLE_MODULES = ["workflows.examples.support_ticket", "workflows.examples.ticket_triage"]
+# example and the AI ones, so a first run has workflows to start.
+EXAMPLE_MODULES = [
+    "workflows.examples.support_ticket",
+    "workflows.examples.ticket_triage",
+    "workflows.examples.ticket_tools",
+]
+# The MCP server ticket_tools calls, when DJFLOW_MCP_SERVERS is not set: the bundled example
+# server over stdio, started by whichever process calls it first (this Python, so the same
+# installation).
+EXAMPLE_MCP_SERVERS = {
+    "tickets": {"command": [sys.executable, "-m", "workflows.examples.mcp_server"]},
+}
 # The model recipe steps that name none use when no provider is configured: offline, and
 # labelled in every answer ("[stand-in model] ...").
 STANDIN_MODEL = "standin:echo"
@@ -158,12 +169,15 @@ def cannot_listen(addr: str, error: OSError) -> str:
 def child_env(address: Address, modules: list[str], environ: dict[str, str]) -> dict[str, str]:
     """The children's environment: this one, plus the workflow modules, links that point at
     ``address`` unless ``SITE_URL`` was set, and the stand-in model as the default when no
-    model is named and no provider configured (see :func:`default_model_note`)."""
+    model is named and no provider configured (see :func:`default_model_note`), and the
+    example MCP server when ``DJFLOW_MCP_SERVERS`` is not set."""
     env = {**environ, "PYTHONUNBUFFERED": "1", "WORKFLOW_MODULES": ",".join(modules)}
     if "SITE_URL" not in environ:
         env["SITE_URL"] = address.base_url
     if uses_standin(environ):
         env["DJFLOW_DEFAULT_MODEL"] = STANDIN_MODEL
+    if "DJFLOW_MCP_SERVERS" not in environ:
+        env["DJFLOW_MCP_SERVERS"] = json.dumps(EXAMPLE_MCP_SERVERS)
     return env
 
 
