@@ -153,6 +153,12 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         run = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{run_id}", token)
         assert run["status"] == "completed", run
         assert run["output"] == {"sent": True}
+        # The MCP example: the bundled server, which standalone configured, answered.
+        tools_id = _started_run(second_terminal.stdout, "ticket_tools")
+        tools = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{tools_id}", token)
+        assert tools["status"] == "completed", tools
+        assert tools["output"]["slug"] == "the-export-crashes-on-big-files-can-you"
+        assert tools["output"]["stats"]["urgent"] is True
     finally:
         os.killpg(first_terminal.pid, signal.SIGINT)
         try:
@@ -179,8 +185,8 @@ def _signed_in(base: str, username: str, password: str) -> bool:
         return response.url.rstrip("/") == base and "Log out" in response.read().decode()
 
 
-def _started_run(output: str) -> str:
-    """The id of the support_ticket run the pasted blocks started: the first JSON object
+def _started_run(output: str, workflow: str = "support_ticket") -> str:
+    """The id of the ``workflow`` run the pasted blocks started: the first JSON object
     printed that is a run of it (curl prints bodies with no newline after them)."""
     decoder, position = json.JSONDecoder(), 0
     while (start := output.find("{", position)) != -1:
@@ -189,7 +195,7 @@ def _started_run(output: str) -> str:
         except ValueError:
             position = start + 1
             continue
-        if isinstance(body, dict) and body.get("workflow") == "support_ticket" and "id" in body:
+        if isinstance(body, dict) and body.get("workflow") == workflow and "id" in body:
             return body["id"]
     raise AssertionError(f"no run in the output:\n{output}")
 
