@@ -137,7 +137,7 @@ def test_headers_reach_the_server_and_never_show(configure: Any, pool: mcp.Pool)
             }
         )
         assert pool.call_tool("good", "echo", {"text": "in"}, 5).structured["echo"] == "in"
-        with pytest.raises(mcp.Refused) as refused:
+        with pytest.raises(mcp.Rejected) as refused:
             pool.call_tool("bad", "echo", {"text": "out"}, 5)
         assert guarded.refused >= 1
         assert str(refused.value) == "it answered HTTP 401"

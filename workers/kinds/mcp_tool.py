@@ -78,7 +78,7 @@ def preflight(step: Mapping[str, Any], scope: PreflightScope) -> list[tuple[str,
         return [("server", f"MCP server '{server}' is not configured (DJFLOW_MCP_SERVERS)")]
     try:
         tools = _tools_of(server)
-    except (mcp.Unreachable, mcp.TimedOut, mcp.Refused) as error:
+    except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected) as error:
         return [("server", f"MCP server '{server}' is unreachable: {error}")]
     if tool not in tools:
         return [("tool", f"MCP server '{server}' lists no tool '{tool}'")]
@@ -143,7 +143,7 @@ def call(ctx: StepContext, given: Any, prior: Any = None) -> Any:
 
         try:
             answer = mcp.pool().call_tool(server, tool, arguments, seconds)
-        except (mcp.Unreachable, mcp.TimedOut, mcp.Refused, mcp.Unknown) as error:
+        except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected, mcp.Unknown) as error:
             failure = _failure(server, tool, error)
             made(
                 failure.error_class,

@@ -73,7 +73,7 @@ class TimedOut(Exception):
     """The exchange did not end in the time it was given."""
 
 
-class Refused(Exception):
+class Rejected(Exception):
     """The server answered with a protocol error (bad arguments, an unknown method): the same
     call would be refused again."""
 
@@ -213,8 +213,6 @@ class Pool:
         self._changed: asyncio.Condition | None = None
         self._closing: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
-        # Most clients ever open at once in this process (for tests and metrics).
-        self.most_open = 0
 
     # --- the synchronous side ------------------------------------------------------------
 
@@ -330,7 +328,6 @@ class Pool:
                 await self._make_room(deadline)
                 held = _Held(name, _config(name))
                 self._held[name] = held
-                self.most_open = max(self.most_open, len(self._held))
                 # In use while it opens: the reaper leaves it alone.
                 held.in_use = 1
                 budget = max(deadline - time.monotonic(), 0.001)
@@ -444,7 +441,7 @@ async def _bounded(held: _Held, call: Awaitable[T], seconds: float) -> T:
         raise TimedOut(f"no answer within {int(seconds * 1000)} ms") from None
     except BaseException as error:
         mapped = _mapped(error, held.http_status)
-        if not isinstance(mapped, Refused):
+        if not isinstance(mapped, Rejected):
             held.broken = True
         raise mapped from None
 
@@ -454,14 +451,14 @@ def _mapped(error: BaseException, http_status: int | None = None) -> BaseExcepti
     if http_status is not None and isinstance(leaf, MCPError) and leaf.error.code == INTERNAL_ERROR:
         if http_status in (408, 429) or http_status >= 500:
             return Unreachable(f"it answered HTTP {http_status}")
-        return Refused(f"it answered HTTP {http_status}")
+        return Rejected(f"it answered HTTP {http_status}")
     if isinstance(leaf, MCPError):
         if leaf.error.code == REQUEST_TIMEOUT:
             return TimedOut(str(leaf))
         if leaf.error.code == CONNECTION_CLOSED:
             return Unreachable(f"the connection closed ({leaf})")
-        return Refused(f"{leaf} (code {leaf.error.code})")
-    if isinstance(leaf, (TimedOut, Unreachable, Refused, asyncio.CancelledError)):
+        return Rejected(f"{leaf} (code {leaf.error.code})")
+    if isinstance(leaf, (TimedOut, Unreachable, Rejected, asyncio.CancelledError)):
         return leaf
     if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
         return TimedOut(_named(leaf))
