@@ -420,7 +420,8 @@ class ToolCall(models.Model):
     server = models.CharField(max_length=200)
     tool = models.CharField(max_length=200)
     arguments = models.ForeignKey(Content, on_delete=models.PROTECT, related_name="+")
-    # {"structured": ..., "text": ..., "is_error": bool}; None when no answer came.
+    # {"is_error": bool, "structured": ...} or {"is_error": bool, "text": ...} (a failed call's
+    # text is kept beside its structured content); None when no answer came.
     result = models.ForeignKey(
         Content, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )

@@ -7,6 +7,7 @@ transport imports), so only a venv without them shows a missing runtime dependen
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -172,6 +173,19 @@ def test_a_plain_install_runs_worker_and_gunicorn_with_a_clean_deploy_check(
     where = _run(installed, env, cwd, "-c", "import config; print(config.__file__)")
     assert where.returncode == 0, where.stderr
     assert not Path(where.stdout.strip()).is_relative_to(BASE_DIR)
+
+    # mcp_tool steps: the SDK and the example server are in the plain install, and a call
+    # over stdio goes through the worker's pool.
+    servers = json.dumps(
+        {"tickets": {"command": [str(installed), "-m", "workflows.examples.mcp_server"]}}
+    )
+    probe = (
+        "import django; django.setup(); from workers.mcp.pool import pool; "
+        "print(pool().call_tool('tickets', 'slugify', {'text': 'Plain install!'}, 30).texts)"
+    )
+    mcp = _run(installed, {**env, "DJFLOW_MCP_SERVERS": servers}, cwd, "-c", probe)
+    assert mcp.returncode == 0, mcp.stderr
+    assert mcp.stdout.strip().splitlines()[-1] == "['plain-install']"
 
     check = _run(installed, env, cwd, "-m", "django", "check", "--deploy")
     assert check.returncode == 0, check.stdout + check.stderr

@@ -85,6 +85,12 @@ def build(calls: Counter[str] | None = None) -> MCPServer:
             await asyncio.sleep(60)
         return {"key": key, "calls": counts[f"hang_once:{key}"]}
 
+    @server.tool(structured_output=False)
+    def big(size: int) -> str:
+        """A text of ``size`` characters."""
+        counts["big"] += 1
+        return "x" * size
+
     @server.tool()
     async def slow(seconds: float) -> dict[str, Any]:
         counts["slow"] += 1

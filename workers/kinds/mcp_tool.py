@@ -35,12 +35,14 @@ from typing import Any
 from django.conf import settings
 
 from runs.engine import calls
+from runs.engine.plan import MAX_VALUE_BYTES
 from workflows.failures import StepFailure
 from workflows.kinds import Kind, PreflightScope, Refused, Role, Scope, register
+from workflows.templates import TooLarge, check_size
 
 from ..context import StepContext
 from ..mcp import pool as mcp
-from .http import _clean
+from .http import _clean, _type_name
 
 RETRY_AFTER_CAP_MS = 3_600_000
 # Time kept back from the attempt's deadline for recording the call after it.
@@ -57,8 +59,7 @@ def prepare(step: Mapping[str, Any], scope: Scope) -> dict[str, Any]:
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        what = "an array" if isinstance(arguments, list) else f"a {type(arguments).__name__}"
-        raise Refused(f"arguments: resolved to {what}, not an object")
+        raise Refused(f"arguments: resolved to {_type_name(arguments)}, not an object")
     return {"server": step["server"], "tool": step["tool"], "arguments": arguments}
 
 
@@ -157,11 +158,14 @@ def call(ctx: StepContext, given: Any, prior: Any = None) -> Any:
             )
             raise
         text = "\n".join(answer.texts)
-        result = {
-            "structured": _clean(answer.structured),
-            "text": _clean(text),
-            "is_error": answer.is_error,
-        }
+        result = _recorded(answer, text)
+        try:
+            check_size(result, MAX_VALUE_BYTES)
+        except TooLarge as too_large:
+            # Neither passed on nor stored: the journal keeps values of at most 1 MiB.
+            message = f"mcp_tool: the result of {tool} on MCP server '{server}' is {too_large}"
+            made("invalid_input", error={"class": "invalid_input", "message": message})
+            raise StepFailure(message, "invalid_input") from None
         if answer.is_error:
             failure = _tool_failed(server, tool, answer, text)
             made(
@@ -172,7 +176,19 @@ def call(ctx: StepContext, given: Any, prior: Any = None) -> Any:
             span.set_attribute("is_error", True)
             raise failure
         made("ok", result)
-    return result["structured"] if answer.structured is not None else result["text"]
+    return result["structured"] if "structured" in result else result["text"]
+
+
+def _recorded(answer: mcp.ToolResult, text: str) -> dict[str, Any]:
+    """What is kept of an answer: its structured content, else its text (the text of a
+    failed call too: it says why), with NUL and lone surrogates replaced (jsonb refuses
+    them)."""
+    result: dict[str, Any] = {"is_error": answer.is_error}
+    if answer.structured is not None:
+        result["structured"] = _clean(answer.structured)
+    if answer.structured is None or answer.is_error:
+        result["text"] = _clean(text)
+    return result
 
 
 def _failure(server: str, tool: str, error: BaseException) -> StepFailure:
