@@ -3,24 +3,46 @@
 An error report carries what was in hand when it happened: the request body (a run's input,
 secrets included), the exception's message and the local variables of every frame (a handler's
 revealed input). ``before_send`` masks, in every string of the event, the plaintexts this
-context holds (``workflows.secrets.exposing``/``expose``) and every secret token; breadcrumbs
+context holds (``workflows.secrets.exposing``/``expose``), every secret token and the header
+and env values of ``DJFLOW_MCP_SERVERS``; breadcrumbs
 (log lines, already masked where they were made) and transactions go through the same scrub.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import sentry_sdk
 from sentry_sdk.integrations.celery import CeleryIntegration
 from sentry_sdk.integrations.django import DjangoIntegration
 
-from workflows.secrets import scrub
+from workflows.secrets import masker, scrub
+from workflows.templates import map_json
 
 
 def before_send(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
     scrubbed: dict[str, Any] = scrub(event)
+    configured = _configured_secrets()
+    if configured is not None:
+        scrubbed = map_json(scrubbed, configured, keys=configured)
     return scrubbed
+
+
+def _configured_secrets() -> Callable[[str], str] | None:
+    """A masker of the values the settings hold as secrets: the header and env values of
+    DJFLOW_MCP_SERVERS (credentials; a frame of the MCP pool may hold them as locals)."""
+    from django.conf import settings
+
+    servers = getattr(settings, "DJFLOW", {}).get("MCP_SERVERS") or {}
+    values = [
+        value
+        for server in servers.values()
+        for pairs in (server.get("headers"), server.get("env"))
+        for value in (pairs or {}).values()
+        if value
+    ]
+    return masker(values) if values else None
 
 
 def init_sentry(*, dsn: str, environment: str, traces_sample_rate: float, **options: Any) -> None:

@@ -77,3 +77,35 @@ def test_a_process_with_a_bad_entry_does_not_start(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "ImproperlyConfigured: DJFLOW_MCP_SERVERS['docs']" in done.stderr
     assert "hush-hush" not in done.stderr
+
+
+def test_sentry_events_mask_the_configured_header_values(settings) -> None:
+    import sentry_sdk
+
+    from config.sentry import init_sentry
+    from tests.runs.test_secrets import Captured
+
+    settings.DJFLOW = {
+        **settings.DJFLOW,
+        "MCP_SERVERS": {"docs": {"url": "http://127.0.0.1:9/mcp", "headers": {"X-Key": SECRET}}},
+    }
+    transport = Captured()
+    init_sentry(
+        dsn="https://public@127.0.0.1/1",
+        environment="test",
+        traces_sample_rate=0.0,
+        transport=transport,
+    )
+    try:
+        headers = {"X-Key": SECRET}  # a frame's local, as the pool's would be
+        try:
+            raise RuntimeError(f"the server refused {headers['X-Key']}")
+        except RuntimeError:
+            sentry_sdk.capture_exception()
+        sentry_sdk.flush()
+    finally:
+        sentry_sdk.get_client().close()
+        sentry_sdk.init(trace_propagation_targets=[])
+    sent = "\n".join(transport.sent)
+    assert len(transport.sent) == 1 and "the server refused" in sent
+    assert "hush-hush" not in sent
