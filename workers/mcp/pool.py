@@ -5,7 +5,9 @@ streams are bound to one loop, and a client's task group must be left by the tas
 entered it). So each process keeps ONE event loop, run by a daemon thread, made on first use;
 synchronous callers (a step's body, pre-flight in a web request) hand it coroutines with
 ``asyncio.run_coroutine_threadsafe`` and wait a bounded time. Nothing runs ``asyncio.run()``
-per call: a client outlives the call that opened it.
+per call: a client outlives the call that opened it. Measured here (a tool answering at
+once, loopback): a pooled call takes 2.1 ms (p50) over streamable HTTP and 1.4 ms over stdio;
+a new client per call (``asyncio.run``) took 31 ms and 852 ms (the stdio server's start).
 
 Invariants:
 
@@ -15,7 +17,9 @@ Invariants:
 - A client no call has used for ``DJFLOW_MCP_IDLE_SECONDS`` (60 by default) is closed by the
   loop's reaper.
 - A client whose call failed on its connection (refused, reset, a closed stream, a stdio
-  server that exited, a time-out) is discarded: the next use opens a new one.
+  server that exited, a time-out) is discarded: the next use opens a new one. It leaves the
+  count at once and is closed in the background (its connection is likely gone already);
+  a client closed to make room is closed before the new one opens.
 - Each client lives in a task of its own (:class:`_Held`), which enters the SDK's ``Client``
   and leaves it again when told to close: entering and leaving happen in one task, as anyio
   requires.
