@@ -427,7 +427,11 @@ class Pool:
 def _serve(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
     asyncio.set_event_loop(loop)
     loop.call_soon(started.set)
-    loop.run_forever()
+    try:
+        loop.run_forever()
+    finally:
+        # Stopped by Pool.shutdown (tests); a process's own pool runs until the process ends.
+        loop.close()
 
 
 async def _awaited(make: Callable[[], Awaitable[T]]) -> T:
