@@ -468,6 +468,28 @@ def _mcp_server(name: str, entry: Any) -> dict[str, Any]:
     return {"command": command, "env": pairs}
 
 
+# pgvector indexes (HNSW, IVFFlat) take vectors of at most this many dimensions.
+MAX_INDEXED_DIMENSIONS = 2000
+
+
+def _embeddings_dimensions(value: str) -> int | None:
+    """DJFLOW_EMBEDDINGS_DIMENSIONS: None when empty, else a whole number the vector index
+    can hold; anything else refuses to start (a column of the wrong size would fail every
+    write later instead)."""
+    if not value.strip():
+        return None
+    try:
+        dimensions = int(value)
+    except ValueError:
+        dimensions = 0
+    if not 1 <= dimensions <= MAX_INDEXED_DIMENSIONS:
+        raise ImproperlyConfigured(
+            f"DJFLOW_EMBEDDINGS_DIMENSIONS must be a whole number from 1 to"
+            f" {MAX_INDEXED_DIMENSIONS} (what a pgvector index holds), not {value!r}"
+        )
+    return dimensions
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -573,6 +595,14 @@ DJFLOW = {
     "MCP_IDLE_SECONDS": env.float("DJFLOW_MCP_IDLE_SECONDS", default=60.0),
     "MCP_PREFLIGHT_TIMEOUT_SECONDS": env.float("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", default=3.0),
     "MCP_PREFLIGHT_CACHE_SECONDS": env.float("DJFLOW_MCP_PREFLIGHT_CACHE_SECONDS", default=30.0),
+    # Knowledge-base retrieval fuses full-text search with vector search (pgvector) when this
+    # names an embeddings model ("<provider>:<model>", OpenAI's format or standin); empty:
+    # full text only. Its vectors' length is sent to the provider as `dimensions`; empty:
+    # the model's own (the stand-in's 384).
+    "EMBEDDINGS_MODEL": env.str("DJFLOW_EMBEDDINGS_MODEL", default=""),
+    "EMBEDDINGS_DIMENSIONS": _embeddings_dimensions(
+        env.str("DJFLOW_EMBEDDINGS_DIMENSIONS", default="")
+    ),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:

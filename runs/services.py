@@ -7,15 +7,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from workflows import access, heartbeats, secrets, selectors
+from workflows import access, secrets, selectors
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
-from workflows.inputs import input_errors
-from workflows.preflight import preflight_errors
+from workflows.preflight import start_problems
 
 from . import dispatch, vault
 from .engine import delivery
@@ -65,12 +63,9 @@ def run_start(
         if existing is not None:
             return StartResult(existing, created=False)
     pinned = selectors.version_get(workflow_id=workflow, number=version)
-    problems = input_errors(pinned, input)
-    # Named recipes that exist, models whose providers are configured (workflows.preflight).
-    problems += preflight_errors(pinned.document)
-    if settings.DJFLOW["START_CHECKS_WORKERS"]:
-        # A run no worker can take would wait, then fail as unservable: say so now.
-        problems += heartbeats.unserved_errors(document=pinned.document)
+    # The input, named recipes, knowledge bases and tools that exist, configured providers,
+    # live workers for the handlers (workflows.preflight).
+    problems = start_problems(pinned, input)
     if problems:
         raise InvalidInput(errors=problems)
     # Secrets are stored as tokens, their plaintext encrypted on the run (workflows.secrets);

@@ -1,23 +1,29 @@
 """A local HTTP server that speaks the model providers' real wire formats, for tests.
 
-``POST /v1/chat/completions`` answers as OpenAI's chat completions API and
-``POST /v1/messages`` as Anthropic's messages API: the same JSON bodies, error bodies and
-headers (request ids, ``Retry-After``) the official SDKs parse, so the SDKs are exercised
-unmocked, over a real socket (respx cannot see their httpx2 transport anyway). It runs in a
-thread of the test process on 127.0.0.1, so worker processes the test starts reach it too.
+``POST /v1/chat/completions`` answers as OpenAI's chat completions API,
+``POST /v1/embeddings`` as its embeddings API (floats, or base64 of little-endian float32
+when the request asks, as the SDK does) and ``POST /v1/messages`` as Anthropic's messages
+API: the same JSON bodies, error bodies and headers (request ids, ``Retry-After``) the
+official SDKs parse, so the SDKs are exercised unmocked, over a real socket (respx cannot
+see their httpx2 transport anyway). It runs in a thread of the test process on 127.0.0.1,
+so worker processes the test starts reach it too.
 
 Scriptable: answers queued with :meth:`ModelServer.enqueue` are used first, one per request
 in arrival order; with the queue empty, ``server.default`` (a function of the recorded
 request) answers: a deterministic echo of the last user message, usage counted as a quarter
-of the characters. Every request is recorded (path, headers with the key left out, JSON body,
-time received); ``in_flight`` and ``max_in_flight`` count the requests being answered.
+of the characters (embeddings: :func:`vector_of` each input). Every request is recorded
+(path, headers with the key left out, JSON body, time received); ``in_flight`` and
+``max_in_flight`` count the requests being answered.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import select
 import socket
+import struct
 import threading
 import time
 from collections import deque
@@ -27,6 +33,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 OPENAI_PATH = "/v1/chat/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
+# The length of a default embedding when the request names no ``dimensions``.
+DEFAULT_DIMENSIONS = 8
 ANTHROPIC_PATH = "/v1/messages"
 KEY_HEADERS = ("authorization", "x-api-key", "api-key")
 # A hanging answer gives up after this long even if the client never leaves.
@@ -77,6 +86,12 @@ class Answer:
     stop_reason: str | None = None
     model: str | None = None
     raw_body: bytes | None = None
+    # Embeddings: the vectors sent (None: vector_of each input); the order their entries are
+    # sent in, as positions of the inputs (None: in order; each entry keeps its ``index``);
+    # "float" or "base64" whatever the request asked (None: as it asked).
+    vectors: list[list[float]] | None = None
+    order: list[int] | None = None
+    encoding: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,12 @@ class Recorded:
         parts += [_content_text(m.get("content")) for m in body.get("messages") or []]
         return "".join(parts)
 
+    def inputs(self) -> list[str]:
+        """An embeddings request's texts (``input`` is one string or a list of them)."""
+        body = self.body if isinstance(self.body, dict) else {}
+        given = body.get("input")
+        return [given] if isinstance(given, str) else [str(text) for text in given or []]
+
     def last_user_message(self) -> str:
         body = self.body if isinstance(self.body, dict) else {}
         for message in reversed(body.get("messages") or []):
@@ -115,6 +136,13 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     return ""
+
+
+def vector_of(text: str, dimensions: int = DEFAULT_DIMENSIONS) -> list[float]:
+    """The default embedding of ``text``: its length, then bytes of its SHA-256 over 256.
+    Every value is exact in float32, so a base64 reply decodes to these very numbers."""
+    digest = hashlib.sha256(text.encode("utf-8")).digest()
+    return [float(len(text))] + [digest[i % 32] / 256 for i in range(dimensions - 1)]
 
 
 def echo(request: Recorded) -> Answer:
@@ -278,13 +306,15 @@ class _Handler(BaseHTTPRequestHandler):
         if answer.delay_s and not self._wait_while_client_stays(answer.delay_s):
             self.close_connection = True
             return
-        if recorded.path not in (OPENAI_PATH, ANTHROPIC_PATH):
+        if recorded.path not in (OPENAI_PATH, ANTHROPIC_PATH, EMBEDDINGS_PATH):
             answer = Answer(status=404, error_message=f"Unknown request URL: POST {self.path}")
         headers = {**_id_headers(recorded.api, serial), **answer.headers}
         if answer.raw_body is not None:
             self._send_bytes(answer.status, answer.raw_body, headers)
         elif answer.status >= 400:
             self._send(answer.status, _error_body(recorded.api, answer, serial), headers)
+        elif recorded.path == EMBEDDINGS_PATH:
+            self._send(answer.status, _openai_embeddings(recorded, answer), headers)
         elif recorded.api == "anthropic":
             self._send(answer.status, _anthropic_message(recorded, answer, serial), headers)
         else:
@@ -373,6 +403,35 @@ def _openai_completion(recorded: Recorded, answer: Answer, serial: int) -> dict[
         "service_tier": "default",
         "system_fingerprint": "fp_model_server",
     }
+
+
+def _openai_embeddings(recorded: Recorded, answer: Answer) -> dict[str, Any]:
+    body = recorded.body if isinstance(recorded.body, dict) else {}
+    inputs = recorded.inputs()
+    dimensions = body.get("dimensions") or DEFAULT_DIMENSIONS
+    vectors = answer.vectors
+    if vectors is None:
+        vectors = [vector_of(text, dimensions) for text in inputs]
+    encoding = answer.encoding or body.get("encoding_format") or "float"
+    order = range(len(vectors)) if answer.order is None else answer.order
+    prompt = answer.input_tokens
+    if prompt is None:
+        prompt = sum(len(text) // 4 for text in inputs)
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": _encoded(vectors[i], encoding)}
+            for i in order
+        ],
+        "model": _model(recorded, answer),
+        "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+    }
+
+
+def _encoded(vector: list[float], encoding: str) -> Any:
+    if encoding == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 def _anthropic_message(recorded: Recorded, answer: Answer, serial: int) -> dict[str, Any]:

@@ -22,6 +22,8 @@ CONFIG_VARS = (
     "DJFLOW_MODEL_CONCURRENCY",
     "DJFLOW_MODEL_SLOTS_REDIS_URL",
     "DJFLOW_MODEL_SLOT_WAIT_SECONDS",
+    "DJFLOW_EMBEDDINGS_MODEL",
+    "DJFLOW_EMBEDDINGS_DIMENSIONS",
 )
 
 # Prints what the tests look at, as JSON, from a process that imported the settings fresh.
@@ -54,6 +56,7 @@ print(json.dumps({
         key: settings.DJFLOW[key]
         for key in ("MODEL_CONCURRENCY", "MODEL_SLOTS_REDIS_URL", "MODEL_SLOT_WAIT_SECONDS")
     },
+    "embeddings": [settings.DJFLOW[k] for k in ("EMBEDDINGS_MODEL", "EMBEDDINGS_DIMENSIONS")],
 }))
 # Nothing was captured; close without waiting so nothing could be sent.
 client.close(timeout=0)
@@ -183,9 +186,27 @@ def test_model_slots_are_counted_in_the_brokers_redis_else_the_result_backends(
     }
 
 
+def test_embeddings_are_off_unless_a_model_is_named(tmp_path: Path) -> None:
+    assert load_settings(tmp_path)["embeddings"] == ["", None]
+
+    chosen = load_settings(
+        tmp_path,
+        DJFLOW_EMBEDDINGS_MODEL="openai:text-embedding-3-small",
+        DJFLOW_EMBEDDINGS_DIMENSIONS="256",
+    )
+    assert chosen["embeddings"] == ["openai:text-embedding-3-small", 256]
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("DJFLOW_MODEL_CONCURRENCY", "0"), ("DJFLOW_MODEL_SLOT_WAIT_SECONDS", "-1")],
+    [
+        ("DJFLOW_MODEL_CONCURRENCY", "0"),
+        ("DJFLOW_MODEL_SLOT_WAIT_SECONDS", "-1"),
+        ("DJFLOW_EMBEDDINGS_DIMENSIONS", "0"),
+        ("DJFLOW_EMBEDDINGS_DIMENSIONS", "2001"),
+        ("DJFLOW_EMBEDDINGS_DIMENSIONS", "384.5"),
+        ("DJFLOW_EMBEDDINGS_DIMENSIONS", "many"),
+    ],
 )
 def test_a_model_slot_setting_out_of_range_is_refused_naming_it(
     tmp_path: Path, name: str, value: str

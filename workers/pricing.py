@@ -11,6 +11,8 @@ Two sources, the first that knows the model wins:
 A model neither knows has no price (None): its usage is recorded but not priced. The offline
 stand-in (provider ``standin``) costs nothing unless DJFLOW_PRICES prices it. Input token
 counts include cached tokens; ``cached_tokens`` says how many of them were cache reads.
+Embeddings are priced by the same sources, input tokens only (genai-prices knows OpenAI's
+``text-embedding-3-small``, ``-3-large`` and ``ada-002``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def call_cost(
     if provider == STANDIN:
         return Decimal(0)
     return _bundled(provider, model, input_tokens, output_tokens, cached)
+
+
+def embedding_cost(provider: str | None, model: str, *, input_tokens: int) -> Decimal | None:
+    """The cost of one embeddings request: its input tokens at the model's input price
+    (embeddings have no output). None when no source knows the model; the stand-in is free
+    unless DJFLOW_PRICES prices it."""
+    return call_cost(provider, model, input_tokens=input_tokens, output_tokens=0)
 
 
 def worst_case_cost(

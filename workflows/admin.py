@@ -29,6 +29,7 @@ from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm
 from .models import Recipe, WorkerHeartbeat, Workflow, WorkflowVersion
+from .preflight import start_problems
 from .recipes import Rendered, RenderTooLarge, render
 from .services import SaveResult, definition_save, recipe_save
 
@@ -44,6 +45,23 @@ HASH_PREFIX_LENGTH = 12
 
 def _pretty(document: dict[str, Any]) -> str:
     return json.dumps(reading_order(document), indent=2, ensure_ascii=False)
+
+
+def _preflight(version: WorkflowVersion) -> str:
+    """What a start of ``version`` would be refused for now, the input aside (the same checks
+    as ``POST /runs`` and ``manage.py preflight``): an operator sees a missing recipe,
+    knowledge base, tool, provider or worker before a run meets it."""
+    problems = start_problems(version)
+    if not problems:
+        return format_html('<span class="djflow-preflight-ok">{}</span>', "Every check passes.")
+    return format_html(
+        '<ul class="djflow-preflight-problems">{}</ul>',
+        format_html_join(
+            "",
+            "<li><code>{}</code>: {}</li>",
+            ((p.field or "(run)", p.message) for p in problems),
+        ),
+    )
 
 
 def _version_url(version: WorkflowVersion) -> str:
@@ -99,7 +117,7 @@ class WorkflowVersionInline(ReadOnlyMixin, admin.TabularInline):
 class WorkflowAdmin(admin.ModelAdmin):
     list_display = ("id", "latest_number", "latest_description", "created_at")
     search_fields = ("id",)
-    fields = ("id", "created_at", "latest_document")
+    fields = ("id", "created_at", "latest_preflight", "latest_document")
     readonly_fields = fields
     inlines = (WorkflowVersionInline,)
     document_form_template = "admin/workflows/workflow/document_form.html"
@@ -156,6 +174,11 @@ class WorkflowAdmin(admin.ModelAdmin):
         if version is None:
             return "—"
         return format_html('<pre class="djflow-document">{}</pre>', _pretty(version.document))
+
+    @admin.display(description="pre-flight")
+    def latest_preflight(self, workflow: Workflow) -> str:
+        version = workflow.latest_version
+        return "—" if version is None else _preflight(version)
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         # Versions are immutable and runs pin them: a workflow is never deleted from here.
@@ -451,9 +474,14 @@ class WorkflowVersionAdmin(ReadOnlyMixin, admin.ModelAdmin):
         "description",
         "created_by",
         "created_at",
+        "preflight",
         "pretty_document",
     )
     readonly_fields = fields
+
+    @admin.display(description="pre-flight")
+    def preflight(self, version: WorkflowVersion) -> str:
+        return _preflight(version)
 
     @admin.display(description="hash")
     def hash_prefix(self, version: WorkflowVersion) -> str:

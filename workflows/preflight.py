@@ -6,6 +6,10 @@ starts nothing.
 
 What cannot be known at the start (a subworkflow's steps, a recipe saved or a provider
 configured between the start and the step) fails the step when it runs, naming the cause.
+
+:func:`start_problems` is every check a start makes, in one place: ``POST /runs``
+(``runs.services.run_start``), ``manage.py preflight`` and the admin's definition pages ask it,
+so the three never disagree.
 """
 
 from __future__ import annotations
@@ -13,10 +17,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from django.conf import settings
+
 from . import kinds
 from .errors import FieldError
-from .heartbeats import walk_steps
+from .heartbeats import unserved_errors, walk_steps
+from .inputs import input_errors
 from .validation import field_path
+
+# ``input`` left out: the checks of the document alone (the command without --input, the admin).
+NO_INPUT: Any = object()
+
+
+def start_problems(version: Any, input: Any = NO_INPUT) -> list[FieldError]:
+    """What stops a run of ``version`` (a ``WorkflowVersion``) from starting with ``input``:
+    the input schema, then each kind's pre-flight, then (when ``START_CHECKS_WORKERS``) a
+    handler no live worker serves. Every problem at once; empty when it may start."""
+    problems = [] if input is NO_INPUT else input_errors(version, input)
+    problems += preflight_errors(version.document)
+    if settings.DJFLOW["START_CHECKS_WORKERS"]:
+        # A run no worker can take would wait, then fail as unservable: say so now.
+        problems += unserved_errors(document=version.document)
+    return problems
 
 
 def preflight_errors(document: Mapping[str, Any]) -> list[FieldError]:

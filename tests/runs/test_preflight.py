@@ -4,14 +4,18 @@ nested steps included, with nothing started."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Permission
+from django.core.management import CommandError, call_command
 
 from runs.models import Run
 from workflows import kinds
+from workflows.models import WorkflowVersion
+from workflows.preflight import preflight_errors
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db
@@ -95,3 +99,113 @@ def test_a_malformed_account_is_a_400_naming_it(api: Any, account: Any) -> None:
     )
     assert response.status_code == 400, response.content
     assert [e["field"] for e in response.json()["errors"]] == ["account"]
+
+
+def test_each_check_sees_the_steps_before_it_in_the_documents_order() -> None:
+    seen: list[tuple[str, list[str]]] = []
+
+    def remember(step: Mapping[str, Any], scope: kinds.PreflightScope) -> list[tuple[str, str]]:
+        seen.append((step["id"], [s["id"] for s in scope.earlier_of("checked")]))
+        return []
+
+    kinds.register(
+        kinds.Kind(
+            "checked",
+            kinds.Role.WORKER,
+            schema={"properties": {"target": {"type": "string"}}},
+            body=lambda step, workflow_id: lambda ctx, input, prior: input,
+            preflight=remember,
+        )
+    )
+    document = {
+        "id": "preflown",
+        "steps": [
+            {"id": "a", "kind": "checked", "target": "x"},
+            {"id": "w", "kind": "sleep", "ms": 1},
+            {
+                "id": "p",
+                "kind": "parallel",
+                "branches": {"l": [{"id": "b", "kind": "checked", "target": "x"}]},
+            },
+            {"id": "c", "kind": "checked", "target": "x"},
+        ],
+    }
+    assert preflight_errors(document) == []
+    assert seen == [("a", []), ("b", ["a"]), ("c", ["a", "b"])]
+
+
+# --- the same checks from the command line and on the admin's definition pages -------------
+
+
+def _command(*args: str) -> tuple[int, str]:
+    out = io.StringIO()
+    try:
+        call_command("preflight", *args, stdout=out)
+    except CommandError as error:
+        return error.returncode, f"{out.getvalue()}{error}"
+    return 0, out.getvalue()
+
+
+def test_the_command_names_each_failed_check_and_exits_1() -> None:
+    _save(
+        {"id": "a", "kind": "checked", "target": "missing"},
+        {"id": "b", "kind": "checked", "target": "here"},
+    )
+    code, out = _command("preflown")
+    assert code == 1
+    assert "steps[0].target: target 'missing' does not exist" in out
+    assert "steps[1]" not in out
+    assert "1 check(s) failed" in out
+    assert not Run.objects.exists()
+
+
+def test_the_command_checks_a_given_input_against_the_schema(tmp_path: Any) -> None:
+    definition_save(
+        document={
+            "id": "preflown",
+            "input_schema": {
+                "type": "object",
+                "properties": {"n": {"type": "integer"}},
+                "required": ["n"],
+            },
+            "steps": [{"id": "a", "kind": "checked", "target": "here"}],
+        }
+    )
+    assert _command("preflown") == (0, "preflown version 1: every check passes\n")
+    code, out = _command("preflown", "--input", '{"n": "x"}')
+    assert code == 1 and "input.n" in out
+    assert _command("preflown", "--input", '{"n": 3}')[0] == 0
+    given = tmp_path / "input.json"
+    given.write_text('{"n": "y"}')
+    code, out = _command("preflown", "--input-file", str(given))
+    assert code == 1 and "input.n" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["nothing-here"], "unknown workflow 'nothing-here'"),
+        (["preflown", "--number", "9"], "has no version 9"),
+        (["preflown", "--input", "{nope"], "--input: not JSON"),
+        (["preflown", "--input-file", "/nonexistent/input.json"], "--input-file:"),
+    ],
+)
+def test_the_command_refuses_what_it_cannot_check(args: list[str], said: str) -> None:
+    _save({"id": "a", "kind": "checked", "target": "here"})
+    code, out = _command(*args)
+    assert code == 1 and said in out
+
+
+def test_the_admin_shows_the_checks_on_a_definitions_pages(admin_client: Any) -> None:
+    _save({"id": "a", "kind": "checked", "target": "missing"})
+    page = admin_client.get("/admin/workflows/workflow/preflown/change/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "djflow-preflight-problems" in text
+    assert "steps[0].target" in text and "target &#x27;missing&#x27; does not exist" in text
+    _save({"id": "a", "kind": "checked", "target": "here"})
+    version = WorkflowVersion.objects.get(workflow_id="preflown", number=2)
+    page = admin_client.get(f"/admin/workflows/workflowversion/{version.pk}/change/")
+    assert page.status_code == 200
+    assert "Every check passes." in page.content.decode()
+    assert "djflow-preflight-problems" not in page.content.decode()

@@ -17,10 +17,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.model_server import Answer, ModelServer
+from tests.model_server import Answer, ModelServer, vector_of
 from workers import pricing, providers
 from workers.context import Span
-from workers.providers import ModelError, ModelRequest, base, openai_chat
+from workers.providers import (
+    ModelError,
+    ModelRequest,
+    anthropic_messages,
+    base,
+    openai_chat,
+    standin,
+)
 
 API_PROVIDERS = ["openai", "anthropic"]
 
@@ -626,3 +633,315 @@ def test_a_span_is_priced_by_its_provider_and_model() -> None:
 )
 def test_retry_after_edge_cases(headers: dict[str, str], expected: int | None) -> None:
     assert base.retry_after_ms(headers) == expected
+
+
+# --- embeddings ---------------------------------------------------------------------------
+NOT_EMBEDDINGS = "provider 'openai' sent a reply that is not"
+TICKETS = ["printer jam in tray 2", "refund for order 1182", "VPN drops every hour"]
+
+
+def embed_failure(name: str, texts: Any = TICKETS, **options: Any) -> ModelError:
+    with pytest.raises(ModelError) as caught:
+        providers.embed(name, texts, **options)
+    return caught.value
+
+
+def test_openai_embeddings_with_usage_through_the_sdk(server: ModelServer) -> None:
+    server.enqueue(Answer(input_tokens=17, model="text-embedding-3-small-v1"))
+
+    reply = providers.embed("openai:text-embedding-3-small", TICKETS)
+
+    assert reply.vectors == [vector_of(text) for text in TICKETS]
+    assert (reply.model, reply.input_tokens, reply.dimensions) == (
+        "text-embedding-3-small-v1",
+        17,
+        8,
+    )
+    assert reply.request_id == "req_00000000000000000000000000000001"
+    (sent,) = server.requests
+    assert sent.path == "/v1/embeddings" and sent.key_header == "authorization"
+    # The SDK asks for base64 and decodes it; no dimensions unless asked.
+    assert sent.body == {
+        "model": "text-embedding-3-small",
+        "input": TICKETS,
+        "encoding_format": "base64",
+    }
+
+
+def test_dimensions_are_sent_and_kept(server: ModelServer) -> None:
+    reply = providers.embed("openai:text-embedding-3-small", TICKETS, dimensions=5)
+
+    assert reply.dimensions == 5 and reply.vectors == [vector_of(t, 5) for t in TICKETS]
+    assert server.requests[0].body["dimensions"] == 5
+
+
+@pytest.mark.parametrize("order", [[2, 0, 1], [2, 1, 0], [1, 2, 0]], ids=["201", "210", "120"])
+def test_vectors_come_back_in_the_order_of_the_texts(server: ModelServer, order: list[int]) -> None:
+    server.enqueue(Answer(order=order))
+
+    reply = providers.embed("openai:m", TICKETS)
+
+    assert reply.vectors == [vector_of(text) for text in TICKETS]
+
+
+def test_a_server_answering_floats_is_read_too(server: ModelServer) -> None:
+    server.enqueue(Answer(encoding="float", vectors=[[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]]))
+
+    reply = providers.embed("openai:m", TICKETS)
+
+    # Floats as sent, not rounded to float32 as base64 would be.
+    assert reply.vectors == [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]]
+
+
+def test_a_reply_of_other_dimensions_than_asked_is_fatal_naming_the_setting(
+    server: ModelServer,
+) -> None:
+    # A server that ignores `dimensions` (an older Ollama) and answers its model's own size.
+    server.enqueue(Answer(vectors=[[1.0] * 6] * 3))
+
+    error = embed_failure("openai:m", dimensions=4)
+
+    assert error.error_class == "fatal"
+    assert str(error) == (
+        "model openai:m answered embeddings of 6 dimensions, not the 4 asked for"
+        " (DJFLOW_EMBEDDINGS_DIMENSIONS)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (Answer(order=[0, 1]), "provider 'openai' sent 2 embeddings for 3 texts"),
+        (Answer(order=[0, 1, 1]), f"{NOT_EMBEDDINGS} a list of embeddings"),
+        (Answer(order=[]), f"{NOT_EMBEDDINGS} a list of embeddings"),
+        (
+            Answer(
+                raw_body=b'{"object": "list", "model": "m", "data": ['
+                b'{"index": null, "embedding": [1]}, {"index": 0, "embedding": [1]},'
+                b'{"index": 1, "embedding": [1]}]}'
+            ),
+            f"{NOT_EMBEDDINGS} a list of embeddings",
+        ),
+        (
+            Answer(vectors=[[1.0, 2.0], [1.0], [3.0, 4.0]], encoding="float"),
+            "provider 'openai' sent a reply that is not embeddings of one length",
+        ),
+        (
+            Answer(vectors=[[1.0], [float("nan")], [2.0]]),
+            "provider 'openai' sent a reply that is not embeddings of finite numbers",
+        ),
+        (
+            Answer(raw_body=b'{"object": "list", "data": [{"index": 0}]}'),
+            "provider 'openai' sent a reply that is not a list of embeddings",
+        ),
+        (
+            Answer(vectors=[[1.0], ["1"], [2.0]], encoding="float"),
+            "provider 'openai' sent a reply that is not a list of embeddings",
+        ),
+        (Answer(raw_body=b"<html>ok</html>"), "provider 'openai' sent a reply that is not"),
+    ],
+    ids=[
+        "too-few",
+        "duplicate-index",
+        "no-data",
+        "null-index",
+        "ragged",
+        "nan",
+        "no-vector",
+        "text",
+        "html",
+    ],
+)
+def test_a_malformed_embeddings_reply_is_retryable(
+    server: ModelServer, answer: Answer, message: str
+) -> None:
+    server.enqueue(answer)
+
+    error = embed_failure("openai:m")
+
+    assert error.error_class == "retryable" and str(error).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("status", "error_class"), [(429, "retryable"), (500, "retryable"), (400, "fatal")]
+)
+def test_embeddings_errors_are_classed_like_calls(
+    server: ModelServer, status: int, error_class: str
+) -> None:
+    server.enqueue(Answer(status=status, headers={"Retry-After": "3"}, error_message="no"))
+
+    error = embed_failure("openai:m")
+
+    assert (error.error_class, error.status) == (error_class, status)
+    assert error.retry_after_ms == (3000 if error_class == "retryable" else None)
+    assert str(error) == f"provider 'openai' answered {status}: no"
+    assert len(server.requests) == 1
+
+
+def test_an_embeddings_time_out_and_a_refused_connection_are_retryable(
+    server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.enqueue(Answer(hang=True))
+    assert str(embed_failure("openai:m", timeout_s=0.3)) == (
+        "provider 'openai' did not answer within 0.3s"
+    )
+
+    monkeypatch.setenv("OPENAI_BASE_URL", f"http://127.0.0.1:{closed_port()}/v1")
+    error = embed_failure("openai:m")
+    assert (error.error_class, str(error)) == (
+        "retryable",
+        "provider 'openai' could not be reached: ConnectError",
+    )
+
+
+def test_a_reply_without_usage_counts_the_bound(server: ModelServer) -> None:
+    body = {
+        "object": "list",
+        "model": "m",
+        "data": [{"object": "embedding", "index": i, "embedding": [1.0]} for i in range(3)],
+    }
+    server.enqueue(Answer(raw_body=json.dumps(body).encode()))
+
+    reply = providers.embed("openai:m", TICKETS)
+
+    assert reply.input_tokens == sum(len(text.encode()) for text in TICKETS)
+
+
+def test_a_third_provider_of_the_openai_format_embeds(
+    local_providers: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY")
+
+    reply = providers.embed("ollama:nomic-embed-text", ["hello"])
+
+    assert reply.vectors == [vector_of("hello")]
+    (sent,) = local_providers.requests
+    assert sent.path == "/v1/embeddings" and sent.body["model"] == "nomic-embed-text"
+
+
+@pytest.mark.parametrize(
+    "name", ["anthropic:voyage-3", "gateway:embed-x"], ids=["anthropic", "third-party"]
+)
+def test_the_anthropic_format_cannot_embed_and_sends_nothing(
+    local_providers: ModelServer, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setenv("GATEWAY_KEY", "gateway-key")
+    provider, model = name.split(":")
+    why = (
+        f"model '{name}' cannot embed: provider {provider!r} speaks Anthropic's messages API,"
+        " which has no embeddings endpoint; name an OpenAI-compatible or standin model"
+    )
+
+    assert providers.embeddings_unconfigured(name) == why
+    error = embed_failure(name)
+    assert (error.error_class, str(error)) == ("fatal", why)
+    # The adapter itself refuses too, should anything reach it.
+    with pytest.raises(ModelError, match="has no embeddings endpoint"):
+        anthropic_messages.embed(
+            providers.registry.BUILTIN["anthropic"], model, ["x"], dimensions=None, timeout_s=1
+        )
+    assert local_providers.requests == []
+
+
+def test_embeddings_unconfigured_gives_the_reasons_of_calls(
+    server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY")
+    why = "provider 'openai' is not configured: OPENAI_API_KEY is not set"
+
+    assert providers.embeddings_unconfigured("openai:text-embedding-3-small") == why
+    assert str(embed_failure("openai:text-embedding-3-small")) == why
+    assert providers.embeddings_unconfigured("text-embedding-3-small") is not None
+    assert providers.embeddings_unconfigured("standin:hash") is None
+    assert server.requests == []
+
+
+@pytest.mark.parametrize(
+    ("texts", "options", "message"),
+    [
+        (["ok", "  \n"], {}, "text 1 is empty: there is nothing to embed"),
+        (["ok", 3], {}, "text 1 is int, not a string"),
+        ("one string", {}, "texts must be a list of strings, not one string"),
+        (["x"] * 2049, {}, "2049 texts in one batch, more than 2048"),
+        (["x"], {"dimensions": 0}, "dimensions must be a positive integer, not 0"),
+        (["x"], {"dimensions": True}, "dimensions must be a positive integer, not True"),
+    ],
+    ids=["blank", "not-a-string", "a-string", "too-many", "zero-dimensions", "bool-dimensions"],
+)
+def test_a_batch_that_cannot_be_embedded_is_fatal_before_any_request(
+    server: ModelServer, texts: Any, options: dict[str, Any], message: str
+) -> None:
+    for name in ("openai:m", "standin:hash"):
+        error = embed_failure(name, texts, **options)
+
+        assert (error.error_class, str(error)) == ("fatal", message)
+    assert server.requests == []
+
+
+def test_no_texts_is_an_empty_reply_without_a_request(server: ModelServer) -> None:
+    reply = providers.embed("openai:m", [])
+
+    assert (reply.vectors, reply.input_tokens, reply.dimensions) == ([], 0, 0)
+    assert server.requests == []
+
+
+def test_the_configured_embeddings_model(settings: Any) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "EMBEDDINGS_MODEL": "", "EMBEDDINGS_DIMENSIONS": None}
+    assert providers.embeddings_model() is None
+
+    settings.DJFLOW = {
+        **settings.DJFLOW,
+        "EMBEDDINGS_MODEL": " openai:text-embedding-3-small ",
+        "EMBEDDINGS_DIMENSIONS": 256,
+    }
+    assert providers.embeddings_model() == providers.EmbeddingsModel(
+        "openai:text-embedding-3-small", 256
+    )
+
+
+# --- the stand-in's embeddings ------------------------------------------------------------
+def cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))
+
+
+def test_the_standin_embeds_offline_deterministically_and_by_shared_words() -> None:
+    texts = ["Printer jam in tray 2", "printer JAM", "refund for order 1182", "???"]
+
+    reply = providers.embed("standin:hash", texts)
+
+    assert reply == providers.embed("standin:hash", texts)
+    assert reply.dimensions == standin.EMBED_DIMENSIONS == 384
+    assert reply.model == "hash" and reply.request_id.startswith("standin-")
+    assert reply.input_tokens == sum(-(-len(t.encode()) // 4) for t in texts)
+    jam, jam_again, refund, marks = reply.vectors
+    assert cosine(jam, jam_again) > 0.6 > cosine(jam, refund)
+    # No word characters: the text stands for one word, so it still has a direction.
+    assert cosine(marks, marks) == pytest.approx(1.0)
+    assert providers.embed("standin:hash", ["x"], dimensions=16).dimensions == 16
+
+
+def test_the_standin_weighs_repeated_words_sublinearly() -> None:
+    once, thrice = standin.embedding("jam printer"), standin.embedding("jam jam jam printer")
+
+    # 1 + ln 3 against 1: repeated, a word counts more, but not three times more.
+    assert 0.7 < cosine(once, thrice) < 0.95
+
+
+@given(st.text(min_size=1).filter(str.strip), st.integers(min_value=1, max_value=64))
+def test_a_standin_embedding_has_length_one(text: str, dimensions: int) -> None:
+    vector = standin.embedding(text, dimensions)
+
+    assert len(vector) == dimensions
+    assert sum(value * value for value in vector) == pytest.approx(1.0)
+
+
+# --- embedding prices ---------------------------------------------------------------------
+def test_embeddings_are_priced_by_their_input_tokens(settings: Any) -> None:
+    assert pricing.embedding_cost("openai", "text-embedding-3-small", input_tokens=M) == Decimal(
+        "0.02"
+    )
+    assert pricing.embedding_cost("ollama", "nomic-embed-text", input_tokens=M) is None
+    assert pricing.embedding_cost("standin", "hash", input_tokens=M) == 0
+
+    settings.DJFLOW = {**settings.DJFLOW, "PRICES": {"ollama:nomic-embed-text": {"input": 0.01}}}
+    assert pricing.embedding_cost("ollama", "nomic-embed-text", input_tokens=M) == Decimal("0.01")

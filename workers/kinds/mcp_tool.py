@@ -66,38 +66,44 @@ def prepare(step: Mapping[str, Any], scope: Scope) -> dict[str, Any]:
 # --- pre-flight (the web process, at POST /runs) --------------------------------------------
 
 _listed_lock = threading.Lock()
-# server -> (when the list goes stale, monotonic; the tools it listed)
-_listed: dict[str, tuple[float, frozenset[str]]] = {}
+# server -> (when the answer goes stale, monotonic; the tools it listed, or why it could not)
+_listed: dict[str, tuple[float, frozenset[str] | str]] = {}
+# How long a server that could not be asked stays so: a start naming it in several steps, or
+# starts in quick succession, wait for it once, not each time (it may be back soon, though).
+_UNREACHABLE_SECONDS = 5.0
 
 
 def preflight(step: Mapping[str, Any], scope: PreflightScope) -> list[tuple[str, str]]:
     """The named server is configured and reachable, and lists the tool. A server's list of
-    tools is kept ``DJFLOW_MCP_PREFLIGHT_CACHE_SECONDS``; asking for it waits at most
-    ``DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS`` (a start must not hang on a server)."""
+    tools is kept ``DJFLOW_MCP_PREFLIGHT_CACHE_SECONDS`` (that it could not be reached, at most
+    5 s); asking for it waits at most ``DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS`` (a start must
+    not hang on a server)."""
     server, tool = str(step.get("server")), str(step.get("tool"))
     if server not in mcp.servers():
         return [("server", f"MCP server '{server}' is not configured (DJFLOW_MCP_SERVERS)")]
-    try:
-        tools = _tools_of(server)
-    except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected) as error:
-        return [("server", f"MCP server '{server}' is unreachable: {error}")]
+    tools = _tools_of(server)
+    if isinstance(tools, str):
+        return [("server", f"MCP server '{server}' is unreachable: {tools}")]
     if tool not in tools:
         return [("tool", f"MCP server '{server}' lists no tool '{tool}'")]
     return []
 
 
-def _tools_of(server: str) -> frozenset[str]:
-    now = time.monotonic()
+def _tools_of(server: str) -> frozenset[str] | str:
+    """The tools ``server`` lists, or why it could not be asked."""
     with _listed_lock:
         cached = _listed.get(server)
-    if cached is not None and cached[0] > now:
+    if cached is not None and cached[0] > time.monotonic():
         return cached[1]
-    timeout = float(settings.DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"])
-    tools = frozenset(mcp.pool().list_tools(server, timeout))
     ttl = float(settings.DJFLOW["MCP_PREFLIGHT_CACHE_SECONDS"])
+    try:
+        timeout = float(settings.DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"])
+        answer: frozenset[str] | str = frozenset(mcp.pool().list_tools(server, timeout))
+    except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected) as error:
+        answer, ttl = str(error), min(ttl, _UNREACHABLE_SECONDS)
     with _listed_lock:
-        _listed[server] = (time.monotonic() + ttl, tools)
-    return tools
+        _listed[server] = (time.monotonic() + ttl, answer)
+    return answer
 
 
 def forget_listed_tools() -> None:

@@ -17,12 +17,14 @@ import anthropic
 
 from .base import (
     ClientCache,
+    EmbedReply,
+    ModelError,
     ModelReply,
     ModelRequest,
     sdk_request,
     unreadable,
 )
-from .registry import Provider
+from .registry import Provider, no_embeddings_api
 
 # An endpoint of this format that needs no key still gets one: the SDK would otherwise look
 # for credentials in profiles on disk.
@@ -100,3 +102,15 @@ def _reply(message: Any, request: ModelRequest) -> ModelReply:
         stop_reason=message.stop_reason,
         request_id=getattr(message, "_request_id", None) or message.id,
     )
+
+
+def embed(
+    provider: Provider,
+    model: str,
+    texts: list[str],
+    *,
+    dimensions: int | None,
+    timeout_s: float,
+) -> EmbedReply:
+    """Anthropic has no embeddings API (it points to Voyage AI's): never a request."""
+    raise ModelError(no_embeddings_api(provider.name, model), error_class="fatal")

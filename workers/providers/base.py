@@ -21,7 +21,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal, TypeVar
@@ -67,6 +67,22 @@ class ModelReply:
     reasoning_tokens: int | None = None
     stop_reason: str | None = None
     request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class EmbedReply:
+    """Embeddings of a batch of texts: ``vectors[i]`` is the embedding of ``texts[i]``, each
+    of the same length (the reply's dimensions). ``input_tokens`` is what the provider
+    counted for the whole batch (embeddings have no output tokens)."""
+
+    vectors: list[list[float]]
+    model: str
+    input_tokens: int
+    request_id: str | None = None
+
+    @property
+    def dimensions(self) -> int:
+        return len(self.vectors[0]) if self.vectors else 0
 
 
 class ModelError(Exception):
@@ -259,3 +275,60 @@ def cause_name(exc: BaseException) -> str:
     while exc.__cause__ is not None:
         exc = exc.__cause__
     return type(exc).__name__
+
+
+# OpenAI's own limit of inputs in one embeddings request (its API reference); one ``embed``
+# is one request, so a caller with more texts sends several batches.
+MAX_EMBED_BATCH = 2048
+
+
+def embed_batch_problem(texts: Sequence[str]) -> str | None:
+    """Why a batch cannot be embedded, or None. Checked before any request: a provider
+    refuses an empty string (OpenAI: 400) and a batch over :data:`MAX_EMBED_BATCH`."""
+    if isinstance(texts, str):
+        return "texts must be a list of strings, not one string"
+    if len(texts) > MAX_EMBED_BATCH:
+        return f"{len(texts)} texts in one batch, more than {MAX_EMBED_BATCH}"
+    for position, text in enumerate(texts):
+        if not isinstance(text, str):
+            return f"text {position} is {type(text).__name__}, not a string"
+        if not text.strip():
+            return f"text {position} is empty: there is nothing to embed"
+    return None
+
+
+def numbers(value: object) -> list[float] | None:
+    """``value`` as a list of floats when it is a list of numbers, else None (the SDKs do not
+    validate replies: a field may hold anything the server sent)."""
+    if not isinstance(value, list) or not all(
+        isinstance(item, int | float) and not isinstance(item, bool) for item in value
+    ):
+        return None
+    return [float(item) for item in value]
+
+
+def checked_vectors(
+    vectors: list[list[float]], *, count: int, dimensions: int | None, provider: str, model: str
+) -> list[list[float]]:
+    """``vectors`` when there is one per text, all of one length (``dimensions`` when asked
+    for) and all finite; else a ModelError. A length other than the one asked for is
+    ``fatal``: the vector column has that many dimensions, and asking again would not
+    change the model's answer."""
+    if len(vectors) != count:
+        raise ModelError(
+            f"provider {provider!r} sent {len(vectors)} embeddings for {count} texts",
+            error_class="retryable",
+        )
+    sizes = {len(vector) for vector in vectors}
+    if len(sizes) > 1 or 0 in sizes:
+        raise unreadable(provider, "embeddings of one length")
+    size = sizes.pop() if sizes else dimensions
+    if dimensions is not None and size != dimensions:
+        raise ModelError(
+            f"model {provider}:{model} answered embeddings of {size} dimensions, not the"
+            f" {dimensions} asked for (DJFLOW_EMBEDDINGS_DIMENSIONS)",
+            error_class="fatal",
+        )
+    if not all(math.isfinite(value) for vector in vectors for value in vector):
+        raise unreadable(provider, "embeddings of finite numbers")
+    return vectors

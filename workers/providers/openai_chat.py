@@ -1,6 +1,6 @@
-"""The OpenAI chat completions wire format, through the official ``openai`` SDK: OpenAI itself
-and every OpenAI-compatible endpoint (Azure, vLLM, Ollama; DJFLOW_PROVIDERS entries with
-``"adapter": "openai"``).
+"""The OpenAI chat completions and embeddings wire formats, through the official ``openai``
+SDK: OpenAI itself and every OpenAI-compatible endpoint (Azure, vLLM, Ollama; DJFLOW_PROVIDERS
+entries with ``"adapter": "openai"``).
 
 The built-in provider is configured only by the SDK's own variables (``OPENAI_API_KEY``,
 ``OPENAI_BASE_URL``): the SDK reads them. One call is one HTTP request (``max_retries=0``).
@@ -16,9 +16,12 @@ import openai
 
 from .base import (
     ClientCache,
+    EmbedReply,
     ModelReply,
     ModelRequest,
+    checked_vectors,
     estimate_input_tokens,
+    numbers,
     sdk_request,
     unreadable,
 )
@@ -31,6 +34,7 @@ NO_KEY = "no-key"
 _clients = ClientCache()
 # What a reply of this format is, in the message of one that is not.
 REPLY_IS = "a chat completion"
+EMBEDDINGS_ARE = "a list of embeddings"
 
 
 def call(provider: Provider, request: ModelRequest) -> ModelReply:
@@ -125,3 +129,62 @@ def _reply(completion: Any, request: ModelRequest) -> ModelReply:
         stop_reason=stop_reason,
         request_id=getattr(completion, "_request_id", None) or completion.id,
     )
+
+
+def embed(
+    provider: Provider,
+    model: str,
+    texts: list[str],
+    *,
+    dimensions: int | None,
+    timeout_s: float,
+) -> EmbedReply:
+    """``POST /embeddings`` with every text in one request. The SDK asks for base64 (a
+    quarter of the bytes of JSON floats) and decodes it; a server that answers floats
+    anyway is read as well. Vectors are put in the order of ``index``: the API does not
+    promise the order of ``data``."""
+    client = _client(provider)
+    params: dict[str, Any] = {"model": model, "input": texts, "timeout": timeout_s}
+    if dimensions is not None:
+        params["dimensions"] = dimensions
+    response = sdk_request(
+        openai,
+        lambda: client.embeddings.create(**params),
+        provider=provider.name,
+        secret=provider.api_key(),
+        timeout_s=timeout_s,
+        reply_is=EMBEDDINGS_ARE,
+    )
+    vectors = checked_vectors(
+        _in_order(list(response.data or []), provider.name),
+        count=len(texts),
+        dimensions=dimensions,
+        provider=provider.name,
+        model=model,
+    )
+    usage = response.usage
+    return EmbedReply(
+        vectors=vectors,
+        model=response.model or model,
+        # A compatible server that reports no usage: the bound (a token is at least a byte).
+        input_tokens=usage.prompt_tokens
+        if usage is not None
+        else sum(len(text.encode("utf-8")) for text in texts),
+        request_id=getattr(response, "_request_id", None),
+    )
+
+
+def _in_order(data: list[Any], provider: str) -> list[list[float]]:
+    """The vectors of ``data`` sorted by their ``index``, which must number them 0..n-1."""
+    positions = [item.index for item in data]
+    if not all(type(position) is int for position in positions) or sorted(positions) != list(
+        range(len(data))
+    ):
+        raise unreadable(provider, EMBEDDINGS_ARE)
+    vectors = []
+    for item in sorted(data, key=lambda item: int(item.index)):
+        vector = numbers(item.embedding)
+        if vector is None:
+            raise unreadable(provider, EMBEDDINGS_ARE)
+        vectors.append(vector)
+    return vectors

@@ -107,3 +107,43 @@ def unconfigured(name: str) -> str | None:
 def default_model() -> str | None:
     """``DJFLOW_DEFAULT_MODEL`` (for steps that name no model), None when unset."""
     return str(settings.DJFLOW.get("DEFAULT_MODEL") or "").strip() or None
+
+
+@dataclass(frozen=True)
+class EmbeddingsModel:
+    """``DJFLOW_EMBEDDINGS_MODEL`` and ``DJFLOW_EMBEDDINGS_DIMENSIONS``: the model that
+    embeds knowledge-base documents and queries, and the length of its vectors (None: the
+    model's own, not sent)."""
+
+    name: str
+    dimensions: int | None
+
+
+def embeddings_model() -> EmbeddingsModel | None:
+    """The configured embeddings model, None when unset (retrieval is full-text only)."""
+    name = str(settings.DJFLOW.get("EMBEDDINGS_MODEL") or "").strip()
+    if not name:
+        return None
+    dimensions = settings.DJFLOW.get("EMBEDDINGS_DIMENSIONS")
+    return EmbeddingsModel(name, int(dimensions) if dimensions else None)
+
+
+def no_embeddings_api(provider: str, model: str) -> str:
+    return (
+        f"model '{provider}:{model}' cannot embed: provider {provider!r} speaks Anthropic's"
+        " messages API, which has no embeddings endpoint; name an OpenAI-compatible or"
+        " standin model"
+    )
+
+
+def embeddings_unconfigured(name: str) -> str | None:
+    """None when ``name`` can embed, else one sentence why not: :func:`unconfigured`'s
+    reasons, and a provider of the Anthropic format (it has no embeddings API)."""
+    why = unconfigured(name)
+    if why is not None:
+        return why
+    provider_name, model = split_model(name)
+    provider = find(provider_name)
+    if isinstance(provider, Provider) and provider.adapter == "anthropic":
+        return no_embeddings_api(provider_name, model)
+    return None

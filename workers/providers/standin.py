@@ -10,21 +10,35 @@ item). ``pattern``, ``uniqueItems`` with several items, ``not`` and conditionals
 honoured: a schema that needs them gets an instance that may not validate, which the recipe
 step reports like any model's invalid output.
 Usage: the input estimate, and a quarter of the reply's bytes (rounded up) for output.
+
+Embeddings (:func:`embed`): a hashed bag of words, so the embedded default and the tests
+retrieve by meaning-free but stable vectors without a key. Each lower-cased word is hashed
+(BLAKE2b, 8 bytes) to one of ``dimensions`` buckets (384 unless asked) with a sign from
+another bit of the hash, weighted ``1 + ln(count)``; the vector is scaled to length 1.
+Texts sharing words are near in cosine distance, equal texts are equal vectors, and a
+text of no word characters hashes as one word. Usage: a quarter of the bytes, rounded up,
+per text.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
+import re
+from collections import Counter
 from typing import Any, TypeVar
 
-from .base import ModelReply, ModelRequest, estimate_input_tokens
+from .base import EmbedReply, ModelReply, ModelRequest, estimate_input_tokens
 from .registry import Provider
 
 T = TypeVar("T")
 
 LABEL = "[stand-in model]"
+# The size of all-MiniLM-L6-v2's vectors, a common local embeddings model.
+EMBED_DIMENSIONS = 384
+_WORD = re.compile(r"\w+")
 STRING = "stand-in"
 MAX_DEPTH = 32
 _EXAMPLE_FORMATS = {
@@ -50,6 +64,44 @@ def call(provider: Provider, request: ModelRequest) -> ModelReply:
         stop_reason="end_turn",
         request_id=f"standin-{_digest(text)}",
     )
+
+
+def embed(
+    provider: Provider,
+    model: str,
+    texts: list[str],
+    *,
+    dimensions: int | None,
+    timeout_s: float,
+) -> EmbedReply:
+    size = dimensions or EMBED_DIMENSIONS
+    return EmbedReply(
+        vectors=[embedding(text, size) for text in texts],
+        model=model,
+        input_tokens=sum(math.ceil(len(text.encode("utf-8")) / 4) for text in texts),
+        request_id=f"standin-{_digest(chr(0).join(texts))}",
+    )
+
+
+def embedding(text: str, dimensions: int = EMBED_DIMENSIONS) -> list[float]:
+    """The stand-in's vector of ``text`` (the module says how it is made)."""
+    counts = Counter(_WORD.findall(text.lower())) or Counter([text.strip()])
+    vector = [0.0] * dimensions
+    for word, count in counts.items():
+        hashed = _word_hash(word)
+        sign = 1.0 if hashed >> 63 else -1.0
+        vector[hashed % dimensions] += sign * (1.0 + math.log(count))
+    norm = math.sqrt(sum(value * value for value in vector))
+    if norm == 0.0:
+        # Words cancelled out in every bucket they share: the first word's bucket stands in.
+        vector[_word_hash(next(iter(counts))) % dimensions] = 1.0
+        return vector
+    return [value / norm for value in vector]
+
+
+@functools.lru_cache(maxsize=65_536)
+def _word_hash(word: str) -> int:
+    return int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "big")
 
 
 def _answer(request: ModelRequest) -> str:
