@@ -509,6 +509,11 @@ DJFLOW = {
     # {"ollama": {"adapter": "openai", "base_url": "http://127.0.0.1:11434/v1",
     # "api_key_env": "OLLAMA_API_KEY"}} (api_key_env only where the endpoint wants a key).
     "PROVIDERS": env.json("DJFLOW_PROVIDERS", default={}),
+    # Knowledge bases: the largest document content a write keeps (UTF-8 bytes; past it a
+    # write_kb step fails with class invalid_input, naming content), and the most text a
+    # recipe's context passes into ${context} (the best passages first, the rest cut).
+    "KB_MAX_CONTENT_BYTES": env.int("DJFLOW_KB_MAX_CONTENT_BYTES", default=102_400),
+    "KB_CONTEXT_MAX_BYTES": env.int("DJFLOW_KB_CONTEXT_MAX_BYTES", default=32_768),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
