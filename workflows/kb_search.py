@@ -143,13 +143,18 @@ def document_vector() -> SearchVector:
     )
 
 
-def _postgres(kb_ids: Sequence[int], query: str, top_k: int, match: Match) -> list[tuple[int, float]]:
+def _postgres(
+    kb_ids: Sequence[int], query: str, top_k: int, match: Match
+) -> list[tuple[int, float]]:
     if match == "all":
         tsquery = SearchQuery(query, search_type="websearch", config=TEXT_SEARCH_CONFIG)
     else:
         tsquery = functools.reduce(
             operator.or_,
-            (SearchQuery(word, search_type="plain", config=TEXT_SEARCH_CONFIG) for word in words(query)),
+            (
+                SearchQuery(word, search_type="plain", config=TEXT_SEARCH_CONFIG)
+                for word in words(query)
+            ),
         )
     vector = document_vector()
     ranked = (
@@ -219,7 +224,9 @@ def _sqlite(kb_ids: Sequence[int], query: str, top_k: int, match: Match) -> list
         return [(doc_id, float(score)) for doc_id, score in cursor.fetchall()]
 
 
-def _fulltext(kb_ids: Sequence[int], query: str, top_k: int, match: Match) -> list[tuple[int, float]]:
+def _fulltext(
+    kb_ids: Sequence[int], query: str, top_k: int, match: Match
+) -> list[tuple[int, float]]:
     if connection.vendor == "sqlite":
         return _sqlite(kb_ids, query, top_k, match)
     return _postgres(kb_ids, query, top_k, match)

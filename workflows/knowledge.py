@@ -19,7 +19,6 @@ Invariants:
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -28,18 +27,11 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
 from .errors import FieldError, InvalidInput, NotFound, echo
-from .models import (
-    KB_KEY_MAX_LENGTH,
-    KB_NAME_MAX_LENGTH,
-    KB_NAME_PATTERN,
-    KB_TITLE_MAX_LENGTH,
-    KnowledgeBase,
-    KnowledgeDocument,
-)
+from .kb_names import KEY_MAX_LENGTH, TITLE_MAX_LENGTH, name_problem
+from .models import KnowledgeBase, KnowledgeDocument
 
 # Tries of a write that lost a race for its version number to a concurrent write.
 WRITE_TRIES = 5
-_NAME = re.compile(KB_NAME_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -48,28 +40,17 @@ class Written:
     created: bool
 
 
-def name_problem(name: Any) -> str | None:
-    """What is wrong with ``name`` as a knowledge base's name, or None."""
-    if not isinstance(name, str) or not name:
-        return "must be a non-empty string"
-    if len(name) > KB_NAME_MAX_LENGTH:
-        return f"must be at most {KB_NAME_MAX_LENGTH} characters"
-    if not _NAME.fullmatch(name):
-        return f"'{echo(name)}' is not a knowledge base name (^[a-z0-9][a-z0-9_-]*$)"
-    return None
-
-
 def document_problems(*, key: Any, title: Any, content: Any) -> list[FieldError]:
     """What is wrong with a document's fields, each naming its field."""
     errors = []
     if not isinstance(key, str) or not key:
         errors.append(FieldError("key", "must be a non-empty string"))
-    elif len(key) > KB_KEY_MAX_LENGTH:
-        errors.append(FieldError("key", f"must be at most {KB_KEY_MAX_LENGTH} characters"))
+    elif len(key) > KEY_MAX_LENGTH:
+        errors.append(FieldError("key", f"must be at most {KEY_MAX_LENGTH} characters"))
     if not isinstance(title, str):
         errors.append(FieldError("title", "must be a string"))
-    elif len(title) > KB_TITLE_MAX_LENGTH:
-        errors.append(FieldError("title", f"must be at most {KB_TITLE_MAX_LENGTH} characters"))
+    elif len(title) > TITLE_MAX_LENGTH:
+        errors.append(FieldError("title", f"must be at most {TITLE_MAX_LENGTH} characters"))
     limit = settings.DJFLOW["KB_MAX_CONTENT_BYTES"]
     if not isinstance(content, str):
         errors.append(FieldError("content", "must be a string"))

@@ -6,6 +6,11 @@ from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db import models
 
+from .kb_names import KEY_MAX_LENGTH as KB_KEY_MAX_LENGTH
+from .kb_names import NAME_MAX_LENGTH as KB_NAME_MAX_LENGTH
+from .kb_names import NAME_PATTERN as KB_NAME_PATTERN
+from .kb_names import TITLE_MAX_LENGTH as KB_TITLE_MAX_LENGTH
+
 ID_PATTERN = r"^[a-z][a-z0-9_]*$"
 
 
@@ -160,14 +165,6 @@ class Recipe(models.Model):
     @property
     def output(self) -> str:
         return str(self.document.get("output", "text"))
-
-
-# A knowledge base's name: what a ``write_kb`` step and a recipe's ``context.kb`` give, and
-# what the API's URLs carry, so it is URL-safe as it stands.
-KB_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
-KB_NAME_MAX_LENGTH = 100
-KB_KEY_MAX_LENGTH = 200
-KB_TITLE_MAX_LENGTH = 500
 
 
 class KnowledgeBase(models.Model):
