@@ -2,8 +2,9 @@
 package is imported (the planner imports it, so they are there wherever plans are made).
 
 ``approval`` and ``handoff`` are ``approvals``' (registered from its ``AppConfig.ready()``);
-``recipe``, ``http``, ``write_kb`` and ``mcp_tool`` are accepted in documents but have no
-module yet: a run that reaches one fails with class ``unsupported``.
+``recipe``, ``http`` and ``write_kb`` are ``workers``' (``workers.kinds``). ``mcp_tool`` is
+accepted in documents but has no module yet: a run that reaches one fails with class
+``unsupported``.
 """
 
 from . import structure, subworkflow, task, time, wait_event
