@@ -413,13 +413,15 @@ def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatc
     assert Command(stdout=out)._sync_workflow_modules(verbosity=1) == [
         "workflows.examples.support_ticket",
         "workflows.examples.ticket_triage",
+        "workflows.examples.kb_support",
     ]
     assert (
-        "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage"
-        " (the examples" in out.getvalue()
+        "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage,"
+        " workflows.examples.kb_support (the examples" in out.getvalue()
     )
     assert WorkflowVersion.objects.filter(workflow_id="support_ticket").exists()
     assert WorkflowVersion.objects.filter(workflow_id="ticket_triage").exists()
+    assert WorkflowVersion.objects.filter(workflow_id="kb_answer_ticket").exists()
 
 
 def test_with_no_provider_configured_the_stand_in_answers_and_says_so() -> None:

@@ -83,7 +83,11 @@ DEFAULT_ADDR = "127.0.0.1:8000"
 DEFAULT_SUPERUSER = "admin"
 # Loaded when the user names no modules of their own (WORKFLOW_MODULES unset): the contract's
 # example and the AI one, so a first run has workflows to start.
-EXAMPLE_MODULES = ["workflows.examples.support_ticket", "workflows.examples.ticket_triage"]
+EXAMPLE_MODULES = [
+    "workflows.examples.support_ticket",
+    "workflows.examples.ticket_triage",
+    "workflows.examples.kb_support",
+]
 # The model recipe steps that name none use when no provider is configured: offline, and
 # labelled in every answer ("[stand-in model] ...").
 STANDIN_MODEL = "standin:echo"
