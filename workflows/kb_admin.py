@@ -62,7 +62,7 @@ class KnowledgeBaseAdmin(admin.ModelAdmin):
 
     @admin.display(description="documents")
     def documents(self, kb: KnowledgeBase) -> int:
-        return int(getattr(kb, "documents", 0))
+        return int(getattr(kb, "document_count", 0))
 
     def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
         created = knowledge.kb_get_or_create(name=obj.name, user=request.user)

@@ -98,7 +98,7 @@ def recipe_versions(*, name: str, limit: int = SHOWN_RECIPE_VERSIONS) -> RecipeV
 def kb_list() -> QuerySet[KnowledgeBase]:
     """Knowledge bases with how many documents (current versions) each holds."""
     return KnowledgeBase.objects.select_related("created_by").annotate(
-        documents=Count("documents", filter=Q(documents__current=True))
+        document_count=Count("documents", filter=Q(documents__current=True))
     )
 
 

@@ -140,7 +140,9 @@ class RecipeDetailSerializer(RecipeSerializer):
 
 class KnowledgeBaseSerializer(serializers.ModelSerializer):
     documents = serializers.IntegerField(
-        read_only=True, help_text="how many documents (keys) it holds, each at its newest version"
+        source="document_count",
+        read_only=True,
+        help_text="how many documents (keys) it holds, each at its newest version",
     )
     created_by = serializers.CharField(
         source="created_by.get_username", default=None, allow_null=True

@@ -282,6 +282,10 @@ class KnowledgeDocumentListView(APIView):
     )
     def get(self, request: Request, kb: str) -> Response:
         found = access.require_kb(request.user, kb)
+        for name in ("q", "key"):
+            # DRF reads an empty optional parameter as absent; a search for nothing is a mistake.
+            if name in request.query_params and not request.query_params[name].strip():
+                raise InvalidInput(errors=[FieldError(name, "must not be empty")])
         query = KnowledgeDocumentQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         if "q" in query.validated_data:
