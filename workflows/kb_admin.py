@@ -17,7 +17,8 @@ from django import forms
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
 from django.db.models import Case, IntegerField, QuerySet, Value, When
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.urls import reverse
 
 from . import access, kb_search, knowledge, selectors
 from .errors import EngineError
@@ -187,12 +188,19 @@ class KnowledgeDocumentAdmin(admin.ModelAdmin):
             output_field=IntegerField(),
         )
         found = queryset.filter(pk__in=[hit.id for hit in hits])
-        return found.annotate(search_rank=order), False
+        # Ranked, best first (the changelist orders before it searches: this order stays).
+        return found.annotate(search_rank=order).order_by("search_rank", "-pk"), False
 
-    def get_ordering(self, request: HttpRequest) -> Any:
-        if request.GET.get("q", "").strip():
-            return ("search_rank",)
-        return ("-created_at", "-id")
+    ordering = ("-created_at", "-id")
+
+    def response_change(self, request: HttpRequest, obj: Any) -> HttpResponse:
+        response = super().response_change(request, obj)
+        if "_continue" in request.POST:
+            # On to the version written, not back to the page of the one it replaced.
+            response["Location"] = reverse(
+                "admin:workflows_knowledgedocument_change", args=[obj.pk]
+            )
+        return response
 
     @admin.display(description="written by")
     def written_by(self, document: KnowledgeDocument) -> str:
