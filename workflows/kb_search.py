@@ -7,9 +7,11 @@ first, as :class:`Hit` rows. Backends, chosen by name (``backend=``, else
 :func:`register_backend` and takes the same arguments):
 
 - ``fulltext`` on Postgres: the title (weight A) and content (weight B) as one ``tsvector``
-  in the ``english`` configuration, matched by ``@@`` and ranked by ``ts_rank``. Migration
-  0005 made a GIN index on exactly that expression, so a search reads the index, not the
-  table (EXPLAIN on 10,000 rows: a bitmap index scan on ``kb_document_search``).
+  in the ``english`` configuration (``search_vector``, kept by a trigger of migration 0005),
+  matched by ``@@`` and ranked by ``ts_rank``. A GIN index over the current rows' vectors
+  (``kb_document_search``) answers the match, so a search reads the index, not the table
+  (EXPLAIN on 10,000 rows: a bitmap index scan on it); ranking reads the stored vectors of
+  the rows matched, never parsing their text again.
 - ``fulltext`` on SQLite (the embedded default): an FTS5 table over the current versions
   (external content, kept by triggers from migration 0005), ranked by ``bm25()`` with the
   title weighted 2.5 to the content's 1 (the ratio of Postgres's A and B). Scores are the
@@ -40,16 +42,17 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from django.conf import settings
-from django.contrib.postgres.search import SearchQuery, SearchRank, SearchVector
+from django.contrib.postgres.search import SearchQuery, SearchRank
 from django.db import connection
+from django.db.models import F
 
 from .models import KnowledgeBase, KnowledgeDocument
 
 MAX_QUERY_CHARS: Final = 1000
 MAX_TERMS: Final = 32
 MAX_TOP_K: Final = 100
-# The text-search configuration of the Postgres index (migration 0005): a query in another
-# configuration would not use it.
+# The text-search configuration of the stored vectors (migration 0005's trigger): a query
+# must stem its words as they were.
 TEXT_SEARCH_CONFIG: Final = "english"
 FTS_TABLE: Final = "workflows_knowledgedocument_fts"
 # bm25 weights of the FTS5 columns (title, content).
@@ -136,13 +139,6 @@ def words(query: str) -> list[str]:
 # --- Postgres -----------------------------------------------------------------------------
 
 
-def document_vector() -> SearchVector:
-    """The expression migration 0005 indexes: change both together."""
-    return SearchVector("title", weight="A", config=TEXT_SEARCH_CONFIG) + SearchVector(
-        "content", weight="B", config=TEXT_SEARCH_CONFIG
-    )
-
-
 def _postgres(
     kb_ids: Sequence[int], query: str, top_k: int, match: Match
 ) -> list[tuple[int, float]]:
@@ -156,12 +152,9 @@ def _postgres(
                 for word in words(query)
             ),
         )
-    vector = document_vector()
     ranked = (
-        KnowledgeDocument.objects.filter(kb_id__in=kb_ids, current=True)
-        .alias(search=vector)
-        .filter(search=tsquery)
-        .annotate(rank=SearchRank(vector, tsquery))
+        KnowledgeDocument.objects.filter(kb_id__in=kb_ids, current=True, search_vector=tsquery)
+        .annotate(rank=SearchRank(F("search_vector"), tsquery))
         .order_by("-rank", "-id")
         .values_list("id", "rank")[:top_k]
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib.postgres.search import SearchVectorField
 from django.core.validators import RegexValidator
 from django.db import models
 
@@ -209,8 +210,8 @@ class KnowledgeDocument(models.Model):
     Who wrote it: ``run_id`` and ``step_run_id`` for a ``write_kb`` step (plain ids: this app
     sits below ``runs``), ``created_by`` for a person in the admin.
 
-    Full-text search indexes (a GIN expression index on Postgres, an FTS5 table on SQLite)
-    are made by migration 0005 for the vendor at hand: ``workflows.kb_search``.
+    Full-text search indexes (``search_vector`` and its GIN index on Postgres, an FTS5 table
+    on SQLite) are made by migration 0005 for the vendor at hand: ``workflows.kb_search``.
     """
 
     kb = models.ForeignKey(KnowledgeBase, on_delete=models.PROTECT, related_name="documents")
@@ -234,6 +235,11 @@ class KnowledgeDocument(models.Model):
     # Not used by full-text search.
     embedding_model = models.CharField(max_length=200, blank=True, default="")
     embedding = models.JSONField(null=True, blank=True, editable=False)
+    # Postgres: the title (weight A) and content (weight B) as a tsvector, kept by a trigger
+    # (migration 0005) whatever writes the row, and GIN-indexed over current rows. Stored, not
+    # an expression index: ranking a match reads it instead of parsing the text again. Null
+    # on SQLite, whose FTS5 table is its index.
+    search_vector = SearchVectorField(null=True, blank=True, editable=False)
 
     class Meta:
         ordering = ["kb_id", "key", "-version"]
