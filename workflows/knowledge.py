@@ -26,6 +26,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
+from . import access
 from .errors import FieldError, InvalidInput, NotFound, echo
 from .kb_names import KEY_MAX_LENGTH, TITLE_MAX_LENGTH, name_problem
 from .models import KnowledgeBase, KnowledgeDocument
@@ -145,8 +146,6 @@ def kb_get_or_create(*, name: str, user: Any = None) -> KnowledgeBase:
     )
     found = KnowledgeBase.objects.get(name=name)
     if person is not None and found.created_by_id == person.pk:
-        from . import access  # access imports this app's models only; no cycle at load
-
         access.grant_kb_creator(found, person)
     return found
 
