@@ -180,3 +180,23 @@ def test_a_query_rendered_past_the_bound_fails_naming_it() -> None:
         recipe_kind._query(context, "x" * 400_000)
     assert failed.value.error_class == "invalid_input"
     assert "context.query" in failed.value.message
+
+
+@pytest.mark.django_db
+def test_retrieval_is_recorded_with_the_runs_secrets_concealed() -> None:
+    from workflows import knowledge
+
+    knowledge.kb_write(kb="answers", key="T-1", title="Export", content="Clear the export cache.")
+    ctx = _ctx()
+    ctx.conceal = lambda value: (
+        value.replace("hunter2", "••••") if isinstance(value, str) else value
+    )
+    text, retrieved = recipe_kind._retrieve(
+        ctx, {"kb": "answers", "query": "export ${input.token}"}, {"token": "hunter2"}
+    )
+    assert text == "[Export] Clear the export cache."
+    assert retrieved["query"] == "export ••••" and "hunter2" not in str(retrieved)
+    assert [(h["key"], h["version"]) for h in retrieved["hits"]] == [("T-1", 1)]
+    [span] = ctx.spans
+    assert span.name == "retrieval" and span.attributes["query"] == "export ••••"
+    assert span.attributes["hits"] == retrieved["hits"]
