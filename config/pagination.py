@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from django.utils.dateparse import parse_datetime
 from rest_framework.exceptions import NotFound
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -77,3 +78,23 @@ class ContractCursorPagination(CursorPagination):
                 },
             },
         }
+
+
+class NewestFirstPagination(ContractCursorPagination):
+    """Rows with ``created_at`` and ``id``, newest first; a cursor whose position is not a
+    time is a bad cursor (400 naming it), not a database error."""
+
+    ordering = ("-created_at", "-id")
+
+    def decode_cursor(self, request: Any) -> Any:
+        cursor = super().decode_cursor(request)
+        if cursor is not None and cursor.position is not None:
+            try:
+                valid = parse_datetime(cursor.position) is not None
+            except ValueError:
+                valid = False
+            if not valid:
+                raise InvalidInput(
+                    errors=[FieldError("cursor", "is not a cursor this API gave out")]
+                )
+        return cursor

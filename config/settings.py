@@ -603,6 +603,11 @@ DJFLOW = {
     "EMBEDDINGS_DIMENSIONS": _embeddings_dimensions(
         env.str("DJFLOW_EMBEDDINGS_DIMENSIONS", default="")
     ),
+    # Knowledge bases: the largest document content a write keeps (UTF-8 bytes; past it a
+    # write_kb step fails with class invalid_input, naming content), and the most text a
+    # recipe's context passes into ${context} (the best passages first, the rest cut).
+    "KB_MAX_CONTENT_BYTES": env.int("DJFLOW_KB_MAX_CONTENT_BYTES", default=102_400),
+    "KB_CONTEXT_MAX_BYTES": env.int("DJFLOW_KB_CONTEXT_MAX_BYTES", default=32_768),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:

@@ -282,6 +282,7 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
         "reserved_usd",
         "request_id",
         "pretty_error",
+        "pretty_retrieved",
         "pretty_prompt",
         "pretty_reply",
     )
@@ -301,6 +302,12 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
     @admin.display(description="error")
     def pretty_error(self, call: ModelCall) -> str:
         return _pretty_json(call.error) if call.error else "—"
+
+    @admin.display(
+        description="retrieved (knowledge base, query, and each passage's key, version, score)"
+    )
+    def pretty_retrieved(self, call: ModelCall) -> str:
+        return _pretty_json(_cut(call.retrieved)) if call.retrieved else "—"
 
     @admin.display(description="prompt (system and messages, after templates)")
     def pretty_prompt(self, call: ModelCall) -> str:

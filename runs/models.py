@@ -399,6 +399,10 @@ class ModelCall(models.Model):
     # a recipe saved again during a run changes its later attempts, and this says which ran.
     recipe = models.CharField(max_length=100, blank=True, default="")
     recipe_version = models.PositiveIntegerField(null=True, blank=True)
+    # What a recipe's context retrieved into the prompt, so an operator sees why the model
+    # said what it said: {"kb", "query", "hits": [{"key", "version", "score"}]}; null when
+    # the step has no context.
+    retrieved = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

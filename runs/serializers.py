@@ -191,6 +191,7 @@ CALL_FIELDS = [
     "answered_by",
     "recipe",
     "recipe_version",
+    "retrieved",
     "status",
     "error",
     "input_tokens",
@@ -221,6 +222,12 @@ class ModelCallSerializer(serializers.ModelSerializer):
     reply_digest = serializers.CharField(source="reply_id", read_only=True, allow_null=True)
     prompt_size = serializers.IntegerField(read_only=True)
     reply_size = serializers.IntegerField(read_only=True, allow_null=True)
+    retrieved = serializers.JSONField(
+        read_only=True,
+        allow_null=True,
+        help_text="what the recipe's context retrieved into the prompt: {kb, query, hits: "
+        "[{key, version, score}]}; null without a context",
+    )
 
     class Meta:
         model = ModelCall

@@ -91,6 +91,8 @@ def team_permissions() -> list[Permission]:
     wanted = [
         ("workflows", "add_workflow"),
         ("workflows", "change_workflow"),
+        ("workflows", "add_knowledgebase"),
+        ("workflows", "change_knowledgebase"),
         ("runs", "add_run"),
         ("runs", "change_run"),
         ("runs", "view_run"),

@@ -414,14 +414,17 @@ def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatc
         "workflows.examples.support_ticket",
         "workflows.examples.ticket_triage",
         "workflows.examples.ticket_tools",
+        "workflows.examples.kb_support",
     ]
     assert (
         "Workflow modules: workflows.examples.support_ticket, workflows.examples.ticket_triage,"
-        " workflows.examples.ticket_tools (the examples" in out.getvalue()
+        " workflows.examples.ticket_tools, workflows.examples.kb_support (the examples"
+        in out.getvalue()
     )
     assert WorkflowVersion.objects.filter(workflow_id="support_ticket").exists()
     assert WorkflowVersion.objects.filter(workflow_id="ticket_triage").exists()
     assert WorkflowVersion.objects.filter(workflow_id="ticket_tools").exists()
+    assert WorkflowVersion.objects.filter(workflow_id="kb_answer_ticket").exists()
 
 
 def test_with_no_provider_configured_the_stand_in_answers_and_says_so() -> None:

@@ -37,7 +37,7 @@ from guardian.core import ObjectPermissionChecker
 from guardian.shortcuts import assign_perm, get_objects_for_user, remove_perm
 
 from .errors import FieldError, Forbidden, NotFound, echo
-from .models import Workflow
+from .models import KnowledgeBase, Workflow
 
 AUTHOR = "author"
 STARTER = "starter"
@@ -371,6 +371,138 @@ def require_save_recipe(user: Any, name: str, *, exists: bool) -> None:
         raise Forbidden(
             errors=[FieldError("name", f"saving a new recipe needs the permission {RECIPE_ADD}")]
         )
+
+
+# -- knowledge bases -----------------------------------------------------------------------
+#
+# Knowledge bases (CONTRACT section 10) are shared stores that runs write and recipes read; like
+# recipes they are no one workflow's. The contract is silent on who may do what; README
+# "Knowledge bases" says the same as this:
+#
+# - reading (list, documents, search, the admin; naming one in a recipe's ``context.kb``):
+#   the global ``workflows.view_knowledgebase`` (every knowledge base), or the object
+#   permission ``read_knowledgebase`` on it; writing implies reading. One who may not read a
+#   knowledge base is answered as for one that does not exist (404), so names do not leak;
+# - writing (a new version, the admin's edit; a ``write_kb`` step naming it): the global
+#   ``workflows.change_knowledgebase`` (every one), or ``write_knowledgebase`` on it;
+# - creating a new name (the admin; a ``write_kb`` step naming a literal new one):
+#   ``workflows.add_knowledgebase``; a person who creates one gets both object permissions
+#   on it (``grant_kb_creator``);
+# - a ``write_kb`` step whose ``kb`` is a template (known only when a run resolves it) may
+#   write any knowledge base: it needs ``workflows.change_knowledgebase``;
+# - the engine's own writes and reads (a run's steps) are trusted: the rights were checked when
+#   the workflow was saved (``services.kb_name_errors``). Superusers everything. Nothing
+#   deletes a knowledge base or a version.
+
+KB_READ_ALL = ("workflows.view_knowledgebase", "workflows.change_knowledgebase")
+KB_WRITE_ALL = "workflows.change_knowledgebase"
+KB_ADD = "workflows.add_knowledgebase"
+KB_READ = "read_knowledgebase"
+KB_WRITE = "write_knowledgebase"
+
+
+def reads_all_kbs(user: Any) -> bool:
+    return trusted(user) or (_person(user) and any(user.has_perm(p) for p in KB_READ_ALL))
+
+
+def writes_all_kbs(user: Any) -> bool:
+    return trusted(user) or (_person(user) and user.has_perm(KB_WRITE_ALL))
+
+
+def may_add_kb(user: Any) -> bool:
+    """May ``user`` create a knowledge base of a new name?"""
+    return trusted(user) or (_person(user) and user.has_perm(KB_ADD))
+
+
+def _kb_perms(user: Any, kb: KnowledgeBase) -> set[str]:
+    return set(_checker(user).get_perms(kb)) if _person(user) else set()
+
+
+def may_read_kb(user: Any, kb: KnowledgeBase) -> bool:
+    return reads_all_kbs(user) or bool({KB_READ, KB_WRITE} & _kb_perms(user, kb))
+
+
+def may_write_kb(user: Any, kb: KnowledgeBase) -> bool:
+    return writes_all_kbs(user) or KB_WRITE in _kb_perms(user, kb)
+
+
+def readable_kbs(user: Any, kbs: QuerySet[KnowledgeBase]) -> QuerySet[KnowledgeBase]:
+    """``kbs`` narrowed to those ``user`` may read."""
+    if reads_all_kbs(user):
+        return kbs
+    if not _person(user):
+        return kbs.none()
+    return kbs.filter(pk__in=_kbs_with(user, [KB_READ, KB_WRITE]).values("pk"))
+
+
+def writable_kbs(user: Any, kbs: QuerySet[KnowledgeBase]) -> QuerySet[KnowledgeBase]:
+    """``kbs`` narrowed to those ``user`` may write."""
+    if writes_all_kbs(user):
+        return kbs
+    if not _person(user):
+        return kbs.none()
+    return kbs.filter(pk__in=_kbs_with(user, [KB_WRITE]).values("pk"))
+
+
+def _kbs_with(user: Any, codenames: list[str]) -> QuerySet[KnowledgeBase]:
+    return get_objects_for_user(
+        user,
+        [f"workflows.{codename}" for codename in codenames],
+        klass=KnowledgeBase,
+        any_perm=True,
+        with_superuser=False,
+        accept_global_perms=False,
+    )
+
+
+def reads_some_kb(user: Any) -> bool:
+    """May ``user`` read any knowledge base at all (the admin asks before showing them)?"""
+    return reads_all_kbs(user) or (_person(user) and _kbs_with(user, [KB_READ, KB_WRITE]).exists())
+
+
+def require_kb(user: Any, name: str, *, field: str = "kb") -> KnowledgeBase:
+    """The knowledge base ``name`` if ``user`` may read it; else 404 naming ``field``, the
+    same answer as for a name that does not exist."""
+    found = KnowledgeBase.objects.filter(name=name).first()
+    if found is None or not may_read_kb(user, found):
+        raise NotFound(errors=[FieldError(field, f"unknown knowledge base '{echo(name)}'")])
+    return found
+
+
+def may_name_kb_to_read(user: Any, name: str) -> bool:
+    """May ``user`` save a recipe step whose ``context.kb`` is ``name``? One they may read;
+    a name that does not exist yet only if they may create it (otherwise trying names would
+    tell which exist)."""
+    if reads_all_kbs(user):
+        return True
+    found = KnowledgeBase.objects.filter(name=name).first()
+    return may_read_kb(user, found) if found is not None else may_add_kb(user)
+
+
+def may_name_kb_to_write(user: Any, name: str) -> bool:
+    """May ``user`` save a ``write_kb`` step naming ``name`` (literal)? Write on it, or for a
+    new name the right to create one."""
+    if writes_all_kbs(user):
+        return True
+    found = KnowledgeBase.objects.filter(name=name).first()
+    return may_write_kb(user, found) if found is not None else may_add_kb(user)
+
+
+def grant_kb_creator(kb: KnowledgeBase, user: Any) -> None:
+    """The person who created ``kb`` reads and writes it."""
+    if _person(user):
+        assign_perm(f"workflows.{KB_READ}", user, kb)
+        assign_perm(f"workflows.{KB_WRITE}", user, kb)
+        user.__dict__.pop("_djflow_checker", None)
+
+
+def grant_kb(
+    codename: str, kb: KnowledgeBase, *, user: Any = None, group: Group | None = None
+) -> None:
+    """Give a user or a group ``read_knowledgebase`` or ``write_knowledgebase`` on ``kb``."""
+    if codename not in (KB_READ, KB_WRITE):
+        raise ValueError(f"unknown knowledge-base permission '{codename}'")
+    assign_perm(f"workflows.{codename}", _holder(user, group), kb)
 
 
 # -- granting ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from django.utils.http import urlencode
 
 from config.admin_mixins import ReadOnlyMixin
 
-from . import access, heartbeats, selectors
+from . import access, heartbeats, kb_admin, selectors  # noqa: F401 (kb_admin registers)
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm

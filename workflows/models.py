@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib.postgres.search import SearchVectorField
 from django.core.validators import RegexValidator
 from django.db import models
+
+from .kb_names import KEY_MAX_LENGTH as KB_KEY_MAX_LENGTH
+from .kb_names import NAME_MAX_LENGTH as KB_NAME_MAX_LENGTH
+from .kb_names import NAME_PATTERN as KB_NAME_PATTERN
+from .kb_names import TITLE_MAX_LENGTH as KB_TITLE_MAX_LENGTH
 
 ID_PATTERN = r"^[a-z][a-z0-9_]*$"
 
@@ -160,3 +166,93 @@ class Recipe(models.Model):
     @property
     def output(self) -> str:
         return str(self.document.get("output", "text"))
+
+
+class KnowledgeBase(models.Model):
+    """A named collection of documents that steps write (``write_kb``) and recipes read
+    (``context``), CONTRACT section 10. Created by its first write (by a run, or by a person
+    through the admin, who then holds both object permissions on it: ``workflows.access``).
+    Nothing deletes one."""
+
+    name = models.CharField(
+        max_length=KB_NAME_MAX_LENGTH, unique=True, validators=[RegexValidator(KB_NAME_PATTERN)]
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "knowledge base"
+        # Per knowledge base, as django-guardian object permissions (workflows.access).
+        permissions = [
+            ("read_knowledgebase", "Read and search its documents; name it in a recipe"),
+            ("write_knowledgebase", "Write documents to it (new versions)"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class KnowledgeDocument(models.Model):
+    """One version of one document of a knowledge base; rows never change but for
+    ``current``.
+
+    Invariants: versions of a ``(kb, key)`` are numbered 1, 2, ... with no gap and no
+    duplicate (unique constraint); exactly the newest is ``current`` (a partial unique
+    constraint keeps it to one), and search sees only current rows. A write whose title and
+    content equal the current version's writes nothing (``workflows.knowledge.kb_write``).
+    Who wrote it: ``run_id`` and ``step_run_id`` for a ``write_kb`` step (plain ids: this app
+    sits below ``runs``), ``created_by`` for a person in the admin.
+
+    Full-text search indexes (``search_vector`` and its GIN index on Postgres, an FTS5 table
+    on SQLite) are made by migration 0005 for the vendor at hand: ``workflows.kb_search``.
+    """
+
+    kb = models.ForeignKey(KnowledgeBase, on_delete=models.PROTECT, related_name="documents")
+    key = models.CharField(max_length=KB_KEY_MAX_LENGTH)
+    version = models.PositiveIntegerField()
+    title = models.CharField(max_length=KB_TITLE_MAX_LENGTH, blank=True, default="")
+    content = models.TextField()
+    current = models.BooleanField(default=True)
+    run_id = models.UUIDField(null=True, blank=True)
+    step_run_id = models.BigIntegerField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    # Where an embedding of this version hangs (hybrid search, DJFLOW_EMBEDDINGS_MODEL): the
+    # model that made it and the vector, null until a worker computes it after the write.
+    # Not used by full-text search.
+    embedding_model = models.CharField(max_length=200, blank=True, default="")
+    embedding = models.JSONField(null=True, blank=True, editable=False)
+    # Postgres: the title (weight A) and content (weight B) as a tsvector, kept by a trigger
+    # (migration 0005) whatever writes the row, and GIN-indexed over current rows. Stored, not
+    # an expression index: ranking a match reads it instead of parsing the text again. Null
+    # on SQLite, whose FTS5 table is its index.
+    search_vector = SearchVectorField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["kb_id", "key", "-version"]
+        verbose_name = "knowledge-base document"
+        constraints = [
+            models.UniqueConstraint(fields=["kb", "key", "version"], name="kb_document_version"),
+            models.UniqueConstraint(
+                fields=["kb", "key"], condition=models.Q(current=True), name="kb_document_current"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["kb", "current", "-created_at", "-id"], name="kb_document_newest"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key} v{self.version}"

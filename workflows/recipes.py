@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from .errors import FieldError, InvalidDocument, echo
 from .input_schema import schema_errors
+from .kb_names import name_problem as kb_name_problem
 from .templates import (
     TooLarge,
     interpolate,
@@ -306,8 +307,8 @@ def step_recipe_errors(step: Mapping[str, Any], where: str) -> list[FieldError]:
             )
         ]
     if named:
-        return _override_errors(step, where)
-    errors = []
+        return _override_errors(step, where) + _context_errors(step, where)
+    errors = _context_errors(step, where)
     if "recipe_version" in step:
         errors.append(
             FieldError(_at(where, "recipe_version"), "is only for a step naming a 'recipe'")
@@ -316,6 +317,45 @@ def step_recipe_errors(step: Mapping[str, Any], where: str) -> list[FieldError]:
         if isinstance(step.get(name), str):
             errors += _text_errors(step[name], _at(where, name))
     return errors + _output_schema_errors(step, where)
+
+
+def _context_errors(step: Mapping[str, Any], where: str) -> list[FieldError]:
+    """A ``context`` names its knowledge base literally (pre-flight and the saving user's
+    rights need the name), and its ``query`` is a text template over the step input only
+    (``${input}``, ``${input.x}``), rendered as the prompt is."""
+    context = step.get("context")
+    if not isinstance(context, Mapping):
+        return []  # the schema's to report
+    here = _at(where, "context")
+    errors = []
+    if "kb" in context:
+        problem = kb_name_problem(context["kb"])
+        if problem:
+            errors.append(FieldError(_at(here, "kb"), f"{problem}; it is a name, not a template"))
+    if "query" in context:
+        query = context["query"]
+        if not isinstance(query, str) or not query:
+            errors.append(FieldError(_at(here, "query"), "must be non-empty text (a template)"))
+        elif len(query.encode("utf-8", "surrogatepass")) > MAX_TEXT_BYTES:
+            errors.append(FieldError(_at(here, "query"), f"is over {MAX_TEXT_BYTES} bytes"))
+        else:
+            errors += _query_errors(query, _at(here, "query"))
+    return errors
+
+
+def _query_errors(query: str, where: str) -> list[FieldError]:
+    errors = [FieldError(where, message) for _, message in reference_errors(query)]
+    for _, path in references(query):
+        if is_valid_path(path) and split_path(path)[0] != "input":
+            errors.append(
+                FieldError(
+                    where,
+                    f"'${{{echo(path)}}}': a context's query reads only ${{input}} (the step "
+                    "input, ${input.x} for a field); give the step an 'input' that passes what "
+                    "the query needs",
+                )
+            )
+    return errors
 
 
 def _override_errors(step: Mapping[str, Any], where: str) -> list[FieldError]:

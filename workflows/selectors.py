@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from django.db.models import Exists, Max, OuterRef, QuerySet, Subquery
+from django.db.models import Count, Exists, Max, OuterRef, Q, QuerySet, Subquery
 
 from .errors import FieldError, NotFound, echo
-from .models import Recipe, Workflow, WorkflowVersion
+from .models import KnowledgeBase, KnowledgeDocument, Recipe, Workflow, WorkflowVersion
 
 
 def workflow_list() -> QuerySet[Workflow]:
@@ -90,3 +90,20 @@ def recipe_versions(*, name: str, limit: int = SHOWN_RECIPE_VERSIONS) -> RecipeV
     versions = Recipe.objects.filter(name=name)
     newest = versions.order_by("-version").values_list("pk", "version")[:limit]
     return RecipeVersions(newest=list(newest), total=versions.count())
+
+
+# --- knowledge bases ----------------------------------------------------------------------------
+
+
+def kb_list() -> QuerySet[KnowledgeBase]:
+    """Knowledge bases with how many documents (current versions) each holds."""
+    return KnowledgeBase.objects.select_related("created_by").annotate(
+        document_count=Count("documents", filter=Q(documents__current=True))
+    )
+
+
+def kb_documents(*, kb: KnowledgeBase, key: str | None = None) -> QuerySet[KnowledgeDocument]:
+    """The current version of each document of ``kb``; with ``key``, every version of that one
+    document."""
+    documents = KnowledgeDocument.objects.filter(kb=kb).select_related("kb", "created_by")
+    return documents.filter(key=key) if key is not None else documents.filter(current=True)

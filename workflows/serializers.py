@@ -7,7 +7,9 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from .models import Recipe, Workflow, WorkflowVersion
+from .kb_names import KEY_MAX_LENGTH
+from .kb_search import MAX_QUERY_CHARS
+from .models import KnowledgeBase, KnowledgeDocument, Recipe, Workflow, WorkflowVersion
 from .selectors import SHOWN_RECIPE_VERSIONS
 
 
@@ -131,3 +133,84 @@ class RecipeDetailSerializer(RecipeSerializer):
     @extend_schema_field({"type": "integer"})
     def get_versions_total(self, recipe: Recipe) -> int:
         return int(self.context["versions"].total)
+
+
+# --- knowledge bases (CONTRACT section 10) ----------------------------------------------------
+
+
+class KnowledgeBaseSerializer(serializers.ModelSerializer):
+    documents = serializers.IntegerField(
+        source="document_count",
+        read_only=True,
+        help_text="how many documents (keys) it holds, each at its newest version",
+    )
+    created_by = serializers.CharField(
+        source="created_by.get_username", default=None, allow_null=True
+    )
+
+    class Meta:
+        model = KnowledgeBase
+        fields = ["name", "documents", "created_at", "created_by"]
+        read_only_fields = fields
+
+
+class KnowledgeDocumentSerializer(serializers.ModelSerializer):
+    kb = serializers.CharField(source="kb.name", read_only=True)
+    created_by = serializers.CharField(
+        source="created_by.get_username", default=None, allow_null=True
+    )
+    run = serializers.UUIDField(
+        source="run_id", allow_null=True, help_text="the run whose write_kb step wrote it"
+    )
+    step_run = serializers.IntegerField(
+        source="step_run_id", allow_null=True, help_text="the attempt that wrote it"
+    )
+    score = serializers.SerializerMethodField(
+        help_text="with ?q=: how well it matches (larger is better; comparable within one "
+        "search only); null otherwise"
+    )
+
+    class Meta:
+        model = KnowledgeDocument
+        fields = [
+            "kb",
+            "key",
+            "version",
+            "current",
+            "title",
+            "content",
+            "score",
+            "created_at",
+            "created_by",
+            "run",
+            "step_run",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field({"type": "number", "nullable": True})
+    def get_score(self, document: KnowledgeDocument) -> float | None:
+        return self.context.get("scores", {}).get(document.pk)
+
+
+class KnowledgeDocumentQuerySerializer(serializers.Serializer):
+    """The parameters of ``GET /kbs/{kb}/documents``."""
+
+    q = serializers.CharField(
+        required=False,
+        max_length=MAX_QUERY_CHARS,
+        trim_whitespace=False,
+        help_text='search: every word must occur ("a phrase", or, -word); ranked results',
+    )
+    key = serializers.CharField(
+        required=False,
+        max_length=KEY_MAX_LENGTH,
+        trim_whitespace=False,
+        help_text="every version of this one document, newest first",
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if "q" in attrs and "key" in attrs:
+            raise serializers.ValidationError(
+                {"key": "give q (search) or key (versions), not both"}
+            )
+        return attrs

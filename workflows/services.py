@@ -12,7 +12,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 
 from . import access, heartbeats, kinds
-from .errors import Conflict, FieldError, Forbidden, InvalidDocument
+from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
+from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
 from .recipes import prepare_recipe
 from .validation import ApprovalRules, every_step, prepare_document
@@ -73,7 +74,8 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     ``user`` must be an author of the workflow, or hold ``workflows.add_workflow`` for a
     new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
     What its steps name is held to the user's rights too: handlers (:func:`handler_errors`),
-    subworkflows (:func:`subworkflow_errors`), recipes (:func:`recipe_name_errors`).
+    subworkflows (:func:`subworkflow_errors`), recipes (:func:`recipe_name_errors`),
+    knowledge bases (:func:`kb_name_errors`).
     """
 
     def visible_exists(workflow_id: str, version: int | None) -> bool:
@@ -94,6 +96,7 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
             *handler_errors(prepared, user),
             *subworkflow_errors(prepared, user),
             *recipe_name_errors(prepared, user),
+            *kb_name_errors(prepared, user),
         ]
     )
     digest = content_hash(prepared)
@@ -263,6 +266,53 @@ def recipe_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
         for step, where in every_step(document)
         if step.get("kind") == "recipe" and "recipe" in step
     ]
+
+
+def kb_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
+    """The knowledge bases a document's steps read and write, held to the saving user's rights
+    (``workflows.access``, "knowledge bases"): a run is trusted with them later, so the save is
+    where they are asked. A recipe's ``context.kb`` needs read on it; a ``write_kb`` step's
+    literal ``kb`` write on it (or, for a new name, the right to create one); a ``write_kb``
+    whose ``kb`` is a template the right to write every knowledge base. Each message is the
+    same whether the name exists or not, so trying names tells nothing."""
+    if access.trusted(user):
+        return []
+    errors = []
+    for step, where in every_step(document):
+        kind = step.get("kind")
+        context = step.get("context")
+        if kind == "recipe" and isinstance(context, dict) and isinstance(context.get("kb"), str):
+            name = context["kb"]
+            if not access.may_name_kb_to_read(user, name):
+                errors.append(
+                    FieldError(
+                        f"{where}.context.kb",
+                        f"reading knowledge base '{echo(name)}' needs the permission to read it "
+                        f"(read_knowledgebase on it, or {access.KB_READ_ALL[0]})",
+                    )
+                )
+        if kind != "write_kb" or not isinstance(step.get("kb"), str):
+            continue
+        name = step["kb"]
+        if is_template(name):
+            if not access.writes_all_kbs(user):
+                errors.append(
+                    FieldError(
+                        f"{where}.kb",
+                        "a knowledge base named by a template may be any of them: writing it "
+                        f"needs the permission {access.KB_WRITE_ALL}",
+                    )
+                )
+        elif not access.may_name_kb_to_write(user, name):
+            errors.append(
+                FieldError(
+                    f"{where}.kb",
+                    f"writing knowledge base '{echo(name)}' needs the permission to write it "
+                    f"(write_knowledgebase on it, or {access.KB_WRITE_ALL}; for a new name, "
+                    f"{access.KB_ADD})",
+                )
+            )
+    return errors
 
 
 def raise_invalid(errors: list[FieldError]) -> None:

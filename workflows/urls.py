@@ -19,6 +19,8 @@ urlpatterns = [
         views.DefinitionSchemaView.as_view(),
         name="definition-schema",
     ),
+    path("kbs", views.KnowledgeBaseListView.as_view(), name="kbs"),
+    path("kbs/<str:kb>/documents", views.KnowledgeDocumentListView.as_view(), name="kb-documents"),
     path("recipes", views.RecipeListView.as_view(), name="recipes"),
     path("recipes/<str:name>", views.RecipeDetailView.as_view(), name="recipe"),
     path(

@@ -37,6 +37,8 @@ from jsonschema.exceptions import ValidationError
 from .errors import FieldError, InvalidDocument
 from .guards import pattern_error
 from .input_schema import schema_errors
+from .kb_names import is_template
+from .kb_names import name_problem as kb_name_problem
 from .recipes import step_recipe_errors
 from .schema import (
     DEFAULT_MAX_DOCUMENT_STEPS,
@@ -495,10 +497,19 @@ class _Checker:
     def _kind_recipe(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         # The recipe's own rules (workflows.recipes): its templates read the step input and
         # the context, not the run's, so they are not checked as the document's templates.
+        # The context's query likewise reads the step input only (checked there too).
         self.errors += step_recipe_errors(step, where)
-        context = step.get("context")
-        if context and "query" in context:
-            self._check_template(context["query"], f"{where}.context.query", scope)
+
+    def _kind_write_kb(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
+        # A literal name is checked now; a template's value when a run resolves it.
+        name = step.get("kb")
+        if isinstance(name, str) and not is_template(name):
+            problem = kb_name_problem(name)
+            if problem:
+                self.fail(f"{where}.kb", problem)
+        for name_of in ("key", "content"):
+            if step.get(name_of) == "":
+                self.fail(f"{where}.{name_of}", "must not be empty")
 
     def _kind_approval(self, step: dict[str, Any], where: str, scope: _Scope) -> None:
         approvers = step["approvers"]

@@ -13,14 +13,18 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from config.pagination import ContractCursorPagination
+from config.pagination import ContractCursorPagination, NewestFirstPagination
 
-from . import access, selectors, services
-from .errors import FieldError, NotFound
-from .models import WorkflowVersion
+from . import access, kb_search, selectors, services
+from .errors import FieldError, InvalidInput, NotFound
+from .kb_search import MAX_TOP_K
+from .models import KnowledgeBase, WorkflowVersion
 from .schema import load_schema
 from .selectors import SHOWN_RECIPE_VERSIONS
 from .serializers import (
+    KnowledgeBaseSerializer,
+    KnowledgeDocumentQuerySerializer,
+    KnowledgeDocumentSerializer,
     RecipeDetailSerializer,
     RecipeSerializer,
     RecipeSummarySerializer,
@@ -218,6 +222,103 @@ class RecipeVersionView(APIView):
         access.require_recipe(request.user, name)
         found = selectors.recipe_get(name=name, version=_version_number(version))
         return Response(RecipeSerializer(found).data)
+
+
+# --- knowledge bases (CONTRACT section 10) -----------------------------------------------------
+#
+# Who may: workflows.access, "knowledge bases". The list holds the ones the caller may read; a
+# knowledge base they may not read is a 404, as one that does not exist.
+
+KB_PATH = OpenApiParameter(
+    "kb", OpenApiTypes.STR, OpenApiParameter.PATH, description="the knowledge base's name"
+)
+DEFAULT_SEARCH_LIMIT = 10
+
+
+class KnowledgeBasePagination(ContractCursorPagination):
+    ordering = "name"
+
+
+class KnowledgeBaseListView(APIView):
+    pagination_class = KnowledgeBasePagination
+
+    @extend_schema(
+        operation_id="kbs_list",
+        description="The knowledge bases the caller may read, by name, cursor-paginated.",
+        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        responses={200: KnowledgeBaseSerializer(many=True), 400: ERRORS, 401: ERRORS},
+    )
+    def get(self, request: Request) -> Response:
+        kbs = access.readable_kbs(request.user, selectors.kb_list())
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(kbs, request, view=self)
+        return paginator.get_paginated_response(KnowledgeBaseSerializer(page, many=True).data)
+
+
+class KnowledgeDocumentListView(APIView):
+    pagination_class = NewestFirstPagination
+
+    @extend_schema(
+        operation_id="kbs_documents",
+        description=(
+            "Without `q`: the current version of each document, newest first, cursor-paginated;"
+            " with `key`: every version of that document, newest first. With `q`: the best"
+            f" `limit` (default {DEFAULT_SEARCH_LIMIT}, at most {MAX_TOP_K}) current documents,"
+            " best first, each with its `score` (`next` is null). Postgres full-text search, or"
+            " SQLite FTS5 on the embedded default."
+        ),
+        parameters=[
+            KB_PATH,
+            KnowledgeDocumentQuerySerializer,
+            OpenApiParameter("cursor", str),
+            OpenApiParameter("limit", int),
+        ],
+        responses={
+            200: KnowledgeDocumentSerializer(many=True),
+            400: ERRORS,
+            401: ERRORS,
+            404: ERRORS,
+        },
+    )
+    def get(self, request: Request, kb: str) -> Response:
+        found = access.require_kb(request.user, kb)
+        for name in ("q", "key"):
+            # DRF reads an empty optional parameter as absent; a search for nothing is a mistake.
+            if name in request.query_params and not request.query_params[name].strip():
+                raise InvalidInput(errors=[FieldError(name, "must not be empty")])
+        query = KnowledgeDocumentQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        if "q" in query.validated_data:
+            return self._search(request, found, query.validated_data["q"])
+        documents = selectors.kb_documents(kb=found, key=query.validated_data.get("key"))
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(documents, request, view=self)
+        return paginator.get_paginated_response(KnowledgeDocumentSerializer(page, many=True).data)
+
+    def _search(self, request: Request, kb: KnowledgeBase, q: str) -> Response:
+        if "cursor" in request.query_params:
+            raise InvalidInput(
+                errors=[FieldError("cursor", "a search (q) answers one page: it takes no cursor")]
+            )
+        limit = _search_limit(request.query_params.get("limit"))
+        hits = kb_search.search(kb, q, limit)
+        rows = selectors.kb_documents(kb=kb).in_bulk([hit.id for hit in hits])
+        scores = {hit.id: hit.score for hit in hits}
+        documents = [rows[hit.id] for hit in hits if hit.id in rows]
+        data = KnowledgeDocumentSerializer(documents, many=True, context={"scores": scores}).data
+        return Response({"results": data, "next": None})
+
+
+def _search_limit(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_SEARCH_LIMIT
+    if raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_TOP_K:
+        return int(raw)
+    raise InvalidInput(
+        errors=[
+            FieldError("limit", f"must be a whole number from 1 to {MAX_TOP_K}, not {raw[:40]!r}")
+        ]
+    )
 
 
 def _version_number(text: str) -> int:

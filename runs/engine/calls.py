@@ -46,6 +46,8 @@ class Call:
     # The stored recipe the call rendered ("" for an inline one) and its version.
     recipe: str = ""
     recipe_version: int | None = None
+    # What the recipe's context retrieved for the prompt (ModelCall.retrieved), or None.
+    retrieved: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ def calls_record(made: Sequence[tuple[costs.Reservation, Call]]) -> list[ModelCa
             request_id=call.request_id[:200],
             recipe=call.recipe,
             recipe_version=call.recipe_version,
+            retrieved=call.retrieved,
         )
         for reservation, call in made
     ]

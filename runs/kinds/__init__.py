@@ -2,9 +2,8 @@
 package is imported (the planner imports it, so they are there wherever plans are made).
 
 ``approval`` and ``handoff`` are ``approvals``' (registered from its ``AppConfig.ready()``);
-``recipe``, ``http`` and ``mcp_tool`` are ``workers.kinds``' (from ``WorkersConfig.ready()``);
-``write_kb`` is accepted in documents but has no module yet: a run that reaches one fails
-with class ``unsupported``.
+``recipe``, ``http``, ``mcp_tool`` and ``write_kb`` are ``workers.kinds``' (from
+``WorkersConfig.ready()``).
 """
 
 from . import structure, subworkflow, task, time, wait_event

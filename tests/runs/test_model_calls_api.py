@@ -102,3 +102,35 @@ def test_a_secret_in_a_prompt_shows_masked(api: APIClient) -> None:
     )
     body = api.get(f"/api/v1/runs/{run.id}/calls/{call.id}").json()
     assert body["prompt"]["messages"][0]["content"] == "key=••••"
+
+
+RETRIEVED = {
+    "kb": "answers",
+    "query": "export crashes",
+    "hits": [
+        {"key": "T-1", "version": 2, "score": 0.6},
+        {"key": "T-9", "version": 1, "score": 0.1},
+    ],
+}
+
+
+def test_what_a_context_retrieved_shows_on_the_call_in_the_api_and_the_admin(
+    api: APIClient, admin_client: Any
+) -> None:
+    run, other = RunFactory(), RunFactory()
+    with_context = _called(run, retrieved=RETRIEVED)
+    without = _called(other)
+    listed = {
+        call["id"]: call
+        for shown in (run, other)
+        for step in api.get(f"/api/v1/runs/{shown.id}").json()["steps"]
+        for call in step["model_calls"]
+    }
+    assert listed[with_context.id]["retrieved"] == RETRIEVED
+    assert listed[without.id]["retrieved"] is None
+    detail = api.get(f"/api/v1/runs/{run.id}/calls/{with_context.id}").json()
+    assert detail["retrieved"] == RETRIEVED
+    page = admin_client.get(f"/admin/runs/steprun/{with_context.step_run_id}/change/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "retrieved (knowledge base, query" in text.lower() and "T-1" in text

@@ -20,7 +20,7 @@ INLINE = {"id": "ask", "kind": "recipe", "prompt": "hi", "model": "standin:echo"
 @pytest.mark.parametrize(
     ("step", "field", "message", "class_"),
     [
-        ({**INLINE, "context": {"kb": "faq"}}, "context", "not supported", "fatal"),
+        ({**INLINE, "context": {"kb": "faq"}}, "context.kb", "does not exist", "fatal"),
         ({"id": "ask", "kind": "recipe", "recipe": "ghost"}, "recipe", "does not exist", "fatal"),
         ({**INLINE, "model": "nowhere:m"}, "model", "model 'nowhere:m'", "fatal"),
     ],

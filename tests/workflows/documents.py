@@ -69,9 +69,11 @@ EVERY_KIND: dict[str, Any] = {
         {
             "id": "summarise",
             "kind": "recipe",
+            "input": "${steps.fetch.output}",
             "prompt": "Summarise the page",
             "output": "json",
-            "context": {"kb": "docs", "query": "${steps.fetch.output.body}", "top_k": 3},
+            # The query reads the step input, as the prompt does.
+            "context": {"kb": "docs", "query": "${input.body}", "top_k": 3},
         },
         {"id": "nap", "kind": "sleep", "ms": 1000},
         {"id": "later", "kind": "sleep_until", "until": "${input.when}"},

@@ -40,12 +40,13 @@ from django.conf import settings
 from django.utils import timezone
 
 from runs.engine import calls, costs
-from workflows import kinds, recipes
-from workflows.errors import InvalidDocument
+from workflows import kb_search, kinds, recipes
+from workflows.errors import InvalidDocument, echo
 from workflows.failures import Deferred, KindFailure
 from workflows.input_schema import input_validator
 from workflows.kinds import Kind, Role
-from workflows.models import Recipe
+from workflows.models import KnowledgeBase, Recipe
+from workflows.templates import TooLarge, interpolate
 
 from .. import pricing, providers
 from ..context import StepContext
@@ -57,6 +58,8 @@ REASK = (
 )
 # A reply wrapped in a Markdown code fence (models do it when asked for JSON) is unwrapped.
 _FENCED = re.compile(r"^\s*```(?:json)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
+# Passages a context retrieves when it gives no top_k.
+DEFAULT_TOP_K = 5
 # Time kept back from the attempt's deadline for recording the call after it.
 _RECORD_SECONDS = 1.0
 
@@ -74,9 +77,6 @@ class _Unready(Exception):
 
 def _ready(step: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """The recipe the step runs and its model's name, or _Unready."""
-    if "context" in step:
-        # Knowledge bases are the next issue's.
-        raise _Unready([("context", "knowledge-base context is not supported by this engine yet")])
     stored = None
     if "recipe" in step:
         found = Recipe.objects.resolve(step["recipe"], step.get("recipe_version"))
@@ -101,13 +101,27 @@ def _ready(step: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
 
 
 def preflight(step: Mapping[str, Any], scope: kinds.PreflightScope) -> list[tuple[str, str]]:
-    """What a start can know (``workflows.preflight``): the named recipe exists, and the
-    model's provider is configured."""
+    """What a start can know (``workflows.preflight``): the named recipe exists, the model's
+    provider is configured, and the context's knowledge base exists or an earlier step of
+    the document writes it (a ``write_kb`` naming it literally)."""
+    problems = []
     try:
         _ready(step)
     except _Unready as unready:
-        return unready.problems
-    return []
+        problems += unready.problems
+    context = step.get("context")
+    if isinstance(context, Mapping) and isinstance(context.get("kb"), str):
+        name = context["kb"]
+        written = any(other.get("kb") == name for other in scope.earlier_of("write_kb"))
+        if not written and not KnowledgeBase.objects.filter(name=name).exists():
+            problems.append(
+                (
+                    "context.kb",
+                    f"knowledge base '{echo(name)}' does not exist, and no earlier "
+                    "write_kb step of this workflow writes it",
+                )
+            )
+    return problems
 
 
 def body_of(step: Mapping[str, Any], workflow_id: str) -> Callable[..., Any]:
@@ -119,8 +133,11 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
         recipe, model_name = _ready(step)
     except _Unready as unready:
         raise KindFailure(f"recipe: {unready}", class_=unready.class_) from None
+    context, retrieved = "", None
+    if "context" in step:
+        context, retrieved = _retrieve(ctx, step["context"], input)
     try:
-        rendered = recipes.render(recipe, input, "")
+        rendered = recipes.render(recipe, input, context)
     except recipes.RenderTooLarge as error:
         raise KindFailure(f"recipe: {error}", class_="invalid_input") from None
     _, model = providers.split_model(model_name)
@@ -146,7 +163,7 @@ def run_recipe(step: Mapping[str, Any], ctx: StepContext, input: Any, prior: Any
             raise Deferred(
                 f"every model slot of account '{ctx.account}' is taken", seconds=seconds
             ) from None
-        return _ask(ctx, model_name, request, recipe)
+        return _ask(ctx, model_name, request, recipe, retrieved)
 
 
 def _ask(
@@ -154,8 +171,9 @@ def _ask(
     model_name: str,
     request: providers.ModelRequest,
     recipe: Mapping[str, Any],
+    retrieved: dict[str, Any] | None = None,
 ) -> Any:
-    reply = _call(ctx, model_name, request, recipe)
+    reply = _call(ctx, model_name, request, recipe, retrieved)
     if not request.json:
         return reply.text
     value, problem = _parse(reply.text, recipe.get("output_schema"))
@@ -169,7 +187,7 @@ def _ask(
             {"role": "user", "content": REASK.format(problem=problem)},
         ],
     )
-    reply = _call(ctx, model_name, again, recipe)
+    reply = _call(ctx, model_name, again, recipe, retrieved)
     value, problem = _parse(reply.text, recipe.get("output_schema"))
     if problem is None:
         return value
@@ -189,6 +207,7 @@ def _call(
     model_name: str,
     request: providers.ModelRequest,
     recipe: Mapping[str, Any],
+    retrieved: dict[str, Any] | None = None,
 ) -> providers.ModelReply:
     provider, model = providers.split_model(model_name)
     request = replace(request, timeout_s=_seconds_left(ctx))
@@ -198,7 +217,7 @@ def _call(
         input_tokens=providers.estimate_input_tokens(request),
         max_tokens=request.max_tokens,
     )
-    return _reserved_call(ctx, provider, model_name, request, worst, recipe)
+    return _reserved_call(ctx, provider, model_name, request, worst, recipe, retrieved)
 
 
 def _reserved_call(
@@ -208,6 +227,7 @@ def _reserved_call(
     request: providers.ModelRequest,
     worst: Decimal | None,
     recipe: Mapping[str, Any],
+    retrieved: dict[str, Any] | None = None,
 ) -> providers.ModelReply:
     try:
         reservation = costs.reserve(
@@ -235,6 +255,7 @@ def _reserved_call(
                         cost_usd=charged,
                         recipe=recipe.get("name", ""),
                         recipe_version=recipe.get("version"),
+                        retrieved=retrieved,
                         **call,
                     ),
                 )
@@ -294,6 +315,76 @@ def _reserved_call(
             request_id=reply.request_id or "",
         )
         return reply
+
+
+def _retrieve(
+    ctx: StepContext, context: Mapping[str, Any], step_input: Any
+) -> tuple[str, dict[str, Any]]:
+    """The text for ``${context}`` and what was retrieved for it (recorded with each model
+    call of the attempt, and as a ``retrieval`` span): the ``top_k`` best current documents of
+    the context's knowledge base for its query, any of the query's words matching (its
+    default, the whole step input, would rarely hold every word of a passage)."""
+    name = context["kb"]
+    kb = KnowledgeBase.objects.filter(name=name).first()
+    if kb is None:
+        # Pre-flight checked it at the start, unless the step is a subworkflow's or the
+        # earlier write_kb that was to create it wrote nothing.
+        raise KindFailure(
+            f"recipe: context.kb: knowledge base '{echo(name)}' does not exist", class_="fatal"
+        )
+    query = _query(context, step_input)
+    top_k = int(context.get("top_k", DEFAULT_TOP_K))
+    with ctx.span("retrieval", "retrieval", kb=name, top_k=top_k) as span:
+        hits = kb_search.search(kb, query, top_k, match="any")
+        text, used = format_context(hits, settings.DJFLOW["KB_CONTEXT_MAX_BYTES"])
+        shown = [{"key": h.key, "version": h.version, "score": round(h.score, 6)} for h in used]
+        span.set_attribute("query", ctx.conceal(query))
+        span.set_attribute("hits", shown)
+    return text, {"kb": name, "query": ctx.conceal(query), "hits": shown}
+
+
+def _query(context: Mapping[str, Any], step_input: Any) -> str:
+    """The context's query rendered against the step input (as the prompt is), else the step
+    input itself: text as it is, anything else as its compact JSON; cut to what a search
+    reads."""
+    limit = kb_search.MAX_QUERY_CHARS
+    if "query" in context:
+        try:
+            rendered = interpolate(
+                context["query"], {"input": step_input}, max_bytes=recipes.MAX_RENDERED_BYTES
+            )
+        except TooLarge:
+            raise KindFailure(
+                f"recipe: context.query: the rendered query is over "
+                f"{recipes.MAX_RENDERED_BYTES} bytes",
+                class_="invalid_input",
+            ) from None
+        return rendered[:limit]
+    if isinstance(step_input, str):
+        return step_input[:limit]
+    return json.dumps(step_input, separators=(",", ":"), ensure_ascii=False)[:limit]
+
+
+def format_context(hits: list[kb_search.Hit], max_bytes: int) -> tuple[str, list[kb_search.Hit]]:
+    """``[title] content`` blocks, best first, separated by blank lines, at most ``max_bytes``
+    of UTF-8 in all: the passages that fit whole, and the first that does not cut to what is
+    left (it still says something); the rest left out. Answers the text and the hits in it."""
+    blocks: list[str] = []
+    used: list[kb_search.Hit] = []
+    left = max_bytes
+    for hit in hits:
+        block = f"[{hit.title or hit.key}] {hit.content}"
+        size = len(block.encode("utf-8", "surrogatepass")) + (2 if blocks else 0)
+        if size > left:
+            room = left - (2 if blocks else 0)
+            if room > 0:
+                blocks.append(block.encode("utf-8")[:room].decode("utf-8", "ignore"))
+                used.append(hit)
+            break
+        blocks.append(block)
+        used.append(hit)
+        left -= size
+    return "\n\n".join(blocks), used
 
 
 def _parse(text: str, schema: Any) -> tuple[Any, str | None]:

@@ -88,6 +88,7 @@ EXAMPLE_MODULES = [
     "workflows.examples.support_ticket",
     "workflows.examples.ticket_triage",
     "workflows.examples.ticket_tools",
+    "workflows.examples.kb_support",
 ]
 # The MCP server ticket_tools calls, when DJFLOW_MCP_SERVERS is not set: the bundled example
 # server over stdio, started by whichever process calls it first (this Python, so the same
