@@ -6,8 +6,8 @@ HNSW index (when the extension is installed) and the hybrid of full text and vec
 by reciprocal rank fusion (``workflows.kb_rank``, k=60).
 
 The knowledge-base models are not what is measured: the bench builds plain tables of its
-own, shaped like the models' (``bench.kb_search`` measures the engine's own search), so the figures are the databases' (plus psycopg's and
-sqlite3's round trip), not the ORM's.
+own, shaped like the models' (``bench.kb_search`` measures the engine's own search), so the
+figures are the databases' (plus psycopg's and sqlite3's round trip), not the ORM's.
 
 - Postgres, in a scratch database ``djflow_bench_kb`` (``DJFLOW_BENCH_KB_DATABASE_URL``
   overrides it; dropped and made again per corpus size): a ``tsvector`` column generated
