@@ -11,6 +11,7 @@ from typing import Any
 
 TIMERS = "djflow: fire timers (every second)"
 RECONCILE = "djflow: reconcile"
+KB_EMBEDDINGS = "djflow: embed knowledge-base documents a lost message left"
 # The 1-second sweep of earlier versions, replaced by the two entries above.
 OLD_SWEEP = "djflow: sweep (every second)"
 
@@ -43,6 +44,21 @@ def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds
             "expire_seconds": max(5, int(reconcile_seconds)),
             "description": "Re-offers lost work, fails lost at_most_once attempts, advances "
             "stuck runs.",
+        },
+    )
+    # The workers' sweep (workers.kb_embed), by name: it does nothing unless
+    # DJFLOW_EMBEDDINGS_MODEL is set. On the default queue, which every worker consumes (it
+    # sends messages, it calls no model), not on the clock's.
+    task_model.objects.update_or_create(
+        name=KB_EMBEDDINGS,
+        defaults={
+            "task": "workers.sweep_kb_embeddings",
+            "interval": every_reconcile,
+            "queue": "default",
+            "enabled": True,
+            "expire_seconds": max(5, int(reconcile_seconds)),
+            "description": "Sends knowledge-base document versions still missing an embedding "
+            "(DJFLOW_EMBEDDINGS_MODEL) to be embedded.",
         },
     )
 

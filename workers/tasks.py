@@ -1,14 +1,18 @@
-"""The worker's task: run one attempt of a step. Thin: the id in, the service does the rest."""
+"""The workers' tasks: run one attempt of a step; embed a knowledge-base document and sweep
+for those a lost message left unembedded. Thin: the id in, the service does the rest."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
-from . import execution
+from . import execution, kb_embed, providers
+
+logger = logging.getLogger(__name__)
 
 
 @shared_task(name="workers.execute_step", bind=True, ignore_result=True)
@@ -28,3 +32,48 @@ def execute_step(self: Task[Any, Any], step_run_id: int) -> str:
         # task_failure: an alert for a routine hand-back) and its task-rejected ranks below
         # STARTED in Celery's event state.
         raise Retry(str(handed_back), exc=handed_back) from None
+
+
+# Back-off of a document's embedding after a retryable failure: 10 s, 20 s, ... at most
+# 5 minutes, 6 tries in all; then the sweep sends it again later (kb_embed.QUEUED_FOR_S).
+EMBED_RETRIES = 5
+EMBED_BACKOFF_S = 10
+EMBED_BACKOFF_MAX_S = 300
+
+
+@shared_task(name="workers.embed_kb_document", bind=True, ignore_result=True, acks_late=True)
+def embed_kb_document(self: Task[Any, Any], document_id: int) -> str:
+    """Embed one knowledge-base document version (kb_embed.embed_document). Idempotent: a
+    version embedded already is not sent to the model again."""
+    try:
+        return kb_embed.embed_document(document_id)
+    except providers.ModelError as error:
+        model = (providers.embeddings_model() or providers.EmbeddingsModel("?", None)).name
+        tries = self.request.retries
+        if error.error_class == "retryable" and tries < EMBED_RETRIES:
+            backoff = min(EMBED_BACKOFF_MAX_S, EMBED_BACKOFF_S * 2**tries)
+            wait = max(backoff, (error.retry_after_ms or 0) / 1000)
+            logger.warning(
+                "knowledge-base embedding of document %s by %s failed (try %d), again in %gs: %s",
+                document_id,
+                model,
+                tries + 1,
+                wait,
+                error,
+            )
+            raise self.retry(countdown=wait, max_retries=EMBED_RETRIES) from None
+        logger.error(
+            "knowledge-base embedding of document %s by %s failed, %s: %s",
+            document_id,
+            model,
+            error.error_class if error.error_class == "fatal" else f"after {tries + 1} tries",
+            error,
+        )
+        kb_embed.remember_failure(document_id, model, str(error))
+        return "failed"
+
+
+@shared_task(name="workers.sweep_kb_embeddings", ignore_result=True)
+def sweep_kb_embeddings() -> int:
+    """Beat: send the current versions still missing an embedding (kb_embed.sweep)."""
+    return kb_embed.sweep()

@@ -17,6 +17,15 @@ first, as :class:`Hit` rows. Backends, chosen by name (``backend=``, else
   title weighted 2.5 to the content's 1 (the ratio of Postgres's A and B). Scores are the
   negated bm25 (larger is better); they compare within one search, not across backends.
 
+- ``hybrid`` (a recipe's context when ``DJFLOW_EMBEDDINGS_MODEL`` is set and the database
+  stores vectors): the ``fulltext`` ranking's best :data:`HYBRID_CANDIDATES` and the
+  :data:`HYBRID_CANDIDATES` current documents nearest to the query's embedding (given by
+  the caller as ``embedding=``, computed by a worker: ``workflows.kb_vectors.nearest``,
+  cosine distance through an HNSW index), fused by reciprocal rank fusion (``kb_rank``,
+  k = 60): a document either list found may be retrieved, one both found ranks first. Each
+  hit's ``ranks`` says where each list had it (``(fulltext, vector)``, None where one left
+  it out); its score is the fused one. Without an embedding it is the full-text ranking.
+
 Two ways of matching the words of ``query``:
 
 - ``all`` (the API, the admin): web-search syntax, as ``websearch_to_tsquery`` reads it:
@@ -46,11 +55,15 @@ from django.contrib.postgres.search import SearchQuery, SearchRank
 from django.db import connection
 from django.db.models import F
 
+from . import kb_vectors
+from .kb_rank import reciprocal_rank_fusion
 from .models import KnowledgeBase, KnowledgeDocument
 
 MAX_QUERY_CHARS: Final = 1000
 MAX_TERMS: Final = 32
 MAX_TOP_K: Final = 100
+# Candidates each ranking of a hybrid search gives the fusion (more when top_k is larger).
+HYBRID_CANDIDATES: Final = 20
 # The text-search configuration of the stored vectors (migration 0005's trigger): a query
 # must stem its words as they were.
 TEXT_SEARCH_CONFIG: Final = "english"
@@ -72,10 +85,29 @@ class Hit:
     content: str
     score: float
     id: int = 0
+    # Hybrid: the hit's rank in the full-text and in the vector ranking (None: not in it).
+    ranks: tuple[int | None, ...] | None = None
 
 
-# A backend: (knowledge base ids, query, top_k, match) -> [(document id, score)], best first.
-Backend = Callable[[Sequence[int], str, int, Match], list[tuple[int, float]]]
+@dataclass(frozen=True)
+class QueryEmbedding:
+    """A query's embedding by ``model`` (the vectors it is compared with are that model's,
+    at the same length)."""
+
+    model: str
+    vector: Sequence[float]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    id: int
+    score: float
+    ranks: tuple[int | None, ...] | None = None
+
+
+# A backend: (knowledge base ids, query, top_k, match, the query's embedding or None) ->
+# the best documents, best first.
+Backend = Callable[[Sequence[int], str, int, Match, QueryEmbedding | None], list[Ranked]]
 _BACKENDS: dict[str, Backend] = {}
 
 
@@ -90,6 +122,7 @@ def search(
     *,
     match: Match = "all",
     backend: str | None = None,
+    embedding: QueryEmbedding | None = None,
 ) -> list[Hit]:
     """The ``top_k`` best current documents of ``kb`` for ``query`` (see the module
     docstring); [] for an unknown knowledge base or a query with no words."""
@@ -98,7 +131,7 @@ def search(
         if found is None:
             return []
         kb = found
-    return search_many([kb.pk], query, top_k, match=match, backend=backend)
+    return search_many([kb.pk], query, top_k, match=match, backend=backend, embedding=embedding)
 
 
 def search_many(
@@ -108,6 +141,7 @@ def search_many(
     *,
     match: Match = "all",
     backend: str | None = None,
+    embedding: QueryEmbedding | None = None,
 ) -> list[Hit]:
     """:func:`search` over several knowledge bases at once (the admin's search box)."""
     query = query[:MAX_QUERY_CHARS]
@@ -115,19 +149,20 @@ def search_many(
     if not kb_ids or not words(query):
         return []
     name = backend or settings.DJFLOW.get("KB_SEARCH_BACKEND", "fulltext")
-    ranked = _BACKENDS[name](list(kb_ids), query, top_k, match)
-    rows = KnowledgeDocument.objects.in_bulk([doc_id for doc_id, _ in ranked])
+    ranked = _BACKENDS[name](list(kb_ids), query, top_k, match, embedding)
+    rows = KnowledgeDocument.objects.in_bulk([found.id for found in ranked])
     return [
         Hit(
-            key=rows[doc_id].key,
-            version=rows[doc_id].version,
-            title=rows[doc_id].title,
-            content=rows[doc_id].content,
-            score=score,
-            id=doc_id,
+            key=rows[found.id].key,
+            version=rows[found.id].version,
+            title=rows[found.id].title,
+            content=rows[found.id].content,
+            score=found.score,
+            id=found.id,
+            ranks=found.ranks,
         )
-        for doc_id, score in ranked
-        if doc_id in rows
+        for found in ranked
+        if found.id in rows
     ]
 
 
@@ -217,7 +252,7 @@ def _sqlite(kb_ids: Sequence[int], query: str, top_k: int, match: Match) -> list
         return [(doc_id, float(score)) for doc_id, score in cursor.fetchall()]
 
 
-def _fulltext(
+def _fulltext_pairs(
     kb_ids: Sequence[int], query: str, top_k: int, match: Match
 ) -> list[tuple[int, float]]:
     if connection.vendor == "sqlite":
@@ -225,4 +260,35 @@ def _fulltext(
     return _postgres(kb_ids, query, top_k, match)
 
 
+def _fulltext(
+    kb_ids: Sequence[int],
+    query: str,
+    top_k: int,
+    match: Match,
+    embedding: QueryEmbedding | None = None,
+) -> list[Ranked]:
+    return [Ranked(doc_id, score) for doc_id, score in _fulltext_pairs(kb_ids, query, top_k, match)]
+
+
+# --- Hybrid: full text and vectors, fused ----------------------------------------------------
+
+
+def _hybrid(
+    kb_ids: Sequence[int],
+    query: str,
+    top_k: int,
+    match: Match,
+    embedding: QueryEmbedding | None = None,
+) -> list[Ranked]:
+    candidates = max(HYBRID_CANDIDATES, top_k)
+    text = [doc_id for doc_id, _ in _fulltext_pairs(kb_ids, query, candidates, match)]
+    near: list[int] = []
+    if embedding is not None and embedding.vector:
+        found = kb_vectors.nearest(kb_ids, embedding.model, embedding.vector, candidates)
+        near = [doc_id for doc_id, _ in found]
+    fused = reciprocal_rank_fusion([text, near], top_k=top_k)
+    return [Ranked(one.key, one.score, one.ranks) for one in fused]
+
+
 register_backend("fulltext", _fulltext)
+register_backend("hybrid", _hybrid)

@@ -13,6 +13,10 @@ Invariants:
   whose insert still conflicts looks again in a fresh transaction.
 - The knowledge base is created by its first write (``create=True``, the engine's writes);
   a person who creates one becomes its first reader and writer (``access.grant_kb_creator``).
+- A new version, once committed, is sent to a worker to be embedded when
+  ``DJFLOW_EMBEDDINGS_MODEL`` is set (``workers.embed_kb_document``, by name: this app sits
+  below the workers); never embedded in the caller (a request, a step). A message lost (a
+  broker outage: ``robust``, the write stands) is made up for by the workers' sweep.
 - Rights are the caller's to check (``workflows.access``): the engine's writes are trusted,
   the admin and the API ask before they call.
 """
@@ -23,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from celery import current_app
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 
@@ -33,6 +38,8 @@ from .models import KnowledgeBase, KnowledgeDocument
 
 # Tries of a write that lost a race for its version number to a concurrent write.
 WRITE_TRIES = 5
+# The workers' task that embeds a document version (workers.tasks), sent by name.
+EMBED_TASK = "workers.embed_kb_document"
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,17 @@ def _write_once(
         step_run_id=step_run_id,
         created_by=person,
     )
+    if str(settings.DJFLOW.get("EMBEDDINGS_MODEL") or "").strip():
+        embed_on_commit(document.pk)
     return Written(document, created=True)
+
+
+def embed_on_commit(document_id: int) -> None:
+    """Send the version to a worker to embed once the write commits."""
+    transaction.on_commit(
+        lambda: current_app.signature(EMBED_TASK, (document_id,), ignore_result=True).apply_async(),
+        robust=True,
+    )
 
 
 def kb_get_or_create(*, name: str, user: Any = None) -> KnowledgeBase:

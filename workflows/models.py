@@ -212,6 +212,7 @@ class KnowledgeDocument(models.Model):
 
     Full-text search indexes (``search_vector`` and its GIN index on Postgres, an FTS5 table
     on SQLite) are made by migration 0005 for the vendor at hand: ``workflows.kb_search``.
+    Embeddings, for hybrid search, are :class:`KnowledgeEmbedding` rows.
     """
 
     kb = models.ForeignKey(KnowledgeBase, on_delete=models.PROTECT, related_name="documents")
@@ -230,11 +231,6 @@ class KnowledgeDocument(models.Model):
         related_name="+",
     )
     created_at = models.DateTimeField(auto_now_add=True)
-    # Where an embedding of this version hangs (hybrid search, DJFLOW_EMBEDDINGS_MODEL): the
-    # model that made it and the vector, null until a worker computes it after the write.
-    # Not used by full-text search.
-    embedding_model = models.CharField(max_length=200, blank=True, default="")
-    embedding = models.JSONField(null=True, blank=True, editable=False)
     # Postgres: the title (weight A) and content (weight B) as a tsvector, kept by a trigger
     # (migration 0005) whatever writes the row, and GIN-indexed over current rows. Stored, not
     # an expression index: ranking a match reads it instead of parsing the text again. Null
@@ -256,3 +252,34 @@ class KnowledgeDocument(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} v{self.version}"
+
+
+class KnowledgeEmbedding(models.Model):
+    """The embedding of one document version by one model at one length (hybrid retrieval,
+    ``DJFLOW_EMBEDDINGS_MODEL``), written by a worker after the version (``workers.kb_embed``)
+    and never changed.
+
+    The vector itself is the ``embedding vector`` column, which this model does not declare:
+    it exists only where PostgreSQL has the pgvector extension, added by
+    ``workflows.kb_vectors.install`` (migration 0006 and every ``migrate``), and only that
+    module reads or writes it. Rows are inserted there, whole, never through the ORM; the
+    table exists everywhere so that migrations are the same on every database."""
+
+    document = models.ForeignKey(
+        KnowledgeDocument, on_delete=models.CASCADE, related_name="embeddings"
+    )
+    model = models.CharField(max_length=200)
+    dimensions = models.PositiveIntegerField()
+    input_tokens = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "knowledge-base embedding"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["document", "model", "dimensions"], name="kb_embedding_once"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} ({self.dimensions}) of document {self.document_id}"

@@ -48,7 +48,7 @@ from workflows.kinds import Kind, Role
 from workflows.models import KnowledgeBase, Recipe
 from workflows.templates import TooLarge, interpolate
 
-from .. import pricing, providers
+from .. import kb_embed, pricing, providers
 from ..context import StepContext
 from ..slots import SlotsBusy, slots
 
@@ -323,7 +323,14 @@ def _retrieve(
     """The text for ``${context}`` and what was retrieved for it (recorded with each model
     call of the attempt, and as a ``retrieval`` span): the ``top_k`` best current documents of
     the context's knowledge base for its query, any of the query's words matching (its
-    default, the whole step input, would rarely hold every word of a passage)."""
+    default, the whole step input, would rarely hold every word of a passage).
+
+    With ``DJFLOW_EMBEDDINGS_MODEL`` set and vectors stored (``kb_embed.hybrid_model``), the
+    query is embedded here, in the worker (a ``query_embedding`` span with its model and
+    tokens, so the attempt's cost includes it), and the search is hybrid: each hit also
+    records its rank in the full-text and the vector ranking. A query the provider refuses
+    (``fatal``) falls back to full text, saying why on the record; a retryable failure fails
+    the attempt as retryable (its retry policy decides)."""
     name = context["kb"]
     kb = KnowledgeBase.objects.filter(name=name).first()
     if kb is None:
@@ -334,13 +341,63 @@ def _retrieve(
         )
     query = _query(context, step_input)
     top_k = int(context.get("top_k", DEFAULT_TOP_K))
+    record: dict[str, Any] = {"kb": name, "query": ctx.conceal(query), "search": "fulltext"}
+    embedding = None
+    model = kb_embed.hybrid_model() if kb_search.words(query) else None
+    if model is not None:
+        embedding, fallback = _embed_query(ctx, model, query)
+        record["search"] = "hybrid" if embedding is not None else "fulltext"
+        if fallback:
+            record["fallback"] = fallback
     with ctx.span("retrieval", "retrieval", kb=name, top_k=top_k) as span:
-        hits = kb_search.search(kb, query, top_k, match="any")
+        hits = kb_search.search(
+            kb,
+            query,
+            top_k,
+            match="any",
+            backend="hybrid" if embedding is not None else "fulltext",
+            embedding=embedding,
+        )
         text, used = format_context(hits, settings.DJFLOW["KB_CONTEXT_MAX_BYTES"])
-        shown = [{"key": h.key, "version": h.version, "score": round(h.score, 6)} for h in used]
+        shown = [_shown_hit(hit) for hit in used]
         span.set_attribute("query", ctx.conceal(query))
+        span.set_attribute("search", record["search"])
         span.set_attribute("hits", shown)
-    return text, {"kb": name, "query": ctx.conceal(query), "hits": shown}
+    return text, {**record, "hits": shown}
+
+
+def _shown_hit(hit: kb_search.Hit) -> dict[str, Any]:
+    shown: dict[str, Any] = {"key": hit.key, "version": hit.version, "score": round(hit.score, 6)}
+    if hit.ranks is not None:
+        fulltext, vector = hit.ranks
+        shown["ranks"] = {"fulltext": fulltext, "vector": vector}
+    return shown
+
+
+def _embed_query(
+    ctx: StepContext, model: providers.EmbeddingsModel, query: str
+) -> tuple[kb_search.QueryEmbedding | None, str | None]:
+    """The query's embedding (None and why, when the provider refuses it)."""
+    provider, model_part = providers.split_model(model.name)
+    with ctx.span("query_embedding", "embedding") as span:
+        span.set_model(model_part, provider)
+        try:
+            reply = providers.embed(
+                model.name, [query], dimensions=model.dimensions, timeout_s=_seconds_left(ctx)
+            )
+        except providers.ModelError as error:
+            if error.error_class == "retryable":
+                raise KindFailure(
+                    f"recipe: context: embedding the query: {error}",
+                    class_="retryable",
+                    retry_after_ms=error.retry_after_ms,
+                ) from None
+            ctx.logger.warning("query embedding refused, full-text retrieval only: %s", error)
+            return None, f"the query could not be embedded: {error}"
+        span.set_usage(input_tokens=reply.input_tokens)
+        span.set_attribute("dimensions", reply.dimensions)
+    [vector] = reply.vectors
+    return kb_search.QueryEmbedding(model.name, vector), None
 
 
 def _query(context: Mapping[str, Any], step_input: Any) -> str:
