@@ -20,8 +20,8 @@ Invariants:
   message, and remembered for :data:`FAILED_FOR_S` so the sweep does not pay for it again
   every tick; after that the sweep tries once more.
 - The sweep (beat, every ``RECONCILE_SECONDS``) sends at most :data:`SWEEP_BATCH` current
-  versions that have no embedding by the configured model and length, written at least
-  :data:`SWEEP_GRACE_S` ago (newer ones wait for their own message), skipping those it sent
+  versions that have no embedding by the configured model and length, written at least two
+  sweep periods ago (newer ones wait for their own message), skipping those it sent
   within :data:`QUEUED_FOR_S` (their message may still be waiting or retrying): a lost
   message leaves a version unembedded for minutes, never for ever.
 - Where the database cannot store vectors (SQLite, PostgreSQL without pgvector) nothing is
@@ -36,6 +36,7 @@ import logging
 from typing import Literal
 
 from celery import current_app
+from django.conf import settings
 from django.core.cache import cache
 
 from workflows import kb_vectors
@@ -50,7 +51,6 @@ EMBED_MAX_BYTES = 8000
 # A document's embedding request; a query's gets what is left of its attempt.
 EMBED_TIMEOUT_S = 60.0
 SWEEP_BATCH = 100
-SWEEP_GRACE_S = 60.0
 QUEUED_FOR_S = 15 * 60
 FAILED_FOR_S = 60 * 60
 
@@ -133,12 +133,14 @@ def remember_failure(document_id: int, model: str, message: str) -> None:
     cache.set(_failed_key(model, document_id), message[:500], FAILED_FOR_S)
 
 
-def sweep(*, batch: int = SWEEP_BATCH, grace_s: float = SWEEP_GRACE_S) -> int:
+def sweep(*, batch: int = SWEEP_BATCH, grace_s: float | None = None) -> int:
     """Send the current versions still missing an embedding (see the module docstring);
-    answers how many were sent."""
+    answers how many were sent. ``grace_s``: two sweep periods unless given."""
     model = hybrid_model()
     if model is None:
         return 0
+    if grace_s is None:
+        grace_s = 2.0 * settings.DJFLOW["RECONCILE_SECONDS"]
     found = kb_vectors.missing(model.name, model.dimensions, limit=batch * 2, older_than_s=grace_s)
     if not found:
         return 0
@@ -149,7 +151,7 @@ def sweep(*, batch: int = SWEEP_BATCH, grace_s: float = SWEEP_GRACE_S) -> int:
     marked = cache.get_many([key for pair in keys.values() for key in pair])
     due = [doc_id for doc_id, pair in keys.items() if not any(k in marked for k in pair)][:batch]
     for doc_id in due:
-        current_app.signature(EMBED_TASK, (doc_id,), ignore_result=True).apply_async()
+        _send(doc_id)
     cache.set_many({keys[doc_id][0]: True for doc_id in due}, QUEUED_FOR_S)
     if due:
         logger.info(
@@ -158,6 +160,10 @@ def sweep(*, batch: int = SWEEP_BATCH, grace_s: float = SWEEP_GRACE_S) -> int:
             model.name,
         )
     return len(due)
+
+
+def _send(document_id: int) -> None:
+    current_app.signature(EMBED_TASK, (document_id,), ignore_result=True).apply_async()
 
 
 def _queued_key(model: str, document_id: int) -> str:

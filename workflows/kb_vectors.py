@@ -163,8 +163,10 @@ def _checked(dimensions: int) -> int:
 def ensure_index(model: str, dimensions: int) -> bool:
     """Create the HNSW index of ``(model, dimensions)`` if it is missing (or left invalid by
     a build that failed); True when this call built it. ``CONCURRENTLY``: writes of other
-    documents go on while it builds. Must run outside a transaction."""
+    documents go on while it builds (inside a transaction, where that cannot be, a plain
+    build: tests)."""
     name = index_name(model, dimensions)
+    concurrently = "" if connection.in_atomic_block else " CONCURRENTLY"
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
@@ -175,9 +177,9 @@ def ensure_index(model: str, dimensions: int) -> bool:
         if row is not None and row[0]:
             return False
         if row is not None:
-            cursor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")
+            cursor.execute(f"DROP INDEX{concurrently} IF EXISTS {name}")
         cursor.execute(
-            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {TABLE} USING hnsw"
+            f"CREATE INDEX{concurrently} IF NOT EXISTS {name} ON {TABLE} USING hnsw"
             f" (({COLUMN}::vector({dimensions})) vector_cosine_ops)"
             f" WITH (m = {HNSW_M}, ef_construction = {HNSW_EF_CONSTRUCTION})"
             " WHERE model = %s AND dimensions = %s",
@@ -222,7 +224,7 @@ def missing(model: str, dimensions: int | None, *, limit: int, older_than_s: flo
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT d.id FROM workflows_knowledgedocument d"
-            " WHERE d.current AND d.created_at < now() - make_interval(secs => %s)"
+            " WHERE d.current AND d.created_at < clock_timestamp() - make_interval(secs => %s)"
             f" AND NOT EXISTS (SELECT 1 FROM {TABLE} e WHERE e.document_id = d.id AND {condition})"
             " ORDER BY d.id LIMIT %s",
             [float(older_than_s), *params, int(limit)],
