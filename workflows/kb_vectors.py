@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from django.db import DatabaseError, connection, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -71,8 +71,13 @@ def install(conn: BaseDatabaseWrapper | None = None) -> str | None:
         return unavailable(conn)
     forget()
     with conn.cursor() as cursor:
-        cursor.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'")
-        if cursor.fetchone() is not None:
+        # No table: migrated back before 0006, which adds the column when it runs again.
+        cursor.execute(
+            "SELECT to_regclass(%s) IS NOT NULL AND EXISTS (SELECT 1 FROM"
+            " pg_available_extensions WHERE name = 'vector')",
+            [TABLE],
+        )
+        if cursor.fetchone()[0]:
             try:
                 with transaction.atomic(using=conn.alias):
                     cursor.execute("CREATE EXTENSION IF NOT EXISTS vector")
@@ -220,7 +225,7 @@ def missing(model: str, dimensions: int | None, *, limit: int, older_than_s: flo
     written more than ``older_than_s`` seconds ago (newer ones wait for their own message),
     oldest first, at most ``limit``."""
     condition = "e.model = %s" + (" AND e.dimensions = %s" if dimensions is not None else "")
-    params: list[object] = [model] + ([dimensions] if dimensions is not None else [])
+    params: list[Any] = [model] + ([dimensions] if dimensions is not None else [])
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT d.id FROM workflows_knowledgedocument d"
@@ -263,7 +268,7 @@ def explain_nearest(kb_ids: Sequence[int], model: str, vector: Sequence[float], 
 
 def _nearest_sql(
     kb_ids: Sequence[int], model: str, vector: Sequence[float], limit: int
-) -> tuple[str, list[object]]:
+) -> tuple[str, list[Any]]:
     dimensions = _checked(len(vector))
     marks = ", ".join("%s" for _ in kb_ids)
     sql = (

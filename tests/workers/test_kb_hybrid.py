@@ -252,3 +252,23 @@ def test_the_check_on_the_embedded_default_says_sqlite_stores_no_vectors(tmp_pat
     assert done.returncode == 0, said
     assert "djflow.W001" in said and "DJFLOW_EMBEDDINGS_MODEL is 'standin:hash'" in said
     assert "the sqlite database cannot store embeddings" in said
+
+
+def test_postgres_without_the_extension_is_said_and_the_next_migrate_installs_it(
+    vectors: None, standin: str
+) -> None:
+    """The extension dropped (DDL in the test's transaction, rolled back after): what a
+    PostgreSQL that never had it created looks like; install (migrate's post_migrate) makes
+    the vector column again."""
+    with connection.cursor() as cursor:
+        cursor.execute("DROP EXTENSION vector CASCADE")
+    kb_vectors.forget()
+    why = kb_vectors.unavailable()
+    assert why is not None and "the pgvector extension is available but not created" in why
+    assert kb_embed.hybrid_model() is None
+    [warning] = checks.embeddings_storage(databases=["default"])
+    assert "run manage.py migrate" in warning.msg
+
+    assert kb_vectors.install() is None
+    document = _write("jam", PAPER)
+    assert kb_embed.embed_document(document.pk) == "stored"
