@@ -58,6 +58,7 @@ HNSW_EF_CONSTRUCTION: Final = 64
 # a query each time. Keyed by the database's name (a test database differs from the
 # configured one).
 _availability: dict[str, str | None] = {}
+_versions: dict[str, tuple[int, ...]] = {}
 
 
 def install(conn: BaseDatabaseWrapper | None = None) -> str | None:
@@ -110,6 +111,7 @@ def unavailable(conn: BaseDatabaseWrapper | None = None) -> str | None:
 def forget() -> None:
     """Ask again at the next :func:`unavailable` (after an install)."""
     _availability.clear()
+    _versions.clear()
 
 
 def _why_not(conn: BaseDatabaseWrapper) -> str | None:
@@ -144,10 +146,16 @@ def _why_not(conn: BaseDatabaseWrapper) -> str | None:
 
 
 def extension_version() -> tuple[int, ...]:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
-        row = cursor.fetchone()
-    return tuple(int(part) for part in row[0].split(".") if part.isdigit()) if row else ()
+    """pgvector's version in this database, () without it; kept per process (asked at every
+    retrieval, it would cost a round trip each)."""
+    name = f"version:{connection.alias}:{connection.settings_dict.get('NAME')}"
+    if name not in _versions:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT extversion FROM pg_extension WHERE extname = 'vector'")
+            row = cursor.fetchone()
+        found = tuple(int(part) for part in row[0].split(".") if part.isdigit()) if row else ()
+        _versions[name] = found
+    return _versions[name]
 
 
 def index_name(model: str, dimensions: int) -> str:

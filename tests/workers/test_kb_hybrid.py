@@ -272,3 +272,25 @@ def test_postgres_without_the_extension_is_said_and_the_next_migrate_installs_it
     assert kb_vectors.install() is None
     document = _write("jam", PAPER)
     assert kb_embed.embed_document(document.pk) == "stored"
+
+
+@pytest.mark.parametrize("model", ["", STANDIN], ids=["unset", "set"])
+def test_a_new_version_is_sent_to_be_embedded_after_commit_only_when_a_model_is_set(
+    model: str, monkeypatch: pytest.MonkeyPatch, django_capture_on_commit_callbacks: Any
+) -> None:
+    monkeypatch.setitem(settings.DJFLOW, "EMBEDDINGS_MODEL", model)
+    sent: list[tuple[str, Any]] = []
+
+    class Signature:
+        def __init__(self, name: str, args: Any, **options: Any) -> None:
+            self.message = (name, args)
+
+        def apply_async(self) -> None:
+            sent.append(self.message)
+
+    monkeypatch.setattr(knowledge.current_app, "signature", Signature)
+    with django_capture_on_commit_callbacks(execute=True):
+        document = _write("jam", PAPER)
+        assert sent == []  # not before the commit
+        _write("jam", PAPER)  # the same text: no version, nothing to embed
+    assert sent == ([("workers.embed_kb_document", (document.pk,))] if model else [])
