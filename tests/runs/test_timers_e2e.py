@@ -249,7 +249,9 @@ def test_two_beats_fire_each_timer_once_and_each_run_completes_once(
     worker = celery_worker(workflow_modules=FLOWS, env=small, concurrency=2)
     beats = [celery_beat(env=small), celery_beat(env=small)]
     count = 200
-    first_due = timezone.now() + timedelta(seconds=3)
+    # Room to start the 200 runs before the first is due, on a loaded machine too (a CI run
+    # beside other work once took more than 3 s).
+    first_due = timezone.now() + timedelta(seconds=6)
     run_ids = [
         start("alarm", {"until": (first_due + timedelta(milliseconds=25 * i)).isoformat()}).id
         for i in range(count)
