@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from django.utils.dateparse import parse_datetime
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
 from rest_framework import status
@@ -13,9 +12,8 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from config.pagination import ContractCursorPagination
+from config.pagination import NewestFirstPagination
 from workflows import access, secrets
-from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
 from . import selectors, services
@@ -36,23 +34,8 @@ RUN_ID = OpenApiParameter(
 )
 
 
-class RunPagination(ContractCursorPagination):
-    ordering = ("-created_at", "-id")
-
-    def decode_cursor(self, request: Any) -> Any:
-        cursor = super().decode_cursor(request)
-        # The position is compared with created_at: one that is not a time is a bad cursor,
-        # not a database error.
-        if cursor is not None and cursor.position is not None:
-            try:
-                valid = parse_datetime(cursor.position) is not None
-            except ValueError:
-                valid = False
-            if not valid:
-                raise InvalidInput(
-                    errors=[FieldError("cursor", "is not a cursor this API gave out")]
-                )
-        return cursor
+class RunPagination(NewestFirstPagination):
+    """Runs, newest first (config.pagination)."""
 
 
 class RunListView(APIView):
