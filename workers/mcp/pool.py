@@ -243,6 +243,23 @@ class Pool:
         _config(server)
         return self.run(lambda: self._list_tools(server, timeout), timeout)
 
+    def list_tools_of(
+        self, servers: list[str], timeout: float
+    ) -> dict[str, list[str] | BaseException]:
+        """:meth:`list_tools` of several servers at once, within one ``timeout``: each one's
+        names, or the error asking it raised (``Unreachable``, ``TimedOut``, ``Rejected``)."""
+        for server in servers:
+            _config(server)
+
+        async def every() -> dict[str, list[str] | BaseException]:
+            answers = await asyncio.gather(
+                *(self._list_tools(server, timeout) for server in servers),
+                return_exceptions=True,
+            )
+            return dict(zip(servers, answers, strict=True))
+
+        return self.run(every, timeout)
+
     def open_count(self) -> int:
         """How many clients are open now (asked on the loop, so the answer is consistent)."""
         if self._loop is None:
