@@ -177,6 +177,10 @@ def call(ctx: StepContext, given: Any, prior: Any = None) -> Any:
 
         try:
             answer = mcp.pool().call_tool(server, tool, arguments, seconds)
+        except mcp.TooLarge as too_large:
+            message = f"mcp_tool: the result of {tool} on MCP server '{server}' is {too_large}"
+            made("invalid_input", error={"class": "invalid_input", "message": message})
+            raise StepFailure(message, "invalid_input") from None
         except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected, mcp.Unknown) as error:
             failure = _failure(server, tool, error)
             made(
