@@ -387,7 +387,10 @@ def require_save_recipe(user: Any, name: str, *, exists: bool) -> None:
 #   ``workflows.change_knowledgebase`` (every one), or ``write_knowledgebase`` on it;
 # - creating a new name (the admin; a ``write_kb`` step naming a literal new one):
 #   ``workflows.add_knowledgebase``; a person who creates one gets both object permissions
-#   on it (``grant_kb_creator``);
+#   on it (``grant_kb_creator``); a workflow's save creates the new names its ``write_kb``
+#   steps name (``services.reserve_kbs``), so they are its saver's before any run writes;
+#   a recipe's ``context.kb`` may not name one that does not exist yet (but the document's
+#   own new ``write_kb`` names);
 # - a ``write_kb`` step whose ``kb`` is a template (known only when a run resolves it) may
 #   write any knowledge base: it needs ``workflows.change_knowledgebase``;
 # - the engine's own writes and reads (a run's steps) are trusted: the rights were checked when
@@ -470,13 +473,15 @@ def require_kb(user: Any, name: str, *, field: str = "kb") -> KnowledgeBase:
 
 
 def may_name_kb_to_read(user: Any, name: str) -> bool:
-    """May ``user`` save a recipe step whose ``context.kb`` is ``name``? One they may read;
-    a name that does not exist yet only if they may create it (otherwise trying names would
-    tell which exist)."""
+    """May ``user`` save a recipe step whose ``context.kb`` is ``name``? One they may read. A
+    name that does not exist yet, no (unless they read every one): its runs would read
+    whatever its eventual creator, with readers of their own, puts there. (One the same
+    document's ``write_kb`` creates is the saver's from the save: ``services.kb_name_errors``.)
+    """
     if reads_all_kbs(user):
         return True
     found = KnowledgeBase.objects.filter(name=name).first()
-    return may_read_kb(user, found) if found is not None else may_add_kb(user)
+    return found is not None and may_read_kb(user, found)
 
 
 def may_name_kb_to_write(user: Any, name: str) -> bool:

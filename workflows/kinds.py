@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -87,9 +87,19 @@ class PreflightScope:
     # pre-flight walked them: e.g. a knowledge base named by a recipe's ``context`` may be
     # one an earlier ``write_kb`` step writes.
     earlier: tuple[Mapping[str, Any], ...] = ()
+    # Every step of the document, in the same order: a check that waits on the network asks
+    # for all the steps of its kind at once (an MCP server's tools), so one start waits for
+    # the slowest server it names, not for their sum.
+    steps: tuple[Mapping[str, Any], ...] = ()
+    # What the checks of this one start learnt, shared by every step's check (keyed by the
+    # kind's own name).
+    memo: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def earlier_of(self, kind: str) -> list[Mapping[str, Any]]:
         return [step for step in self.earlier if step.get("kind") == kind]
+
+    def every_of(self, kind: str) -> list[Mapping[str, Any]]:
+        return [step for step in self.steps if step.get("kind") == kind]
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,6 @@ def document_problems(*, key: Any, title: Any, content: Any) -> list[FieldError]
     limit = settings.DJFLOW["KB_MAX_CONTENT_BYTES"]
     if not isinstance(content, str):
         errors.append(FieldError("content", "must be a string"))
-    elif "\x00" in content or "\x00" in (title if isinstance(title, str) else ""):
-        errors.append(FieldError("content", "may not hold NUL characters"))
     elif len(content.encode("utf-8", "surrogatepass")) > limit:
         size = len(content.encode("utf-8", "surrogatepass"))
         errors.append(
@@ -72,7 +70,24 @@ def document_problems(*, key: Any, title: Any, content: Any) -> list[FieldError]
                 f"is {size} bytes; at most {limit} are kept (DJFLOW_KB_MAX_CONTENT_BYTES)",
             )
         )
+    named = {error.field for error in errors}
+    for field, value in (("key", key), ("title", title), ("content", content)):
+        problem = _unstorable(value) if field not in named and isinstance(value, str) else None
+        if problem:
+            errors.append(FieldError(field, problem))
     return errors
+
+
+def _unstorable(text: str) -> str | None:
+    """Why a database would refuse ``text``: Postgres text holds no NUL, and neither it nor
+    SQLite a lone surrogate (not UTF-8; SQLite's JSON can carry one into a step's input)."""
+    if "\x00" in text:
+        return "may not hold NUL characters"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return "may not hold lone surrogates (text that is not UTF-8)"
+    return None
 
 
 def kb_write(

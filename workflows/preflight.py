@@ -43,12 +43,13 @@ def start_problems(version: Any, input: Any = NO_INPUT) -> list[FieldError]:
 
 def preflight_errors(document: Mapping[str, Any]) -> list[FieldError]:
     errors = []
-    earlier: list[Mapping[str, Any]] = []
-    for path, step in walk_steps(document.get("steps", []), ["steps"]):
+    walked = list(walk_steps(document.get("steps", []), ["steps"]))
+    every = tuple(step for _, step in walked)
+    memo: dict[str, Any] = {}
+    for index, (path, step) in enumerate(walked):
         kind = kinds.get(str(step.get("kind")))
         if kind is not None and kind.preflight is not None:
-            scope = kinds.PreflightScope(earlier=tuple(earlier))
+            scope = kinds.PreflightScope(earlier=every[:index], steps=every, memo=memo)
             for field, message in kind.preflight(step, scope):
                 errors.append(FieldError(field_path([*path, field]), message))
-        earlier.append(step)
     return errors

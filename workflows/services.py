@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 
-from . import access, heartbeats, kinds
+from . import access, heartbeats, kinds, knowledge
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
 from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
@@ -103,12 +104,50 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     requested = prepared.get("version")
     try:
         with transaction.atomic():
-            return _save_locked(prepared, digest, requested, user)
+            return _save_and_reserve(prepared, digest, requested, user)
     except IntegrityError:
         # Only a concurrent save of the same explicit version number gets here; the row it
         # wrote is now visible, so the second pass answers 200 or 409 from it.
         with transaction.atomic():
-            return _save_locked(prepared, digest, requested, user)
+            return _save_and_reserve(prepared, digest, requested, user)
+
+
+def _save_and_reserve(
+    document: dict[str, Any],
+    digest: str,
+    requested: int | None,
+    user: AbstractBaseUser | None,
+) -> SaveResult:
+    saved = _save_locked(document, digest, requested, user)
+    reserve_kbs(document, user)
+    return saved
+
+
+def reserve_kbs(document: dict[str, Any], user: AbstractBaseUser | None) -> None:
+    """Create, the saving person their creator (both object permissions), each knowledge base
+    a ``write_kb`` step names literally that does not exist yet; in the save's transaction.
+
+    Why at save: the right to name a new one is asked now and runs are trusted later. Left to
+    the run's first write, the knowledge base would have no reader (a run is no person), and
+    whoever created the name in between (with readers of their own) would get this
+    workflow's writes. A name someone else took since :func:`kb_name_errors` asked fails the
+    save, naming the step's field."""
+    if access.trusted(user):
+        return
+    for step, where in every_step(document):
+        name = _literal_write_kb(step)
+        if name is None:
+            continue
+        kb = knowledge.kb_get_or_create(name=name, user=user)
+        if not access.may_write_kb(user, kb):
+            raise InvalidDocument(errors=[_may_not_write(f"{where}.kb", name)])
+
+
+def _literal_write_kb(step: Mapping[str, Any]) -> str | None:
+    name = step.get("kb")
+    if step.get("kind") != "write_kb" or not isinstance(name, str) or is_template(name):
+        return None
+    return name
 
 
 def _save_locked(
@@ -271,19 +310,24 @@ def recipe_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
 def kb_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
     """The knowledge bases a document's steps read and write, held to the saving user's rights
     (``workflows.access``, "knowledge bases"): a run is trusted with them later, so the save is
-    where they are asked. A recipe's ``context.kb`` needs read on it; a ``write_kb`` step's
-    literal ``kb`` write on it (or, for a new name, the right to create one); a ``write_kb``
-    whose ``kb`` is a template the right to write every knowledge base. Each message is the
-    same whether the name exists or not, so trying names tells nothing."""
+    where they are asked. A recipe's ``context.kb`` needs read on it (a name that does not
+    exist yet only one a ``write_kb`` of this document names: the save makes that one the
+    saver's, :func:`reserve_kbs`; any other would be read from whoever creates it later); a
+    ``write_kb`` step's literal ``kb`` write on it (or, for a new name, the right to create
+    one); a ``write_kb`` whose ``kb`` is a template the right to write every knowledge base.
+    Each message is the same whether the name exists or not, so trying names tells nothing
+    to one who may not create knowledge bases."""
     if access.trusted(user):
         return []
+    written = {name for step, _ in every_step(document) if (name := _literal_write_kb(step))}
     errors = []
     for step, where in every_step(document):
         kind = step.get("kind")
         context = step.get("context")
         if kind == "recipe" and isinstance(context, dict) and isinstance(context.get("kb"), str):
             name = context["kb"]
-            if not access.may_name_kb_to_read(user, name):
+            own = name in written and access.may_name_kb_to_write(user, name)
+            if not own and not access.may_name_kb_to_read(user, name):
                 errors.append(
                     FieldError(
                         f"{where}.context.kb",
@@ -304,15 +348,17 @@ def kb_name_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> l
                     )
                 )
         elif not access.may_name_kb_to_write(user, name):
-            errors.append(
-                FieldError(
-                    f"{where}.kb",
-                    f"writing knowledge base '{echo(name)}' needs the permission to write it "
-                    f"(write_knowledgebase on it, or {access.KB_WRITE_ALL}; for a new name, "
-                    f"{access.KB_ADD})",
-                )
-            )
+            errors.append(_may_not_write(f"{where}.kb", name))
     return errors
+
+
+def _may_not_write(field: str, name: str) -> FieldError:
+    return FieldError(
+        field,
+        f"writing knowledge base '{echo(name)}' needs the permission to write it "
+        f"(write_knowledgebase on it, or {access.KB_WRITE_ALL}; for a new name, "
+        f"{access.KB_ADD})",
+    )
 
 
 def raise_invalid(errors: list[FieldError]) -> None:

@@ -16,7 +16,7 @@ from rest_framework.views import APIView
 from config.pagination import ContractCursorPagination, NewestFirstPagination
 
 from . import access, kb_search, selectors, services
-from .errors import FieldError, InvalidInput, NotFound
+from .errors import FieldError, InvalidInput, NotFound, echo
 from .kb_search import MAX_TOP_K
 from .models import KnowledgeBase, WorkflowVersion
 from .schema import load_schema
@@ -312,8 +312,9 @@ class KnowledgeDocumentListView(APIView):
 def _search_limit(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_SEARCH_LIMIT
-    if raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_TOP_K:
-        return int(raw)
+    number = _digits(raw, most=MAX_TOP_K)
+    if number is not None and number >= 1:
+        return number
     raise InvalidInput(
         errors=[
             FieldError("limit", f"must be a whole number from 1 to {MAX_TOP_K}, not {raw[:40]!r}")
@@ -321,10 +322,20 @@ def _search_limit(raw: str | None) -> int:
     )
 
 
+def _digits(text: str, *, most: int) -> int | None:
+    """``text`` as a whole number of ASCII digits at most ``most``, else None. ASCII only:
+    str.isdigit() accepts '¹', which int() refuses; and no more digits than ``most`` has, since
+    int() refuses over 4,300 of them (a ValueError, a 500) and reading them is work."""
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(most)):
+        return None
+    number = int(text)
+    return number if number <= most else None
+
+
 def _version_number(text: str) -> int:
-    # ASCII digits only: str.isdigit() accepts '¹', which int() refuses.
-    if not text.isascii() or not text.isdigit() or not 0 < int(text) <= 2_147_483_647:
+    number = _digits(text, most=2_147_483_647)
+    if number is None or number == 0:
         raise NotFound(
-            errors=[FieldError("version", f"'{text}' is not a version number (1, 2, ...)")]
+            errors=[FieldError("version", f"'{echo(text)}' is not a version number (1, 2, ...)")]
         )
-    return int(text)
+    return number

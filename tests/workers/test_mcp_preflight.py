@@ -106,6 +106,39 @@ def test_a_server_that_never_answers_is_waited_for_a_bounded_time(api: Any, conf
     mcp.pool().close_all()
 
 
+def test_servers_a_start_names_are_asked_at_once_not_one_after_another(
+    api: Any, configure: Any
+) -> None:
+    """A start (or the admin's page of a definition) waits for the slowest server it names,
+    not for the sum of them: one request must not wait once per configured server."""
+    mcp_tool.forget_listed_tools()
+    mutes = [socket.socket() for _ in range(3)]
+    try:
+        for mute in mutes:
+            mute.bind(("127.0.0.1", 0))
+            mute.listen(8)
+        configure(
+            {
+                f"mute{n}": {"url": f"http://127.0.0.1:{mute.getsockname()[1]}/mcp"}
+                for n, mute in enumerate(mutes)
+            },
+            MCP_PREFLIGHT_TIMEOUT_SECONDS=1.0,
+        )
+        save(*[step(f"mute{n}", "echo", f"call_{n}") for n in range(3)])
+        started = time.monotonic()
+        response = start(api)
+        took = time.monotonic() - started
+    finally:
+        for mute in mutes:
+            mute.close()
+    assert response.status_code == 400, response.content
+    errors = response.json()["errors"]
+    assert [e["field"] for e in errors] == [f"steps[{n}].server" for n in range(3)]
+    assert all("unreachable" in e["message"] for e in errors)
+    assert 1.0 <= took < 2.5, took
+    mcp.pool().close_all()
+
+
 def test_the_list_of_tools_is_kept_briefly(api: Any, configure: Any) -> None:
     mcp_tool.forget_listed_tools()
     port = free_port()

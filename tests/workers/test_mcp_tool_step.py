@@ -72,3 +72,21 @@ def test_arguments_must_resolve_to_an_object() -> None:
     assert mcp_tool.prepare(step, Scope())["arguments"] == {}  # type: ignore[arg-type]
     with pytest.raises(mcp_tool.Refused, match="arguments: resolved to a string, not an object"):
         mcp_tool.prepare({**step, "arguments": "x"}, Scope())  # type: ignore[arg-type]
+
+
+def test_a_response_past_the_read_bound_is_not_read_whole(server: HttpMcpServer) -> None:
+    """The 1 MiB bound on a result is checked on what was read; the read itself is bounded
+    too (``pool.MAX_RESPONSE_BYTES``), or a server answering a gigabyte would have the worker
+    hold it all (and more, parsed) before refusing it."""
+    ctx = context()
+    with pytest.raises(StepFailure) as failed:
+        mcp_tool.call(ctx, given("big", {"size": mcp.MAX_RESPONSE_BYTES + 1}))
+    assert failed.value.error_class == "invalid_input"
+    assert failed.value.message == (
+        "mcp_tool: the result of big on MCP server 'web' is over "
+        f"{mcp.MAX_RESPONSE_BYTES} bytes: not read further"
+    )
+    [use] = ctx.tool_calls
+    assert (use.status, use.result) == ("invalid_input", None)
+    # The client stays usable.
+    assert mcp_tool.call(context(), given("say", {"text": "hi"})) == "hi\n(2)"

@@ -200,3 +200,43 @@ def test_retrieval_is_recorded_with_the_runs_secrets_concealed() -> None:
     [span] = ctx.spans
     assert span.name == "retrieval" and span.attributes["query"] == "export ••••"
     assert span.attributes["hits"] == retrieved["hits"]
+
+
+@pytest.mark.django_db
+def test_a_run_secret_written_to_a_knowledge_base_is_stored_masked() -> None:
+    """A knowledge base is shared: its readers need not be able to read the run, and it is
+    stored as it was written. A writeOnly input field reaching ``write_kb`` (through
+    ``${input.x}`` or the whole input) must not land there in plaintext (CONTRACT section 8:
+    the database holds secrets encrypted, people see ``••••``)."""
+    from workers.execution import execute
+    from workflows.secrets import MASK
+
+    plaintext = "sk-live-4f9a2c7e1b"
+    document = {
+        "id": "kb_secret",
+        "input_schema": {
+            "type": "object",
+            "properties": {"token": {"type": "string", "writeOnly": True}},
+        },
+        "steps": [
+            {
+                "id": "keep",
+                "kind": "write_kb",
+                "kb": "answers",
+                "key": "T-${input.token}",
+                "title": "key ${input.token}",
+                "content": {"note": "use ${input.token}", "all": "${input}"},
+            }
+        ],
+    }
+    definition_save(document=document)
+    run = services.run_start(workflow="kb_secret", input={"token": plaintext}).run
+    execute(StepRun.objects.get(run=run, status="scheduled").id, worker="here")
+    row = StepRun.objects.get(run=run, step_id="keep")
+    assert row.status == "succeeded", row.error
+    [stored] = KnowledgeDocument.objects.filter(kb__name="answers")
+    for text in (stored.key, stored.title, stored.content):
+        assert plaintext not in text
+    assert stored.key == f"T-{MASK}" and stored.title == f"key {MASK}"
+    assert MASK in stored.content and "[secret:" not in stored.content
+    assert row.output == {"kb": "answers", "key": f"T-{MASK}", "version": 1}

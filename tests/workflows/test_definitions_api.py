@@ -191,6 +191,8 @@ def test_read_a_workflow_and_its_versions(api: APIClient) -> None:
         ("/api/v1/definitions/support_ticket/versions/0", "version"),
         ("/api/v1/definitions/support_ticket/versions/%C2%B9", "version"),
         ("/api/v1/definitions/support_ticket/versions/99999999999999999999", "version"),
+        # More digits than int() reads (4,300): a 404 still, not a ValueError's 500.
+        ("/api/v1/definitions/support_ticket/versions/" + "9" * 5000, "version"),
     ],
 )
 def test_unknown_things_are_json_404s(api: APIClient, url: str, field: str) -> None:

@@ -73,6 +73,13 @@ def test_keys_and_knowledge_bases_number_apart() -> None:
         ({"title": "t" * 501}, "title"),
         ({"content": "x" * 102_401}, "content"),
         ({"content": "nul \x00 inside"}, "content"),
+        # Postgres text refuses NUL, and UTF-8 a lone surrogate (SQLite's JSON keeps one):
+        # each is named by its own field, not a database error.
+        ({"key": "k\x00"}, "key"),
+        ({"title": "t\x00"}, "title"),
+        ({"key": "k\ud800"}, "key"),
+        ({"title": "\udfff"}, "title"),
+        ({"content": "half \ud83d a pair"}, "content"),
     ],
     ids=[
         "bad-name",
@@ -83,6 +90,11 @@ def test_keys_and_knowledge_bases_number_apart() -> None:
         "long-title",
         "big",
         "nul",
+        "nul-key",
+        "nul-title",
+        "surrogate-key",
+        "surrogate-title",
+        "surrogate-content",
     ],
 )
 def test_a_bad_field_is_refused_naming_it_and_writes_nothing(

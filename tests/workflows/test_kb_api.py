@@ -139,6 +139,8 @@ def test_search_syntax_characters_in_q_are_never_a_500(api, answers, q: str) -> 
         ({"limit": "abc"}, "limit"),
         ({"q": "a", "limit": "101"}, "limit"),
         ({"q": "a", "limit": "-1"}, "limit"),
+        ({"q": "a", "limit": "9" * 5000}, "limit"),
+        ({"limit": "9" * 5000}, "limit"),
         ({"cursor": "not-a-cursor"}, "cursor"),
         ({"q": "a", "cursor": "x"}, "cursor"),
     ],
@@ -153,6 +155,8 @@ def test_search_syntax_characters_in_q_are_never_a_500(api, answers, q: str) -> 
         "nan",
         "big",
         "negative",
+        "q-digits",
+        "digits",
         "cursor",
         "q-cursor",
     ],
@@ -301,3 +305,59 @@ def test_a_person_who_creates_a_knowledge_base_reads_and_writes_it() -> None:
     assert access.may_read_kb(creator, kb) and access.may_write_kb(creator, kb)
     other = person("other", "add_knowledgebase")
     assert not access.may_read_kb(other, knowledge.kb_get_or_create(name="mine", user=other))
+
+
+def test_a_new_name_a_write_kb_step_names_is_its_savers_from_the_save() -> None:
+    """Rights are asked at save and runs are trusted later, so a new name allowed at save must
+    be the saver's then: otherwise the knowledge base a run creates has no reader (its author
+    could not see or read what the workflow wrote), and whoever creates the name first (a
+    person with other readers) owns what this workflow writes into it."""
+    creator = person("creator", "add_knowledgebase")
+    saved = api_for(creator).post("/api/v1/definitions", writing("brand-new"), format="json")
+    assert saved.status_code == 201, saved.json()
+    kb = KnowledgeBase.objects.get(name="brand-new")
+    assert kb.created_by == creator
+    assert access.may_read_kb(creator, kb) and access.may_write_kb(creator, kb)
+    assert api_for(creator).get("/api/v1/kbs/brand-new/documents").status_code == 200
+    # Taken now: another creator may not write into it.
+    other = person("other", "add_knowledgebase")
+    taken = api_for(other).post(
+        "/api/v1/definitions", {**writing("brand-new"), "id": "theirs"}, format="json"
+    )
+    assert taken.status_code == 400
+    assert errors(taken)[0][0] == "steps[0].kb"
+
+
+def test_a_refused_save_reserves_no_name() -> None:
+    creator = person("creator", "add_knowledgebase")
+    document = writing("fresh")
+    document["steps"].append({"id": "keep", "kind": "write_kb", "kb": "fresh", "key": "k"})
+    assert api_for(creator).post("/api/v1/definitions", document, format="json").status_code == 400
+    assert not KnowledgeBase.objects.filter(name="fresh").exists()
+
+
+def test_a_context_may_not_name_a_knowledge_base_that_does_not_exist_yet(
+    answers: KnowledgeBase,
+) -> None:
+    """One who may create knowledge bases naming a future one in a context would read, in every
+    run, whatever its eventual creator (with readers of their own) puts there."""
+    creator = person("creator", "add_knowledgebase")
+    future = api_for(creator).post("/api/v1/definitions", reading("hr-notes"), format="json")
+    assert future.status_code == 400
+    [(field, message)] = errors(future)
+    assert field == "steps[0].context.kb" and "needs the permission to read it" in message
+    # One this document's own write_kb creates is the saver's (above), so it may be read.
+    both = {
+        "id": "write_then_read",
+        "steps": [
+            writing("own-notes")["steps"][0],
+            {**reading("own-notes")["steps"][0], "id": "ask"},
+        ],
+    }
+    assert api_for(creator).post("/api/v1/definitions", both, format="json").status_code == 201
+    # A reader of every knowledge base may name any name.
+    auditor = person("auditor", "view_knowledgebase")
+    assert (
+        api_for(auditor).post("/api/v1/definitions", reading("later"), format="json").status_code
+        == 201
+    )

@@ -132,6 +132,7 @@ def test_the_list_is_cursor_paginated(cook: APIClient) -> None:
         ("/api/v1/recipes/triage/versions/7", "version"),
         ("/api/v1/recipes/triage/versions/x", "version"),
         ("/api/v1/recipes/triage/versions/0", "version"),
+        ("/api/v1/recipes/triage/versions/" + "9" * 5000, "version"),
     ],
 )
 def test_unknown_recipes_and_versions_are_404_naming_the_field(

@@ -77,11 +77,12 @@ def preflight(step: Mapping[str, Any], scope: PreflightScope) -> list[tuple[str,
     """The named server is configured and reachable, and lists the tool. A server's list of
     tools is kept ``DJFLOW_MCP_PREFLIGHT_CACHE_SECONDS`` (that it could not be reached, at most
     5 s); asking for it waits at most ``DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS`` (a start must
-    not hang on a server)."""
+    not hang on a server). The first step's check asks every configured server the document
+    names at once, so a start waits that long once, however many servers it names."""
     server, tool = str(step.get("server")), str(step.get("tool"))
     if server not in mcp.servers():
         return [("server", f"MCP server '{server}' is not configured (DJFLOW_MCP_SERVERS)")]
-    tools = _tools_of(server)
+    tools = _tools_for_start(server, scope)
     if isinstance(tools, str):
         return [("server", f"MCP server '{server}' is unreachable: {tools}")]
     if tool not in tools:
@@ -89,21 +90,47 @@ def preflight(step: Mapping[str, Any], scope: PreflightScope) -> list[tuple[str,
     return []
 
 
-def _tools_of(server: str) -> frozenset[str] | str:
-    """The tools ``server`` lists, or why it could not be asked."""
+def _tools_for_start(server: str, scope: PreflightScope) -> frozenset[str] | str:
+    """The tools ``server`` lists, or why it could not be asked, learnt once per start for
+    every configured server the document names (``scope.memo``)."""
+    listed: dict[str, frozenset[str] | str] = scope.memo.setdefault("mcp_tool", {})
+    if server not in listed:
+        named = {str(other.get("server")) for other in scope.every_of("mcp_tool")} | {server}
+        configured = mcp.servers()
+        listed.update(_tools_of([n for n in sorted(named) if n in configured and n not in listed]))
+    return listed[server]
+
+
+def _tools_of(servers: list[str]) -> dict[str, frozenset[str] | str]:
+    """The tools each of ``servers`` lists, or why it could not be asked; the ones not in the
+    cache asked at once, within one time-out."""
+    answers: dict[str, frozenset[str] | str] = {}
+    now = time.monotonic()
     with _listed_lock:
-        cached = _listed.get(server)
-    if cached is not None and cached[0] > time.monotonic():
-        return cached[1]
+        for server in servers:
+            cached = _listed.get(server)
+            if cached is not None and cached[0] > now:
+                answers[server] = cached[1]
+    missing = [server for server in servers if server not in answers]
+    if not missing:
+        return answers
     ttl = float(settings.DJFLOW["MCP_PREFLIGHT_CACHE_SECONDS"])
+    timeout = float(settings.DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"])
     try:
-        timeout = float(settings.DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"])
-        answer: frozenset[str] | str = frozenset(mcp.pool().list_tools(server, timeout))
-    except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected) as error:
-        answer, ttl = str(error), min(ttl, _UNREACHABLE_SECONDS)
-    with _listed_lock:
-        _listed[server] = (time.monotonic() + ttl, answer)
-    return answer
+        asked = mcp.pool().list_tools_of(missing, timeout)
+    except mcp.TimedOut as error:
+        asked = dict.fromkeys(missing, error)
+    for server in missing:
+        answer = asked[server]
+        if isinstance(answer, (mcp.Unreachable, mcp.TimedOut, mcp.Rejected)):
+            answers[server], lasts = str(answer), min(ttl, _UNREACHABLE_SECONDS)
+        elif isinstance(answer, BaseException):
+            raise answer
+        else:
+            answers[server], lasts = frozenset(answer), ttl
+        with _listed_lock:
+            _listed[server] = (time.monotonic() + lasts, answers[server])
+    return answers
 
 
 def forget_listed_tools() -> None:
@@ -150,6 +177,10 @@ def call(ctx: StepContext, given: Any, prior: Any = None) -> Any:
 
         try:
             answer = mcp.pool().call_tool(server, tool, arguments, seconds)
+        except mcp.TooLarge as too_large:
+            message = f"mcp_tool: the result of {tool} on MCP server '{server}' is {too_large}"
+            made("invalid_input", error={"class": "invalid_input", "message": message})
+            raise StepFailure(message, "invalid_input") from None
         except (mcp.Unreachable, mcp.TimedOut, mcp.Rejected, mcp.Unknown) as error:
             failure = _failure(server, tool, error)
             made(

@@ -16,6 +16,10 @@ Invariants:
   answer that version, so an ``at_least_once`` retry after a write that landed makes no second
   version. The engine's write is trusted: the saving user's rights were checked at save
   (``workflows.services.kb_name_errors``).
+- A run's secrets are never written: a knowledge base is shared with people who may not read
+  the run, and it stores what it is given as it is (the API and the admin show it so). The
+  body gets the attempt's input revealed, like any; what it writes has each secret's text
+  replaced by ``••••`` (``workflows.secrets``), in the key and title as in the content.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from workflows import knowledge
+from workflows import knowledge, secrets
 from workflows.errors import InvalidInput
 from workflows.failures import KindFailure
 from workflows.kb_names import KEY_MAX_LENGTH, TITLE_MAX_LENGTH, name_problem
@@ -81,6 +85,7 @@ def write(ctx: Any, given: Any, prior: Any = None) -> dict[str, Any]:
         not isinstance(given.get(name), str) for name in FIELDS
     ):
         raise KindFailure("write_kb: the attempt's input is not a prepared document", "fatal")
+    given = secrets.shown(ctx.conceal({name: given[name] for name in FIELDS}))
     with ctx.span("kb_write", kb=given["kb"], key=given["key"]) as span:
         try:
             written = knowledge.kb_write(

@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -63,6 +63,11 @@ T = TypeVar("T")
 
 # Time a closing client gets to shut down (a stdio server is sent EOF, then terminated).
 _CLOSE_SECONDS = 5.0
+# The most of one JSON response over streamable HTTP a client reads: a result is kept only up
+# to 1 MiB as JSON (``workers.kinds.mcp_tool``), and the SDK reads a JSON response whole
+# before parsing it; this leaves room for the envelope and escapes. (An SSE event the SDK
+# bounds itself, at 1 MiB.)
+MAX_RESPONSE_BYTES = 4 * 1_048_576
 
 
 class Unknown(LookupError):
@@ -82,6 +87,51 @@ class Rejected(Exception):
     call would be refused again."""
 
 
+class TooLarge(Exception):
+    """The server's response was longer than ``MAX_RESPONSE_BYTES``: not read further."""
+
+
+class _ResponseTooLarge(httpx2.StreamError):
+    # A StreamError: the SDK turns it into the request's error instead of hanging the call.
+    pass
+
+
+class _BoundedStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int, on_over: Callable[[], None]):
+        self._inner, self._limit, self._on_over = inner, limit, on_over
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                self._on_over()
+                raise _ResponseTooLarge(f"the response is over {self._limit} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _BoundedTransport(httpx2.AsyncBaseTransport):
+    """Reads at most ``MAX_RESPONSE_BYTES`` of a JSON response (the SDK reads one whole);
+    event streams are left to the SDK's own bound on an event."""
+
+    def __init__(self, on_over: Callable[[], None]) -> None:
+        self._inner = httpx2.AsyncHTTPTransport()
+        self._on_over = on_over
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        if "json" in response.headers.get("content-type", "").lower():
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _BoundedStream(response.stream, MAX_RESPONSE_BYTES, self._on_over)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
 def servers() -> Mapping[str, Mapping[str, Any]]:
     configured: Mapping[str, Mapping[str, Any]] = settings.DJFLOW["MCP_SERVERS"]
     return configured
@@ -95,7 +145,10 @@ def _config(name: str) -> Mapping[str, Any]:
 
 
 def _client_for(
-    config: Mapping[str, Any], timeout: float, on_status: Callable[[int], None]
+    config: Mapping[str, Any],
+    timeout: float,
+    on_status: Callable[[int], None],
+    on_too_large: Callable[[], None] = lambda: None,
 ) -> tuple[Client, httpx2.AsyncClient | None]:
     """The SDK's client for one configured server, and the HTTP client it sends through (the
     caller closes it: the SDK leaves a client it was given open). ``on_status`` hears each
@@ -112,6 +165,7 @@ def _client_for(
             headers=dict(config.get("headers") or {}),
             timeout=httpx2.Timeout(timeout, read=None),
             event_hooks={"response": [heard]},
+            transport=_BoundedTransport(on_too_large),
         )
         return Client(streamable_http_client(config["url"], http_client=http)), http
     command = list(config["command"])
@@ -131,6 +185,8 @@ class _Held:
         self.broken = False
         # The last HTTP error status the server answered (streamable HTTP only).
         self.http_status: int | None = None
+        # Whether the last response was cut off at MAX_RESPONSE_BYTES.
+        self.too_large = False
         self._ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         # Its error is read by open(), unless open() gave up waiting first: not worth a log.
         self._ready.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -150,7 +206,7 @@ class _Held:
             raise
 
     async def _hold(self, timeout: float) -> None:
-        client, http = _client_for(self.config, timeout, self._heard)
+        client, http = _client_for(self.config, timeout, self._heard, self._too_large)
         try:
             async with contextlib.AsyncExitStack() as stack:
                 if http is not None:
@@ -174,6 +230,9 @@ class _Held:
 
     def _heard(self, status: int) -> None:
         self.http_status = status
+
+    def _too_large(self) -> None:
+        self.too_large = True
 
     async def close(self) -> None:
         """Tell the holding task to leave the client, and wait for it (bounded). A cancel of
@@ -242,6 +301,23 @@ class Pool:
     def list_tools(self, server: str, timeout: float) -> list[str]:
         _config(server)
         return self.run(lambda: self._list_tools(server, timeout), timeout)
+
+    def list_tools_of(
+        self, servers: list[str], timeout: float
+    ) -> dict[str, list[str] | BaseException]:
+        """:meth:`list_tools` of several servers at once, within one ``timeout``: each one's
+        names, or the error asking it raised (``Unreachable``, ``TimedOut``, ``Rejected``)."""
+        for server in servers:
+            _config(server)
+
+        async def every() -> dict[str, list[str] | BaseException]:
+            answers = await asyncio.gather(
+                *(self._list_tools(server, timeout) for server in servers),
+                return_exceptions=True,
+            )
+            return dict(zip(servers, answers, strict=True))
+
+        return self.run(every, timeout)
 
     def open_count(self) -> int:
         """How many clients are open now (asked on the loop, so the answer is consistent)."""
@@ -442,12 +518,15 @@ async def _bounded(held: _Held, call: Awaitable[T], seconds: float) -> T:
     """``call``'s answer within ``seconds``; a time-out or a broken connection discards the
     client (marked broken: its release closes it)."""
     held.http_status = None
+    held.too_large = False
     try:
         return await asyncio.wait_for(call, seconds)
     except TimeoutError:
         held.broken = True
         raise TimedOut(f"no answer within {int(seconds * 1000)} ms") from None
     except BaseException as error:
+        if held.too_large:
+            raise TooLarge(f"over {MAX_RESPONSE_BYTES} bytes: not read further") from None
         mapped = _mapped(error, held.http_status)
         if not isinstance(mapped, Rejected):
             held.broken = True
