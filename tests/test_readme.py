@@ -159,6 +159,13 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         assert tools["status"] == "completed", tools
         assert tools["output"]["slug"] == "the-export-crashes-on-big-files-can-you"
         assert tools["output"]["stats"]["urgent"] is True
+        # The knowledge-base examples: the answer's prompt held the passage the first wrote.
+        answer_id = _started_run(second_terminal.stdout, "kb_answer_ticket")
+        answer = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{answer_id}", token)
+        assert answer["status"] == "completed", answer
+        [call] = [c for step in answer["steps"] for c in step["model_calls"]]
+        assert [(h["key"], h["version"]) for h in call["retrieved"]["hits"]] == [("T-1", 1)]
+        assert "Clear the export cache" in json.dumps(answer["output"])
     finally:
         os.killpg(first_terminal.pid, signal.SIGINT)
         try:
