@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 import sentry_sdk
 from sentry_sdk.integrations.celery import CeleryIntegration
@@ -29,6 +30,10 @@ def before_send(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
     return scrubbed
 
 
+# The shortest stdio env value (or URL query value) masked as a credential.
+_MIN_ENV_SECRET = 8
+
+
 def _configured_secrets() -> Callable[[str], str] | None:
     """A masker of the values the settings hold as secrets: the header and env values of
     DJFLOW_MCP_SERVERS (credentials; a frame of the MCP pool may hold them as locals)."""
@@ -36,12 +41,24 @@ def _configured_secrets() -> Callable[[str], str] | None:
 
     servers = getattr(settings, "DJFLOW", {}).get("MCP_SERVERS") or {}
     values = [
+        value for server in servers.values() for value in (server.get("headers") or {}).values()
+    ]
+    # A stdio server's env holds credentials and ordinary values alike ("1", a path): the
+    # short ones are left, or every "1" of an event would be masked.
+    values += [
         value
         for server in servers.values()
-        for pairs in (server.get("headers"), server.get("env"))
-        for value in (pairs or {}).values()
-        if value
+        for value in (server.get("env") or {}).values()
+        if len(str(value)) >= _MIN_ENV_SECRET
     ]
+    # A URL may carry a credential (user:password@, ?token=): the URL whole is masked.
+    for server in servers.values():
+        url = urlsplit(str(server.get("url") or ""))
+        if url.username or url.password or url.query:
+            values.append(server["url"])
+            values += [url.password or "", url.query]
+            values += [value for _, value in parse_qsl(url.query) if len(value) >= _MIN_ENV_SECRET]
+    values = [value for value in values if value]
     return masker(values) if values else None
 
 

@@ -623,6 +623,10 @@ if DJFLOW["MCP_POOL_SIZE"] < 1:
 for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS"):
     if DJFLOW[_name] <= 0:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be more than 0")
+# Pre-flight waits inside a web request (POST /runs, the admin's definition page): a longer
+# wait would hold a web worker past what a proxy or gunicorn gives a request.
+if DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"] > 10:
+    raise ImproperlyConfigured("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS must be at most 10")
 
 # Celery's per-task lines about the engine's clock (the 1 s timer tick, the reconciler) are
 # dropped at their loggers: 186 of an idle minute's 186 lines (config.logging says more).

@@ -206,6 +206,10 @@ def test_embeddings_are_off_unless_a_model_is_named(tmp_path: Path) -> None:
         ("DJFLOW_EMBEDDINGS_DIMENSIONS", "2001"),
         ("DJFLOW_EMBEDDINGS_DIMENSIONS", "384.5"),
         ("DJFLOW_EMBEDDINGS_DIMENSIONS", "many"),
+        ("DJFLOW_MCP_POOL_SIZE", "0"),
+        ("DJFLOW_MCP_IDLE_SECONDS", "0"),
+        ("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", "0"),
+        ("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", "11"),
     ],
 )
 def test_a_model_slot_setting_out_of_range_is_refused_naming_it(

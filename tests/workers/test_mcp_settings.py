@@ -87,7 +87,11 @@ def test_sentry_events_mask_the_configured_header_values(settings) -> None:
 
     settings.DJFLOW = {
         **settings.DJFLOW,
-        "MCP_SERVERS": {"docs": {"url": "http://127.0.0.1:9/mcp", "headers": {"X-Key": SECRET}}},
+        "MCP_SERVERS": {
+            "docs": {"url": "http://127.0.0.1:9/mcp", "headers": {"X-Key": SECRET}},
+            "keyed": {"url": "http://bot:pass-word-9@127.0.0.1:9/mcp?token=tok-en-77"},
+            "local": {"command": ["prog"], "env": {"API_KEY": "envsecret-42", "DEBUG": "1"}},
+        },
     }
     transport = Captured()
     init_sentry(
@@ -99,7 +103,10 @@ def test_sentry_events_mask_the_configured_header_values(settings) -> None:
     try:
         headers = {"X-Key": SECRET}  # a frame's local, as the pool's would be
         try:
-            raise RuntimeError(f"the server refused {headers['X-Key']}")
+            raise RuntimeError(
+                f"the server refused {headers['X-Key']} envsecret-42 pass-word-9 "
+                "http://bot:pass-word-9@127.0.0.1:9/mcp?token=tok-en-77 tok-en-77 debug=1"
+            )
         except RuntimeError:
             sentry_sdk.capture_exception()
         sentry_sdk.flush()
@@ -109,3 +116,8 @@ def test_sentry_events_mask_the_configured_header_values(settings) -> None:
     sent = "\n".join(transport.sent)
     assert len(transport.sent) == 1 and "the server refused" in sent
     assert "hush-hush" not in sent
+    # A stdio env's long values and a URL's credentials are masked; a short value ("1") is
+    # not, or every "1" of every event would be.
+    for secret in ("envsecret-42", "pass-word-9", "tok-en-77"):
+        assert secret not in sent
+    assert "debug=1" in sent
