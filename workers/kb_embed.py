@@ -35,12 +35,10 @@ import hashlib
 import logging
 from typing import Literal
 
-from celery import current_app
 from django.conf import settings
 from django.core.cache import cache
 
-from workflows import kb_vectors
-from workflows.knowledge import EMBED_TASK
+from workflows import kb_vectors, knowledge
 from workflows.models import KnowledgeDocument, KnowledgeEmbedding
 
 from . import providers
@@ -151,7 +149,7 @@ def sweep(*, batch: int = SWEEP_BATCH, grace_s: float | None = None) -> int:
     marked = cache.get_many([key for pair in keys.values() for key in pair])
     due = [doc_id for doc_id, pair in keys.items() if not any(k in marked for k in pair)][:batch]
     for doc_id in due:
-        _send(doc_id)
+        knowledge.send_embed(doc_id)
     cache.set_many({keys[doc_id][0]: True for doc_id in due}, QUEUED_FOR_S)
     if due:
         logger.info(
@@ -160,10 +158,6 @@ def sweep(*, batch: int = SWEEP_BATCH, grace_s: float | None = None) -> int:
             model.name,
         )
     return len(due)
-
-
-def _send(document_id: int) -> None:
-    current_app.signature(EMBED_TASK, (document_id,), ignore_result=True).apply_async()
 
 
 def _queued_key(model: str, document_id: int) -> str:

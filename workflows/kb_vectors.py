@@ -41,6 +41,7 @@ from typing import Any, Final
 
 from django.db import DatabaseError, connection, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
+from pgvector import Vector
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ def stored(document_id: int, model: str) -> list[float] | None:
             [document_id, model],
         )
         row = cursor.fetchone()
-    return None if row is None else [float(value) for value in row[0].strip("[]").split(",")]
+    return None if row is None else Vector.from_text(row[0]).to_list()
 
 
 def missing(model: str, dimensions: int | None, *, limit: int, older_than_s: float) -> list[int]:
@@ -290,5 +291,5 @@ def _nearest_sql(
 
 
 def _literal(vector: Sequence[float]) -> str:
-    """pgvector's text form: ``[1.0,2.5,...]``."""
-    return "[" + ",".join(repr(float(value)) for value in vector) + "]"
+    """pgvector's text form, by its own package (the column is float32: so is ``Vector``)."""
+    return Vector(vector).to_text()

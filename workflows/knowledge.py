@@ -156,10 +156,12 @@ def _write_once(
 
 def embed_on_commit(document_id: int) -> None:
     """Send the version to a worker to embed once the write commits."""
-    transaction.on_commit(
-        lambda: current_app.signature(EMBED_TASK, (document_id,), ignore_result=True).apply_async(),
-        robust=True,
-    )
+    transaction.on_commit(lambda: send_embed(document_id), robust=True)
+
+
+def send_embed(document_id: int) -> None:
+    """Ask a worker to embed a document version (by the task's name: workers is above)."""
+    current_app.signature(EMBED_TASK, (document_id,), ignore_result=True).apply_async()
 
 
 def kb_get_or_create(*, name: str, user: Any = None) -> KnowledgeBase:

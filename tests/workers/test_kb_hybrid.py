@@ -192,7 +192,7 @@ def test_a_fatal_failure_is_logged_by_name_and_remembered_and_a_retryable_one_re
     # The sweep leaves the failed one alone for an hour; it sends the others (once).
     waiting = _write("waiting", VPN)
     sent: list[Any] = []
-    monkeypatch.setattr(kb_embed, "_send", sent.append)
+    monkeypatch.setattr(knowledge, "send_embed", sent.append)
     assert kb_embed.sweep(grace_s=0) == 1
     assert sent == [waiting.pk]
     assert kb_embed.sweep(grace_s=0) == 0  # sent already: its message may still be coming
