@@ -1,7 +1,8 @@
 """Logging helpers installed from ``settings.LOGGING``: keep the engine's clock out of the logs.
 
-Beat sends the timer tick (``runs.fire_timers``) every second and the reconciler
-(``runs.reconcile``) every ``RECONCILE_SECONDS``; Celery logs three info lines for each
+Beat sends the timer tick (``runs.fire_timers``) every second, and the reconciler
+(``runs.reconcile``) and the knowledge-base embedding sweep (``workers.sweep_kb_embeddings``)
+every ``RECONCILE_SECONDS``; Celery logs three info lines for each
 (beat's "Sending due task", the worker's "received" and "succeeded"), about 186 lines a
 minute of an idle ``manage.py standalone``, burying everything else (console e-mails
 included). :class:`QuietClock` drops those lines below WARNING; an error or a retry of the
@@ -21,7 +22,7 @@ import logging
 from collections.abc import Mapping
 
 # The tasks whose routine Celery lines are dropped.
-CLOCK_TASKS = frozenset({"runs.fire_timers", "runs.reconcile"})
+CLOCK_TASKS = frozenset({"runs.fire_timers", "runs.reconcile", "workers.sweep_kb_embeddings"})
 # The loggers emitting them: "Task ... received" (the worker's consumer), "Task ... succeeded
 # in ..." (the pool process running it), "Scheduler: Sending due task ..." (beat).
 CELERY_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")

@@ -44,8 +44,14 @@ def test_celerys_lines_about_the_tick_and_the_reconciler_are_dropped(caplog) -> 
     caplog.set_level(logging.INFO)
     _succeeded("runs.fire_timers")
     _succeeded("runs.reconcile")
+    _succeeded("workers.sweep_kb_embeddings")
     logging.getLogger("celery.beat").info(
         "Scheduler: Sending due task %s (%s)", "djflow: fire timers", "runs.fire_timers"
+    )
+    logging.getLogger("celery.beat").info(
+        "Scheduler: Sending due task %s (%s)",
+        "djflow: embed knowledge-base documents a lost message left",
+        "workers.sweep_kb_embeddings",
     )
     logging.getLogger("celery.worker.strategy").info(
         trace.LOG_RECEIVED, {"id": "1", "name": "runs.reconcile", "args": "", "kwargs": ""}

@@ -12,7 +12,8 @@ worker or a crash left behind, and put it right. Bounded work per tick.
   that long is advanced;
 - a wait left waiting although an event it may take is stored is given it;
 - an attempt left scheduled that long whose handler no live worker serves starts its wait
-  for one (``unservable.py``: it fails if none comes);
+  for one (``unservable.py``: it fails if none comes), and a wait past its window whose
+  timer fired while a worker held the attempt ends;
 - fired timers older than ``TIMER_RETENTION_SECONDS`` are deleted;
 - cost reserved for a model call by an attempt that ended without settling it (its worker
   was lost mid-call) is charged, its worst case (``costs.py``).
@@ -75,6 +76,7 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
         parts: list[tuple[str, Callable[[], int]]] = [
             # Before re-offering, which makes the lost attempts look just offered.
             ("unservable", lambda: unservable.arm_unclaimed(now, batch)),
+            ("unservable_overdue", lambda: unservable.expire_overdue(now, batch)),
             ("reoffered", lambda: reoffer_lost(now, batch)),
             ("lost_workers", lambda: advance_lost_workers(now, batch, until=until)),
             ("stuck_runs", lambda: advance_stuck(now, batch, until=until)),

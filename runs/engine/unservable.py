@@ -12,7 +12,11 @@ as it does for any failed step.
 
 Who sees it: a worker that lacks the handler (its hand-back asks), and the reconciler, for
 attempts left scheduled ``LOST_MESSAGE_SECONDS`` that no worker handed back (no worker
-consumes their queue, or none runs). A worker that lacks a handler another live worker has
+consumes their queue, or none runs). The reconciler also ends a wait whose timer fired
+without ending it (``expire_overdue``): the timer fires once, and an attempt that a worker
+held at that instant (claimed on a re-offer, about to hand it back) is not ``scheduled``, so
+the tick leaves it; back to ``scheduled`` with its wait still set, nothing else would ever
+end it (the hand-back's arming keeps an existing wait, and ``arm_unclaimed`` skips it). A worker that lacks a handler another live worker has
 only hands the attempt back (contract section 5: requeued, budget untouched).
 
 Invariants:
@@ -34,6 +38,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from workflows import heartbeats, kinds
@@ -91,8 +96,8 @@ def unservable_arm(
 
 def unservable_expire(*, step_run_ids: list[int]) -> int:
     """End the waits whose timer fired (the timer tick); returns how many attempts failed.
-    A database error on one is logged: its timer is fired, and the reconciler starts a new
-    wait for an attempt left scheduled."""
+    A database error on one is logged: its timer is fired, and the reconciler ends the wait
+    later (``expire_overdue``)."""
     failed = 0
     for step_run_id in step_run_ids:
         try:
@@ -174,6 +179,25 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
             step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
         )
     return started
+
+
+def expire_overdue(now: datetime, batch: int) -> int:
+    """The reconciler's part: end the waits past their window whose timer has fired (or is
+    gone) while the attempt is ``scheduled``; returns how many attempts failed. A wait whose
+    timer is still to fire is the tick's."""
+    window = timedelta(seconds=settings.DJFLOW["UNSERVABLE_SECONDS"])
+    pending_timer = Timer.objects.filter(
+        step_run_id=OuterRef("id"), purpose=TimerPurpose.UNSERVABLE, fired_at__isnull=True
+    )
+    overdue = list(
+        StepRun.objects.filter(status=StepStatus.SCHEDULED, waiting_since__lte=now - window)
+        .exclude(Exists(pending_timer))
+        .order_by("waiting_since")
+        .values_list("id", flat=True)[:batch]
+    )
+    if overdue:
+        logger.warning("unservable: %d waits past their window had no timer left", len(overdue))
+    return unservable_expire(step_run_ids=overdue)
 
 
 def handler_of(workflow_id: str, version_id: int, step_id: str) -> str:

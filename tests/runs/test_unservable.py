@@ -181,3 +181,32 @@ def test_a_worker_that_starts_serving_the_handler_offers_the_waiting_attempts() 
     assert unservable.offer_waiting(handlers=["hello.greet"], queues=["io"], batch=10) == 0
     offered = unservable.offer_waiting(handlers=["hello.greet"], queues=["default"], batch=10)
     assert offered == 1
+
+
+def test_a_wait_whose_timer_fired_while_a_worker_held_the_attempt_still_ends() -> None:
+    """The timer fires once. Re-offered by the reconciler, the attempt was claimed by a worker
+    without the handler at that instant; handed back, it is scheduled and waiting again with
+    no timer left. The reconciler ends the wait (the flaky end-to-end test's cause)."""
+    run, attempt = start()
+    arm(attempt)
+    StepRun.objects.filter(id=attempt.id).update(status="running")  # claimed, then...
+    assert fire_after(WINDOW + 1) == 1  # the tick leaves an attempt a worker holds
+    StepRun.objects.filter(id=attempt.id).update(status="scheduled")  # ...handed back
+    attempt.refresh_from_db()
+    assert attempt.status == "scheduled" and attempt.waiting_since is not None
+    with time_machine.travel(timezone.now() + timedelta(seconds=WINDOW + 2), tick=False):
+        assert reconcile()["unservable_overdue"] == 1
+    attempt.refresh_from_db()
+    run.refresh_from_db()
+    assert (attempt.status, attempt.error["class"]) == ("failed", "unservable")
+    assert run.status == "failed"
+
+
+def test_the_reconciler_leaves_a_wait_to_its_timer_until_the_timer_fires() -> None:
+    _run, attempt = start()
+    arm(attempt)
+    with time_machine.travel(timezone.now() + timedelta(seconds=WINDOW + 2), tick=False):
+        # Due but not fired yet: the tick's, not the reconciler's.
+        assert reconcile()["unservable_overdue"] == 0
+    attempt.refresh_from_db()
+    assert attempt.status == "scheduled"
