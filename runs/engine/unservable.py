@@ -16,8 +16,10 @@ consumes their queue, or none runs). The reconciler also ends a wait whose timer
 without ending it (``expire_overdue``): the timer fires once, and an attempt that a worker
 held at that instant (claimed on a re-offer, about to hand it back) is not ``scheduled``, so
 the tick leaves it; back to ``scheduled`` with its wait still set, nothing else would ever
-end it (the hand-back's arming keeps an existing wait, and ``arm_unclaimed`` skips it). A worker that lacks a handler another live worker has
-only hands the attempt back (contract section 5: requeued, budget untouched).
+end it (the hand-back's arming keeps an existing wait, and ``arm_unclaimed`` skips it).
+
+A worker that lacks a handler another live worker has only hands the attempt back (contract
+section 5: requeued, budget untouched).
 
 Invariants:
 
