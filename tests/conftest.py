@@ -134,8 +134,8 @@ def celery_processes(transactional_db, tmp_path, request) -> Iterator[CeleryProc
     Requesting it makes the test transactional: rows the test writes are committed, so the
     processes see them. The broker is purged first (messages left by earlier tests or runs
     must not reach this test's workers); that happens at set-up, so messages the test body
-    sends before it starts a worker are kept. Every process is stopped at teardown, and when
-    the test failed the tail of each log is printed.
+    sends before it starts a worker are kept. Every process still running is killed at
+    teardown (``kill_all``), and when the test failed the tail of each log is printed.
     """
     cluster = CeleryProcesses(tmp_path / "celery")
     purge_broker()
@@ -143,7 +143,7 @@ def celery_processes(transactional_db, tmp_path, request) -> Iterator[CeleryProc
     try:
         yield cluster
     finally:
-        cluster.stop_all()
+        cluster.kill_all()
         if request.session.testsfailed > failed_before and cluster.processes:
             reporter = request.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
