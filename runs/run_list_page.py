@@ -71,6 +71,10 @@ class RunListFilters(forms.Form):
     """The query string of ``/runs/``. Every field is optional and bounded; ``cursor`` and
     ``limit`` are the paginator's and checked by it."""
 
+    q = forms.CharField(
+        required=False, max_length=255, label="Search", widget=forms.TextInput({"type": "search"})
+    )
+    search_in = forms.ChoiceField(required=False, choices=SEARCH_CHOICES, label="Search in")
     workflow = forms.CharField(required=False, max_length=100)
     status = forms.ChoiceField(required=False, choices=[("", "any"), *RunStatus.choices])
     account = forms.CharField(required=False, max_length=150)
@@ -78,10 +82,6 @@ class RunListFilters(forms.Form):
     created_before = _When(label="Created before")
     cost_min = _Cost(label="Cost from (USD)")
     cost_max = _Cost(label="Cost to (USD)")
-    q = forms.CharField(
-        required=False, max_length=255, label="Search", widget=forms.TextInput({"type": "search"})
-    )
-    search_in = forms.ChoiceField(required=False, choices=SEARCH_CHOICES, label="Search in")
 
     def clean(self) -> dict[str, Any]:
         data = super().clean()
