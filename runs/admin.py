@@ -141,6 +141,7 @@ class RunAdmin(RunScopedAdmin):
         "created_at",
         "finished_at",
         "cost_usd",
+        "inspect_link",
     )
     # Related-only: the stock filter lists every workflow id, those the user may not see too.
     list_filter = ("status", ("workflow", admin.RelatedOnlyFieldListFilter))
@@ -148,6 +149,7 @@ class RunAdmin(RunScopedAdmin):
     list_select_related = ("version",)
     fields = (
         "id",
+        "inspect_link",
         "workflow",
         "version_number",
         "status",
@@ -186,6 +188,13 @@ class RunAdmin(RunScopedAdmin):
         waiting = run.steps.filter(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
         reasons = [unservable.waiting_reason(step) for step in waiting.order_by("id")]
         return next((reason for reason in reasons if reason), "—")
+
+    @admin.display(description="inspector")
+    def inspect_link(self, run: Run) -> str:
+        """The run's page in the run inspector (graph, timeline, attempts, actions): the
+        admin lists and filters; the inspector is where a run is read."""
+        url = reverse("runs:inspect", args=[run.id])
+        return format_html('<a href="{}" class="djflow-inspect">Inspect</a>', url)
 
     @admin.display(description="version", ordering="version__number")
     def version_number(self, run: Run) -> int:

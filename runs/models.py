@@ -106,6 +106,21 @@ class Run(models.Model):
             ),
             # Counting a tree's attempts (runs.engine.journal.tree_budget).
             models.Index(fields=["root_run"], name="run_root", condition=Q(root_run__isnull=False)),
+            # The runs page (/runs/): its account filter, newest first, and its exact search
+            # by correlation or idempotency key (the unique constraints below lead with the
+            # workflow, so they serve no search across workflows). Partial: most runs have
+            # neither, and those rows cost these indexes nothing.
+            models.Index(fields=["account", "-created_at", "-id"], name="run_account_newest"),
+            models.Index(
+                fields=["correlation"],
+                name="run_correlation",
+                condition=Q(correlation__isnull=False),
+            ),
+            models.Index(
+                fields=["idempotency_key"],
+                name="run_idempotency_key",
+                condition=Q(idempotency_key__isnull=False),
+            ),
         ]
         constraints = [
             # Idempotency keys are scoped to (workflow, caller) (CONTRACT section 8): one

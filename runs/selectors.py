@@ -3,34 +3,85 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
-from django.db.models import F, Prefetch, QuerySet
+from django.db.models import F, Prefetch, Q, QuerySet
 
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
 
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 
+# What the runs list's search box looks in (``run_list(search_in=...)``): exact matches only,
+# each served by an index (run_newest's primary key, run_correlation, run_idempotency_key).
+SEARCH_ANY = "any"
+SEARCH_ID = "id"
+SEARCH_CORRELATION = "correlation"
+SEARCH_IDEMPOTENCY_KEY = "idempotency_key"
+SEARCH_IN = (SEARCH_ANY, SEARCH_ID, SEARCH_CORRELATION, SEARCH_IDEMPOTENCY_KEY)
+
 
 def run_list(
-    *, workflow: str | None = None, status: str | None = None, user: Any = None
+    *,
+    workflow: str | None = None,
+    status: str | None = None,
+    account: str | None = None,
+    created_after: datetime | None = None,
+    created_before: datetime | None = None,
+    cost_min: Decimal | None = None,
+    cost_max: Decimal | None = None,
+    search: str | None = None,
+    search_in: str = SEARCH_ANY,
+    user: Any = None,
 ) -> QuerySet[Run]:
-    """Runs, newest first, optionally of one workflow and in one status, narrowed to those
-    ``user`` may read (``None``: every run).
+    """Runs, newest first, narrowed by each filter given and to those ``user`` may read
+    (``None``: every run).
+
+    ``created_after`` is inclusive and ``created_before`` exclusive, so consecutive ranges
+    never list a run twice; the cost bounds are inclusive. ``search`` is an exact match of
+    the run's id, correlation or idempotency key (``search_in`` says which; ``any``: all
+    three, the id only when the text is a UUID). The permission filter comes last and always:
+    a run the user may not read is not found by searching its id either.
 
     Rows carry what a list shows (the version number, the parent's step id), not the journal
     or the children: those are for :func:`run_get`.
     """
     runs = Run.objects.select_related("version", "parent_step_run").order_by("-created_at", "-id")
-    if workflow is not None:
-        runs = runs.filter(workflow_id=workflow)
-    if status is not None:
-        runs = runs.filter(status=status)
+    lookups = {
+        "workflow_id": workflow,
+        "status": status,
+        "account": account,
+        "created_at__gte": created_after,
+        "created_at__lt": created_before,
+        "cost_usd__gte": cost_min,
+        "cost_usd__lte": cost_max,
+    }
+    runs = runs.filter(**{lookup: value for lookup, value in lookups.items() if value is not None})
+    if search is not None:
+        runs = runs.filter(_search(search, search_in))
     readable = access.run_filter(user)
     if readable is not None:
         runs = runs.filter(readable)
     return runs
+
+
+def _search(text: str, where: str) -> Q:
+    """The exact-match condition of ``run_list(search=...)``; a text that is no UUID matches
+    no id (rather than raising: the page checks ``search_in="id"`` before asking)."""
+    try:
+        run_id: uuid.UUID | None = uuid.UUID(text)
+    except ValueError:
+        run_id = None
+    by_id = Q(id=run_id) if run_id is not None else Q(pk__in=[])
+    if where == SEARCH_ID:
+        return by_id
+    if where == SEARCH_CORRELATION:
+        return Q(correlation=text)
+    if where == SEARCH_IDEMPOTENCY_KEY:
+        return Q(idempotency_key=text)
+    return by_id | Q(correlation=text) | Q(idempotency_key=text)
 
 
 def run_detail_queryset(user: Any = None) -> QuerySet[Run]:

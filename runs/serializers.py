@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from django.conf import settings
 from django.core.validators import RegexValidator
 from django.urls import reverse
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -368,6 +370,10 @@ class RunListSerializer(serializers.ModelSerializer):
     error = serializers.SerializerMethodField()
     parent = serializers.SerializerMethodField()
     cost_usd = serializers.FloatField(read_only=True)
+    inspect_url = serializers.SerializerMethodField(
+        help_text="the run's page in the run inspector (graph, timeline, attempts, actions), "
+        "for people who may read the run; absolute, on SITE_URL"
+    )
 
     class Meta:
         model = Run
@@ -390,6 +396,7 @@ class RunListSerializer(serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "deadline_at",
+            "inspect_url",
         ]
         read_only_fields = fields
 
@@ -410,6 +417,13 @@ class RunListSerializer(serializers.ModelSerializer):
             "message": str(error.get("message") or ""),
             "step": error.get("step"),
         }
+
+    @extend_schema_field(OpenApiTypes.URI)
+    def get_inspect_url(self, run: Run) -> str:
+        # On SITE_URL, as the approval links in e-mails are (approvals.tokens.link_for): the
+        # same address whoever asks and however the request reached the site (a proxy, a
+        # webhook's body, a run read from a script), never a Host header a client chose.
+        return f"{settings.SITE_URL.rstrip('/')}{reverse('runs:inspect', args=[run.id])}"
 
     @extend_schema_field(PARENT_SCHEMA)
     def get_parent(self, run: Run) -> dict[str, Any] | None:

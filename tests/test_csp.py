@@ -51,6 +51,7 @@ def pages(db) -> dict[str, str]:
     recipe, _ = recipe_save(document={"name": "csp_check", "prompt": "Hi ${input}"})
     return {
         "home": "/",
+        "runs list": "/runs/?status=failed",
         "inbox": "/approvals/",
         "approval": f"/approvals/{request.id}/",
         "approval link": link_path(approver(request, "ext@example.org")),

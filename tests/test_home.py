@@ -55,17 +55,24 @@ def test_a_starter_sees_only_the_runs_they_started() -> None:
     assert "/api/v1/docs/" in body
 
 
-def test_a_viewer_sees_every_run_and_an_operator_links_them_to_the_admin() -> None:
+def test_a_viewer_sees_every_run_linked_to_its_inspector_and_staff_to_the_admin() -> None:
     runs = [RunFactory(), RunFactory()]
     viewer = _person("vic", perms=("view_run",))
     body = _client(viewer).get("/").content.decode()
     assert "Newest runs" in body
-    assert all(str(run.id) in body for run in runs)
+    assert all(f'href="/runs/{run.id}/"' in body for run in runs)
     assert "/admin/runs/run/" not in body  # not staff: the admin would refuse them
     staff = _person("sam", staff=True, perms=("view_run",))
     body = _client(staff).get("/").content.decode()
-    assert f"/admin/runs/run/{runs[0].id}/change/" in body
+    assert 'href="/admin/runs/run/"' in body
     assert 'href="/admin/"' in body
+
+
+def test_home_links_to_the_runs_list() -> None:
+    ada = _person("ada")
+    body = _client(ada).get("/").content.decode()
+    assert '<a href="/runs/" id="all-runs">All runs</a>' in body
+    assert _client(ada).get("/runs/").status_code == 200
 
 
 def test_the_admin_view_site_link_leads_home() -> None:
