@@ -37,6 +37,8 @@ from typing import Any, ParamSpec
 from django.db import transaction
 from prometheus_client import Counter, Gauge, Histogram, values
 
+from workflows import failures
+
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
 
@@ -49,19 +51,17 @@ if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not getattr(
 ):
     values.ValueClass = values.MultiProcessValue()
 
-# Error classes the engine and the built-in kinds write (runs.engine.plan, workers.kinds);
-# a handler may name its own, which count as "other" so a label cannot grow without bound.
+# Error classes handlers and the built-in kinds may name (workflows.failures) and those the
+# engine writes (runs.engine.plan, runs.engine.ending, workers.kinds). A class outside them
+# (none is expected) counts as "other", so the label cannot grow without bound.
 ERROR_CLASSES = frozenset(
     {
-        "retryable",
-        "fatal",
+        *failures.ERROR_CLASSES,
+        *failures.KIND_ERROR_CLASSES,
         "timeout",
         "lost",
-        "limit",
-        "invalid_input",
         "rejected",
         "unsupported",
-        "unservable",
         "cancelled",
         "interrupted",
     }
