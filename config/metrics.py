@@ -23,6 +23,7 @@ import ipaddress
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Min
@@ -110,7 +111,7 @@ class FilesCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         files = metrics_files.files_to_read(Path(settings.DJFLOW_METRICS_DIR))
-        yield from MultiProcessCollector.merge(files, accumulate=True)
+        yield from MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
 
 
 class _SourceCollector(Collector):
@@ -217,7 +218,7 @@ class BrokerCollector(_SourceCollector):
         depths: dict[str, int] = {}
         with app.connection_for_read() as connection:
             connection.ensure_connection(max_retries=1)
-            channel = connection.channel()
+            channel: Any = connection.channel()  # kombu's channels are untyped
             try:
                 for name in sorted(names):
                     try:

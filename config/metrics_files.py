@@ -92,7 +92,7 @@ def process_ended(pid: int) -> None:
         return
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, str(folder))
+    multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
 
 
 def files_to_read(root: Path) -> list[str]:

@@ -49,7 +49,7 @@ P = ParamSpec("P")
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not getattr(
     values.ValueClass, "_multiprocess", False
 ):
-    values.ValueClass = values.MultiProcessValue()
+    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
 
 # Error classes handlers and the built-in kinds may name (workflows.failures) and those the
 # engine writes (runs.engine.plan, runs.engine.ending, workers.kinds). A class outside them
