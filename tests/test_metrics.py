@@ -15,7 +15,6 @@ from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 from prometheus_client import REGISTRY
-from prometheus_client.parser import text_string_to_metric_families
 
 from config import metrics as scrape
 from config import metrics_files
@@ -23,21 +22,13 @@ from config.celery import app
 from runs import metrics, services
 from runs.models import Run, StepRun
 from tests.processes import purge_broker
+from tests.scrape import samples
 from workers.execution import execute
 from workflows.sync import sync_modules
 
 TOKEN = "scrape-token-0123456789abcdef"
 FLOWS = ["tests.flows_metrics"]
 BASE_DIR = Path(__file__).resolve().parent.parent
-
-
-def samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a scrape, keyed by name and sorted labels."""
-    found = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for sample in family.samples:
-            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return found
 
 
 def value(name: str, **labels: str) -> float:

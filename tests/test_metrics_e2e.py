@@ -16,7 +16,7 @@ from config import metrics_files
 from runs import services
 from runs.models import Run
 from tests.processes import CeleryProcess, wait_for
-from tests.test_metrics import samples
+from tests.scrape import samples
 
 pytestmark = [pytest.mark.slow]
 
