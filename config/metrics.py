@@ -27,7 +27,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Min
-from django.http import HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_safe
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,6 +52,8 @@ UNFINISHED = [status for status in RunStatus.values if status not in RUN_TERMINA
 
 @require_safe
 def metrics(request: HttpRequest) -> HttpResponse:
+    if not settings.DJFLOW_METRICS_ENABLED:
+        raise Http404("metrics are turned off (DJFLOW_METRICS=false)")
     refused = _refused(request)
     if refused is not None:
         return refused

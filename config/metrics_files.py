@@ -48,6 +48,12 @@ def export(root: Path) -> Path:
     return folder
 
 
+def unexport() -> None:
+    """Metrics turned off: values stay in memory, even in a child of a process that had
+    them on."""
+    os.environ.pop(ENV, None)
+
+
 def this_host() -> Path | None:
     value = os.environ.get(ENV)
     return Path(value) if value else None
@@ -69,10 +75,9 @@ def alive(pid: int) -> bool:
     return True
 
 
-def remove_gone(folder: Path | None = None) -> int:
-    """Remove the files of this host's processes that are gone; returns how many. A master
-    calls it before it starts its children."""
-    folder = folder or this_host()
+def remove_gone(folder: Path | None) -> int:
+    """Remove the files of this host's processes that are gone from its folder (None:
+    metrics are off); returns how many. A master calls it before it starts its children."""
     if folder is None or not folder.is_dir():
         return 0
     removed = 0

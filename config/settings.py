@@ -32,8 +32,13 @@ VAR_DIR.mkdir(parents=True, exist_ok=True)
 # this host writes its values under DJFLOW_METRICS_DIR/<host name>/, and GET /metrics adds up
 # every host's folder. Exported here, in the environment, before anything imports the client
 # (it picks how it stores values at its first import) and so that every child inherits it.
+# DJFLOW_METRICS=false counts nothing and serves no /metrics (a read-only file system, or
+# measuring what counting costs).
+DJFLOW_METRICS_ENABLED = env.bool("DJFLOW_METRICS", default=True)
 DJFLOW_METRICS_DIR = Path(env("DJFLOW_METRICS_DIR", default=str(VAR_DIR / "metrics")))
-METRICS_HOST_DIR = metrics_files.export(DJFLOW_METRICS_DIR)
+METRICS_HOST_DIR = (
+    metrics_files.export(DJFLOW_METRICS_DIR) if DJFLOW_METRICS_ENABLED else metrics_files.unexport()
+)
 
 DEBUG = env.bool("DEBUG", default=False)
 # Only the embedded default may run on this key; set SECRET_KEY anywhere else.

@@ -34,6 +34,7 @@ from decimal import Decimal
 from functools import partial, wraps
 from typing import Any, ParamSpec
 
+from django.conf import settings
 from django.db import transaction
 from prometheus_client import Counter, Gauge, Histogram, values
 
@@ -156,8 +157,9 @@ def never_raises(function: Callable[P, None]) -> Callable[P, None]:
 @never_raises
 def after_commit(count: Callable[[], None]) -> None:
     """Run ``count`` once the current transaction commits (at once outside one), never
-    raising."""
-    transaction.on_commit(never_raises(count))
+    raising; with metrics turned off (``DJFLOW_METRICS=false``), never."""
+    if settings.DJFLOW_METRICS_ENABLED:
+        transaction.on_commit(never_raises(count))
 
 
 @never_raises
@@ -223,6 +225,8 @@ def _count_attempt(
 @never_raises
 def reconciled(counts: Mapping[str, int]) -> None:
     """Count what one reconciler tick acted on (each part committed its own work)."""
+    if not settings.DJFLOW_METRICS_ENABLED:
+        return
     for part, rows in counts.items():
         if rows:
             RECONCILER_REPAIRS.labels(part=part).inc(rows)

@@ -341,3 +341,41 @@ def test_the_settings_export_this_hosts_folder_before_the_client_is_imported(tmp
     assert Path(folder) == metrics_files.host_folder(tmp_path / "m")
     assert Path(folder).is_dir()
     assert multiprocess == "True"
+
+
+def test_turned_off_nothing_is_counted_or_served_and_values_stay_in_memory(
+    settings, token, tmp_path, django_capture_on_commit_callbacks
+) -> None:
+    settings.DJFLOW_METRICS_ENABLED = False
+    before = value("djflow_workflow_executions_total", workflow="off", status="completed")
+    now = timezone.now()
+    with django_capture_on_commit_callbacks(execute=True):
+        metrics.run_ended(workflow="off", status="completed", started_at=now, finished_at=now)
+    assert value("djflow_workflow_executions_total", workflow="off", status="completed") == before
+    response = Client().get("/metrics", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
+    assert response.status_code == 404
+    # A process started with it off does not write files, even under a parent that did.
+    probe = (
+        "import os, django; django.setup(); "
+        "from prometheus_client import values; from runs import metrics; "
+        "print(os.environ.get('PROMETHEUS_MULTIPROC_DIR')); "
+        "print(getattr(values.ValueClass, '_multiprocess', False))"
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "DJFLOW_METRICS": "false",
+        "DJFLOW_METRICS_DIR": str(tmp_path / "m"),
+        metrics_files.ENV: str(tmp_path / "inherited"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "False"]
+    assert not (tmp_path / "m").exists()
