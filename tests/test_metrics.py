@@ -316,6 +316,34 @@ def test_a_scrape_reads_every_hosts_files_less_its_own_gone_live_gauges(
     assert not dropped.exists()
 
 
+def test_gunicorns_and_celerys_hooks_clean_at_a_masters_start_and_at_a_childs_end(
+    tmp_path, monkeypatch, settings
+) -> None:
+    from config import gunicorn
+    from config.celery import clean_metric_files, end_metrics_of_process
+
+    gone, child = _gone_pid(), os.getpid()
+    settings.METRICS_HOST_DIR = tmp_path
+    monkeypatch.setenv(metrics_files.ENV, str(tmp_path))
+
+    def files() -> set[str]:
+        return {path.name for path in tmp_path.iterdir()}
+
+    for starting in (lambda: gunicorn.on_starting(None), lambda: clean_metric_files(sender=None)):
+        (tmp_path / f"counter_{gone}.db").write_bytes(b"")
+        (tmp_path / f"counter_{child}.db").write_bytes(b"")
+        starting()
+        assert files() == {f"counter_{child}.db"}
+    # A child that ends keeps its counts and takes its live gauges with it.
+    for ending in (
+        lambda: gunicorn.child_exit(None, type("Worker", (), {"pid": child})()),
+        lambda: end_metrics_of_process(pid=child, exitcode=0),
+    ):
+        (tmp_path / f"gauge_livesum_{child}.db").write_bytes(b"")
+        ending()
+        assert files() == {f"counter_{child}.db"}
+
+
 def test_the_settings_export_this_hosts_folder_before_the_client_is_imported(tmp_path) -> None:
     probe = (
         "import os, django; django.setup(); "
