@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -130,7 +131,7 @@ def test_unfinished_runs_timers_due_and_queue_depths_are_read_at_scrape_time(flo
         run=runs[0],
         key="late",
         purpose="sleep",
-        fire_at=timezone.now() - timezone.timedelta(hours=1),
+        fire_at=timezone.now() - timedelta(hours=1),
     )
     purge_broker()
     try:
