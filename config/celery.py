@@ -7,7 +7,7 @@ from types import FrameType
 from typing import Any
 
 from celery import Celery, platforms
-from celery.signals import beat_init, task_prerun, worker_init
+from celery.signals import beat_init, task_prerun, worker_init, worker_process_shutdown
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -32,6 +32,25 @@ def save_workflow_modules(**_: object) -> None:
     for workflow_id, result in sync_modules(settings.WORKFLOW_MODULES):
         state = "created" if result.created else "unchanged"
         logger.info("workflow %s v%s %s", workflow_id, result.version.number, state)
+
+
+@worker_init.connect
+def clean_metric_files(**_: object) -> None:
+    """The worker's master, before its pool starts: remove the metric files of this host's
+    processes that are gone (config.metrics_files)."""
+    from django.conf import settings
+
+    from config import metrics_files
+
+    metrics_files.remove_gone(settings.METRICS_HOST_DIR)
+
+
+@worker_process_shutdown.connect
+def end_metrics_of_process(**_: object) -> None:
+    """A pool process ends: its live gauges (model calls in flight) end with it."""
+    from config import metrics_files
+
+    metrics_files.process_ended(os.getpid())
 
 
 @beat_init.connect

@@ -18,6 +18,7 @@ from csp.constants import NONCE, NONE, SELF, UNSAFE_INLINE
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
+from config import metrics_files
 from config.logging import CELERY_TASK_LOGGERS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -26,6 +27,18 @@ env = environ.Env()
 VAR_DIR = Path(env("DJFLOW_VAR_DIR", default=str(BASE_DIR / "var")))
 # The embedded default keeps its database, broker and mail under var/; make sure it exists.
 VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+# Metrics (prometheus-client's multiprocess mode, config.metrics_files): every process of
+# this host writes its values under DJFLOW_METRICS_DIR/<host name>/, and GET /metrics adds up
+# every host's folder. Exported here, in the environment, before anything imports the client
+# (it picks how it stores values at its first import) and so that every child inherits it.
+# DJFLOW_METRICS=false counts nothing and serves no /metrics (a read-only file system, or
+# measuring what counting costs).
+DJFLOW_METRICS_ENABLED = env.bool("DJFLOW_METRICS", default=True)
+DJFLOW_METRICS_DIR = Path(env("DJFLOW_METRICS_DIR", default=str(VAR_DIR / "metrics")))
+METRICS_HOST_DIR = (
+    metrics_files.export(DJFLOW_METRICS_DIR) if DJFLOW_METRICS_ENABLED else metrics_files.unexport()
+)
 
 DEBUG = env.bool("DEBUG", default=False)
 # Only the embedded default may run on this key; set SECRET_KEY anywhere else.
@@ -63,6 +76,15 @@ if any(len(key) < 32 for key in DJFLOW_FIELD_KEY):
     raise ImproperlyConfigured(
         "DJFLOW_FIELD_KEY: each comma-separated key must be at least 32 characters. Generate "
         "one with: python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
+    )
+# GET /metrics asks for this as a bearer token when it is set (at least 16 characters). Unset,
+# it answers only on the embedded default, to a client on this machine with no proxy in front
+# (config.metrics): its labels name workflows and accounts.
+DJFLOW_METRICS_TOKEN = env.str("DJFLOW_METRICS_TOKEN", default="")
+if DJFLOW_METRICS_TOKEN and len(DJFLOW_METRICS_TOKEN) < 16:
+    raise ImproperlyConfigured(
+        "DJFLOW_METRICS_TOKEN must be at least 16 characters. Generate one with: python3 -c "
+        "'import secrets; print(secrets.token_urlsafe(32))'"
     )
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])

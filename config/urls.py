@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from config.metrics import metrics
 from config.views import home
 
 api_v1 = [
@@ -20,6 +21,8 @@ urlpatterns = [
     path("api/v1/", include(api_v1)),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # Prometheus' text format (config.metrics: DJFLOW_METRICS_TOKEN).
+    path("metrics", metrics, name="metrics"),
     path("", home, name="home"),
     path("", include("approvals.urls")),
     path("", include("runs.page_urls")),

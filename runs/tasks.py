@@ -6,6 +6,7 @@ import logging
 
 from celery import shared_task
 
+from . import metrics
 from .engine.advance import run_advance
 from .engine.reconcile import reconcile as reconcile_once
 from .engine.timers import fire_due
@@ -39,6 +40,7 @@ def fire_timers() -> int:
 def reconcile() -> dict[str, int]:
     """The reconciler (beat, every RECONCILE_SECONDS): recover lost messages and workers."""
     counts = reconcile_once()
+    metrics.reconciled(counts)
     repaired = {part: n for part, n in counts.items() if n and part not in _RECONCILE_HOUSEKEEPING}
     if repaired:
         logger.info("reconcile: repaired %s", ", ".join(f"{n} {p}" for p, n in repaired.items()))

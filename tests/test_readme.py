@@ -41,6 +41,9 @@ NOT_RUN_HERE = {
     # the block starts by writing the secrets docker-compose.yml requires to .env.
     "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\"SECRET_KEY={t(50)}\\n"
     "REDIS_PASSWORD={t(24)}\\nFLOWER_USER=admin\\nFLOWER_PASSWORD={t(24)}\")' > .env",
+    # The same, for docker-compose.yml's observability profile.
+    "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\""
+    "DJFLOW_METRICS_TOKEN={t(32)}\\nGRAFANA_ADMIN_PASSWORD={t(24)}\")' >> .env",
 }
 SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DIR")
 

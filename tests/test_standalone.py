@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 
+from tests.processes import wait_for
+from tests.scrape import samples
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 SERVICE_VARS = ("DATABASE_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "SENTRY_DSN")
 # What the standalone reads for itself: each test sets the ones it means.
@@ -395,11 +398,44 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
         calls = [call for step in triaged["steps"] for call in step["model_calls"]]
         assert [call["provider"] for call in calls] == ["standin", "standin"]
 
+        # Metrics: the embedded default serves them to this machine without a token, adding
+        # up what the worker's pool processes counted.
+        _check_metrics(base, log)
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log.read_text()
     text = log.read_text()
     assert "database is locked" not in text
     assert "a-long-password-1" not in text  # a password the user chose is never printed
+
+
+def _check_metrics(base: str, log: Path) -> None:
+    ends = {
+        (("status", "completed"), ("workflow", "support_ticket")): 2.0,
+        (("status", "completed"), ("workflow", "ticket_triage")): 1.0,
+    }
+
+    def scraped() -> dict | None:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+            found = samples(response.read())
+        counted = {
+            labels: value
+            for (name, labels), value in found.items()
+            if name == "djflow_workflow_executions_total"
+        }
+        # Counted after each commit: the last may land a moment after its run shows ended.
+        return found if counted == ends else None
+
+    found = wait_for(scraped, timeout=10, interval=0.2, message=log.read_text)
+    standin = {
+        labels: value
+        for (name, labels), value in found.items()
+        if name == "djflow_model_tokens_total" and ("provider", "standin") in labels
+    }
+    assert standin and all(value > 0 for value in standin.values()), standin
+    assert found[("djflow_scrape_error", (("source", "broker"),))] == 0
+    assert found[("djflow_scrape_error", (("source", "database"),))] == 0
+    assert found[("djflow_queue_depth", (("queue", "default"),))] == 0
 
 
 def test_the_example_is_loaded_when_no_workflow_modules_are_named(db, monkeypatch) -> None:

@@ -108,6 +108,8 @@ class StepContext:
     # A value with the run's secrets replaced by their tokens: what the kinds store of what
     # they sent and got (a prompt rendered from a secret input).
     conceal: Callable[[Any], Any] = field(default=lambda value: value)
+    # When the worker took the attempt up (made right after its claim): its duration metric.
+    started: float = field(default_factory=time.monotonic)
 
     @contextmanager
     def span(self, name: str, kind: str = "internal", **attributes: Any) -> Iterator[Span]:

@@ -28,7 +28,7 @@ from django.db import InterfaceError, OperationalError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from runs import dispatch, vault
+from runs import dispatch, metrics, vault
 from runs.engine import calls, journal, unservable
 from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
 from runs.engine.plan import MAX_VALUE_BYTES
@@ -245,7 +245,7 @@ def _record(
     pause = 0.1
     while True:
         try:
-            return _record_once(row, claim, status, output, error, ctx, run_secrets)
+            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets)
         except (OperationalError, InterfaceError):
             if time.monotonic() + pause > give_up:
                 raise
@@ -253,6 +253,17 @@ def _record(
             connection.close()
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
+        else:
+            # Committed: counted now, off the recording's transaction (runs.metrics).
+            metrics.attempt_recorded(
+                workflow=row.workflow_id,
+                kind=row.kind,
+                status=None if recorded[0] == "dropped" else status,
+                error=error,
+                seconds=time.monotonic() - ctx.started,
+                spans=ctx.spans,
+            )
+            return recorded
 
 
 def _record_once(

@@ -49,7 +49,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from .metrics import MODEL_CALLS_IN_FLIGHT, MODEL_SLOTS_FAIL_OPEN
+from runs.metrics import (
+    MODEL_CALLS_IN_FLIGHT,
+    MODEL_SLOT_WAITS,
+    MODEL_SLOTS_FAIL_OPEN,
+    never_raises,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,10 +238,13 @@ class AccountSlots:
             self._note_up()
             if taken:
                 slot.counted = True
+                if pause > FIRST_PAUSE_SECONDS:  # it waited for this slot
+                    _count_wait(slot.account, "taken")
                 return True
             slot.maybe_stored = False
             left = deadline - time.monotonic()
             if left <= 0:
+                _count_wait(slot.account, "busy")
                 raise SlotsBusy(slot.account, self.limit, wait_seconds)
             time.sleep(min(pause * random.uniform(0.5, 1.0), left))
             pause = min(pause * 2, LONGEST_PAUSE_SECONDS)
@@ -377,6 +385,12 @@ class AccountSlots:
 
 
 # --- the process's instance -----------------------------------------------------------------
+
+
+@never_raises
+def _count_wait(account: str, outcome: str) -> None:
+    MODEL_SLOT_WAITS.labels(account=account, outcome=outcome).inc()
+
 
 _instance: tuple[int, AccountSlots] | None = None
 _instance_lock = threading.Lock()

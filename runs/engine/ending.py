@@ -14,6 +14,7 @@ rows the planner cancelled. With the run locked by the caller, in the caller's t
 - its child runs that have not ended are cancelled, transitively, each under its own lock: a
   parent's lock is always taken before its children's, never under them;
 - its unfired timers are deleted: an ended run needs none;
+- its end is counted (``runs.metrics``) once the transaction commits;
 - its parent is asked to advance (after commit, never planned here): a child's end is its
   subworkflow step's. A child ended because its parent is ending asks nothing of it.
 """
@@ -29,7 +30,7 @@ from django.db import connection
 from workflows import kinds
 from workflows.kinds import Role
 
-from .. import dispatch
+from .. import dispatch, metrics
 from ..models import Run, StepRun, Timer
 from ..moves import move_run, move_steps
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
@@ -100,6 +101,13 @@ def _end(
         error=dict(error) if error else None,
         finished_at=now,
         updated_at=now,
+    )
+    # Counted once this transaction commits, never on its path (runs.metrics).
+    metrics.run_ended(
+        workflow=run.workflow_id,
+        status=status,
+        started_at=run.started_at or run.created_at,
+        finished_at=now,
     )
     left, children = _left(run.id)
     if left:

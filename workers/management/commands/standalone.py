@@ -74,6 +74,7 @@ from django.db import connection, transaction
 from django.urls import reverse
 from django.utils import timezone
 
+from config import metrics_files
 from workflows.heartbeats import workers_seen
 
 POLL_SECONDS = 0.2
@@ -341,6 +342,8 @@ class Command(BaseCommand):
             signal.signal(signum, self._on_signal)
 
         self._make_var_dirs()
+        # The children's metric files (DJFLOW_METRICS_DIR): a master cleans at its start.
+        metrics_files.remove_gone(settings.METRICS_HOST_DIR)
         call_command("migrate", interactive=False, verbosity=options["verbosity"])
         self._ensure_superuser(named=options["create_superuser"])
         modules = self._sync_workflow_modules(options["verbosity"])

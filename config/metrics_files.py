@@ -1,0 +1,117 @@
+"""Where the processes' metric files live (prometheus-client's multiprocess mode), and keeping
+that folder clean. Nothing here imports prometheus-client at import time: the settings
+import this module to export ``PROMETHEUS_MULTIPROC_DIR``, and the client reads that variable
+when it is first imported.
+
+The layout: ``DJFLOW_METRICS_DIR/<host name>/<type>_<pid>.db``. Every process of one host
+writes to its host's folder (a file per process and metric type, named by pid); a scrape
+reads every host's folder under the root, so web and worker containers that share the root
+(a volume) but not their process ids never write to the same file. Process ids are only
+meaningful within a host, so only a host's own processes remove its files:
+
+- a master at its start (gunicorn's ``on_starting``, the Celery worker's ``worker_init``,
+  ``manage.py standalone``) removes the files of processes of its host that are gone, a
+  crashed child's included; the counts those held are lost, which Prometheus reads as a
+  counter reset, as the client's documentation asks ("wiped between runs");
+- a child that ends (gunicorn's ``child_exit``, Celery's ``worker_process_shutdown``) has its
+  live gauges' files removed (``mark_process_dead``): what it had in flight is no longer;
+- a scrape skips, and removes, the live gauges' files of its host's processes that are gone
+  (a pool child killed outright, which no hook saw).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+from pathlib import Path
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+# prometheus-client's gauge modes whose values belong to live processes only.
+_LIVE_PREFIX = "gauge_live"
+
+
+def host_folder(root: Path) -> Path:
+    """This host's folder under the root: its host name, as a safe folder name."""
+    name = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname()).strip(".") or "host"
+    return root / name
+
+
+def export(root: Path) -> Path:
+    """Make this host's folder and point prometheus-client at it, for this process and the
+    ones it starts (a gunicorn master's workers, a Celery worker's pool, the standalone's
+    children inherit the variable)."""
+    folder = host_folder(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[ENV] = str(folder)
+    return folder
+
+
+def unexport() -> None:
+    """Metrics turned off: values stay in memory, even in a child of a process that had
+    them on."""
+    os.environ.pop(ENV, None)
+
+
+def this_host() -> Path | None:
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+def pid_of(path: Path) -> int | None:
+    """The process a metric file belongs to (``counter_123.db``: 123), or None."""
+    tail = path.stem.rsplit("_", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def remove_gone(folder: Path | None) -> int:
+    """Remove the files of this host's processes that are gone from its folder (None:
+    metrics are off); returns how many. A master calls it before it starts its children."""
+    if folder is None or not folder.is_dir():
+        return 0
+    removed = 0
+    for path in folder.glob("*.db"):
+        pid = pid_of(path)
+        if pid is not None and pid != os.getpid() and not alive(pid):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def process_ended(pid: int) -> None:
+    """A child of this host ended: its live gauges end with it."""
+    folder = this_host()
+    if folder is None:
+        return
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
+
+
+def files_to_read(root: Path) -> list[str]:
+    """Every host's files under the root, less the live gauges of this host's processes that
+    are gone (removed on the way)."""
+    own = this_host()
+    own = own.resolve() if own is not None else None
+    files = []
+    for path in sorted(root.glob("*/*.db")):
+        if path.name.startswith(_LIVE_PREFIX) and path.parent.resolve() == own:
+            pid = pid_of(path)
+            if pid is not None and not alive(pid):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+                continue
+        files.append(str(path))
+    return files
