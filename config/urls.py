@@ -22,6 +22,7 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", home, name="home"),
     path("", include("approvals.urls")),
+    path("", include("runs.page_urls")),
 ]
 
 handler400 = "config.views.bad_request"

@@ -1,0 +1,211 @@
+"""The run inspector (``/runs/<id>/``, runs/pages.py) through Django's test client: who may
+see it (a stranger gets 404), who may act (a viewer sees no action and is refused 403 when
+forging the POST; an operator acts and the audit says so), what it shows (graph, timeline,
+attempts, prompts with their differences, secrets masked, tracebacks for operators only) and
+that a run of many attempts gives a bounded page."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Permission
+from django.test import Client
+
+from runs.models import Run, RunAction
+from runs.status import RunStatus
+from tests.approvals.builders import start_approval
+from tests.runs import inspector_scenes as scenes
+from tests.runs.factories import RunFactory
+from workflows import access
+
+pytestmark = pytest.mark.django_db
+
+
+def person(username: str, *perms: str) -> Any:
+    user = get_user_model().objects.create_user(username=username, password="a-long-pw-1")
+    for codename in perms:
+        user.user_permissions.add(Permission.objects.get(codename=codename))
+    return user
+
+
+def browser(user: Any) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def url(run: Run, tail: str = "") -> str:
+    return f"/runs/{run.id}/{tail}"
+
+
+def test_signing_in_is_required() -> None:
+    run = RunFactory()
+    page = Client().get(url(run))
+    assert page.status_code == 302 and page["Location"].startswith("/accounts/login/")
+    assert Client().post(url(run, "cancel/")).status_code == 302
+
+
+def test_a_stranger_gets_404_for_the_page_the_live_part_and_the_actions() -> None:
+    run = RunFactory(status=RunStatus.RUNNING)
+    eve = browser(person("eve"))
+    for answer in (
+        eve.get(url(run)),
+        eve.get(url(run) + "?part=live"),
+        eve.post(url(run, "cancel/")),
+        eve.post(url(run, "pause/")),
+    ):
+        assert answer.status_code == 404
+        assert str(run.workflow_id) not in answer.content.decode()
+    assert Run.objects.get(id=run.id).status == RunStatus.RUNNING
+    assert (
+        browser(person("ann")).get("/runs/00000000-0000-0000-0000-000000000000/").status_code == 404
+    )
+
+
+def test_a_viewer_sees_the_run_but_no_actions_and_a_forged_post_is_403() -> None:
+    run = scenes.failed_run()
+    viewer = person("vic")
+    access.grant(access.VIEWER, run.workflow_id, user=viewer)
+    client = browser(viewer)
+    page = client.get(url(run))
+    assert page.status_code == 200
+    body = page.content.decode()
+    assert 'id="graph"' in body and 'id="timeline"' in body
+    assert 'id="run-actions"' not in body and "/retry/" not in body
+    for action in ("retry", "cancel", "pause", "resume"):
+        forged = client.post(url(run, f"{action}/"))
+        assert forged.status_code == 403, action
+    assert Run.objects.get(id=run.id).status == RunStatus.FAILED
+    assert not RunAction.objects.filter(run=run).exists()
+    # Tracebacks are for operators (as in the API): the viewer sees the error, not the frames.
+    assert "try 3 failed" in body and "FRAME-3" not in body
+
+
+def test_an_operator_acts_and_the_audit_says_who_did_what() -> None:
+    run = RunFactory(status=RunStatus.RUNNING)
+    olga = person("olga", "change_run")
+    client = browser(olga)
+    body = client.get(url(run)).content.decode()
+    actions = re.findall(r'action="/runs/[^/]+/(\w+)/"', body)
+    assert actions == ["cancel", "pause"]
+    assert 'name="csrfmiddlewaretoken"' in body
+    answer = client.post(url(run, "pause/"))
+    assert answer.status_code == 302 and answer["Location"] == url(run)
+    assert Run.objects.get(id=run.id).status == RunStatus.PAUSED
+    body = client.get(url(run)).content.decode()
+    assert re.findall(r'action="/runs/[^/]+/(\w+)/"', body) == ["cancel", "resume"]
+    assert "Run pause recorded." in body
+    [row] = re.findall(r'<tr class="audit-row">(.*?)</tr>', body, re.S)
+    assert "olga" in row and "pause" in row
+    # A move the run's status does not allow is a 409 page, not a 500.
+    refused = client.post(url(run, "retry/"))
+    assert refused.status_code == 409
+    assert "only a failed run can be retried" in refused.content.decode()
+    assert client.post(url(run, "explode/")).status_code == 404
+    assert client.get(url(run, "cancel/")).status_code == 405
+
+
+def test_the_csrf_token_is_required() -> None:
+    run = RunFactory(status=RunStatus.RUNNING)
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(person("olga", "change_run"))
+    assert client.post(url(run, "cancel/")).status_code == 403
+    assert Run.objects.get(id=run.id).status == RunStatus.RUNNING
+
+
+def test_an_operator_sees_tracebacks_and_what_changed_between_attempts() -> None:
+    run = scenes.failed_run()
+    body = browser(person("olga", "change_run")).get(url(run)).content.decode()
+    assert "FRAME-3" in body
+    # Three attempts of draft, each with its call; the third's prompt differs from the second's.
+    assert body.count('class="model-call"') == 3
+    diff = re.findall(r'<pre class="diff">(.*?)</pre>', body, re.S)
+    assert len(diff) == 4  # prompt and reply of attempts 2 and 3
+    assert '<span class="d-del">-Draft an answer to ticket 2. Be brief.</span>' in diff[0]
+    assert (
+        "+Draft an answer to ticket 3. Be brief. &lt;script&gt;alert(1)&lt;/script&gt;" in diff[0]
+    )
+    assert "<script>alert(1)" not in body
+    # Messages are escaped; what a retrieval returned shows.
+    assert "try 3 failed &lt;b&gt;badly&lt;/b&gt;" in body
+    assert "T-9" in body and "answers" in body
+    # Waiting time, run time and the back-off between tries are in the timeline.
+    assert body.count('class="backoff"') == 2 and body.count('class="wait"') == 4
+    assert 'data-step="draft" data-kind="task" data-status="failed"' in body
+
+
+def test_secrets_show_masked() -> None:
+    token = "[secret:0123456789abcdef0123]"
+    run = scenes.finished_run(secrets="sealed")
+    Run.objects.filter(id=run.id).update(input={"ticket": "T-1", "key": token})
+    run.steps.filter(step_id="classify").update(input={"key": token}, output={"echo": f"k={token}"})
+    body = browser(person("olga", "change_run")).get(url(run)).content.decode()
+    assert "[secret:" not in body
+    assert body.count("••••") >= 3
+
+
+def test_the_graph_shows_branches_taken_and_statuses() -> None:
+    run = scenes.finished_run()
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    nodes = dict(re.findall(r'data-step="(\w+)" data-kind="\w+" data-status="(\w*)"', body))
+    assert nodes == {
+        "classify": "succeeded",
+        "route": "succeeded",
+        "triage": "",
+        "answer": "succeeded",
+        "notify": "succeeded",
+        "mail": "succeeded",
+        "chat": "succeeded",
+        "close": "succeeded",
+    }
+    assert "condition · took else" in body and "not reached" in body
+
+
+def test_a_foreach_of_fifty_items_is_one_node_with_counts() -> None:
+    run = scenes.foreach_run()
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    assert body.count('data-step="work" data-kind="task"') == 1
+    assert 'data-summary="2 failed · 48 succeeded"' in body
+    assert "50 items: 2 failed · 48 succeeded" in body
+
+
+def test_the_live_part_polls_while_the_run_is_live_and_stops_when_it_ends() -> None:
+    run = RunFactory(status=RunStatus.RUNNING)
+    client = browser(person("root", "view_run"))
+    page = client.get(url(run))
+    assert page["Cache-Control"].startswith("max-age=0") and "no-store" in page["Cache-Control"]
+    assert 'data-live="true"' in page.content.decode()
+    assert "/static/runs/inspect.js" in page.content.decode()
+    part = client.get(url(run) + "?part=live").content.decode()
+    assert part.lstrip().startswith('<div id="live" data-live="true"') and "<html" not in part
+    Run.objects.filter(id=run.id).update(status=RunStatus.COMPLETED)
+    ended = client.get(url(run) + "?part=live").content.decode()
+    assert 'data-live="false"' in ended and 'id="live-note"' not in ended
+
+
+def test_a_run_waiting_for_approval_links_to_its_request() -> None:
+    ann = person("ann")
+    ann.email = "ann@example.com"
+    ann.save()
+    run, request = start_approval(users=["ann"])
+    assert run.status == RunStatus.PENDING_APPROVAL
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    assert f'href="/approvals/{request.id}/"' in body
+
+
+def test_a_run_of_thousands_of_attempts_gives_a_bounded_page() -> None:
+    run = scenes.many_attempts(3000, value_size=20_000)
+    page = browser(person("root", "view_run")).get(url(run))
+    assert page.status_code == 200
+    body = page.content.decode()
+    # 3000 outputs of 20 kB would be 60 MB: the page has 100 of them cut at 4,000 characters.
+    assert len(page.content) < 2_500_000, len(page.content)
+    assert "Showing the 200 most recent of 3000 attempts" in body
+    assert "Showing the 100 most recent of 3000 attempts" in body
+    assert body.count('class="attempt-detail') == 100
+    assert f'href="/api/v1/runs/{run.id}"' in body
+    assert body.count('data-step="work" data-kind="task"') == 1
+    assert "3000 succeeded" in body
