@@ -377,7 +377,8 @@ class Page:
     chart: timeline.Chart
     attempts: list[AttemptView]
     total_attempts: int
-    actions: list[RunAction]
+    # The audit, newest first: (the action, what it said, as JSON with secrets masked).
+    actions: list[tuple[RunAction, str]]
     children: list[Run]
     links: list[tuple[str, str, str]]
     input: Shown

@@ -17,6 +17,8 @@ LABEL_W = 230  # the column of step names, left of the bars
 CHART_W = 690
 ROW_H = 20
 AXIS_H = 24
+# Room right of the axis for the last tick's label.
+RIGHT_PAD = 40
 # Nice tick spacings, in milliseconds: about six ticks whatever the run's length.
 _STEPS_MS = [
     1,
@@ -129,7 +131,7 @@ def chart(
     dropped = max(len(attempts) - limit, 0)
     shown = list(attempts[dropped:])
     if not shown:
-        return Chart([], [], LABEL_W + CHART_W, AXIS_H, None, None, omitted + dropped)
+        return Chart([], [], LABEL_W + CHART_W + RIGHT_PAD, AXIS_H, None, None, omitted + dropped)
     ends: dict[str, datetime] = {}
     for attempt in attempts[:dropped]:
         if attempt.finished_at is not None:
@@ -154,7 +156,8 @@ def chart(
         begun = attempt.started_at
         if begun is not None:
             wait = bar(attempt.scheduled_at, begun, "queued")
-            run = bar(begun, attempt.finished_at or now, "ran")
+            # An engine step (a wait, a sleep, an approval) is "started" when it begins to wait.
+            run = bar(begun, attempt.finished_at or now, _doing(attempt.status))
         else:
             # Never started (still queued, or cancelled in the queue): all of it was waiting.
             wait = bar(attempt.scheduled_at, attempt.finished_at or now, "queued")
@@ -164,12 +167,16 @@ def chart(
     return Chart(
         rows,
         _ticks(span),
-        LABEL_W + CHART_W + 10,
+        LABEL_W + CHART_W + RIGHT_PAD,
         AXIS_H + len(rows) * ROW_H + 4,
         start,
         end,
         omitted + dropped,
     )
+
+
+def _doing(status: str) -> str:
+    return "waiting" if status == "waiting" else "ran"
 
 
 def _ticks(span_ms: float) -> list[Tick]:
