@@ -409,9 +409,12 @@ def page(run: Run, user: Any) -> Page:
         chart=timeline_of(run, rows, total, now),
         attempts=attempts(run, rows[-DETAIL_ROWS:], tracebacks=tracebacks),
         total_attempts=total,
-        actions=list(
-            RunAction.objects.filter(run=run).order_by("-created_at", "-id")[:ACTION_ROWS]
-        ),
+        actions=[
+            (action, show(action.detail, 500).text if action.detail else "")
+            for action in RunAction.objects.filter(run=run).order_by("-created_at", "-id")[
+                :ACTION_ROWS
+            ]
+        ],
         children=list(children.only("id", "workflow", "status", "body")[:ACTION_ROWS]),
         links=[link for source in _links for link in source(run)],
         input=show(run.input),
