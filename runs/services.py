@@ -165,13 +165,38 @@ def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     return run
 
 
+@dataclass(frozen=True)
+class RetryPreview:
+    """What a retry would do, answered by a dry run without changing anything: the step it
+    starts from (``restart_at``: a top-level step id), the top-level steps that would run again
+    and those whose outputs are kept (document order), and what would change in the run's
+    input (``[{"field", "before", "after"}]``, secrets shown as ``••••``) and in the resolved
+    input of the steps the retry schedules first (``[{"step", "path", "before", "after"}]``)."""
+
+    generation: int
+    restart_at: str | None
+    rerun: list[str]
+    kept: list[str]
+    input_changes: list[dict[str, Any]]
+    step_inputs: list[dict[str, Any]]
+
+
 @transaction.atomic
-def run_retry(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
+def run_retry(
+    *,
+    run_id: Any,
+    user: AbstractBaseUser | None = None,
+    from_step: str | None = None,
+    input: Any = None,
+    dry_run: bool = False,
+) -> Run | RetryPreview:
     """Retry a failed run from its failed step, keeping what succeeded.
 
     A new generation starts: the failed step gets a fresh attempt budget, and the run's
     limits (max_steps, max_cost_usd, run_timeout_ms) count afresh from now.
     """
+    if from_step is not None or input is not None or dry_run:
+        raise NotImplementedError("retry from a step: in progress")
     run = _locked(run_id, user)
     if run.status != RunStatus.FAILED:
         raise IllegalTransition(
