@@ -228,7 +228,7 @@ def run_retry(
                 )
             ]
         )
-    _check_retryable(run, rerun=from_step is not None or input is not None)
+    _check_retryable(run, from_step=from_step is not None, edit=input is not None)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
         stored_input, sealed = _edited_input(run, document, input)
@@ -283,10 +283,11 @@ def _json_name(value: Any) -> str:
     return "a number" if isinstance(value, int | float) else type(value).__name__
 
 
-def _check_retryable(run: Run, *, rerun: bool) -> None:
-    """409 unless the run may be retried so: from a step (or with a new input), any ended
-    root run; plainly, a failed run."""
-    if rerun and run.parent_run_id is not None:
+def _check_retryable(run: Run, *, from_step: bool, edit: bool) -> None:
+    """409 unless the run may be retried so: from a step, any ended run; plainly (with or
+    without a new input), a failed run. A child run's retry from a step or with a new input
+    is its parent's to make (the parent's step holds the child's end)."""
+    if (from_step or edit) and run.parent_run_id is not None:
         raise IllegalTransition(
             errors=[
                 FieldError(
@@ -296,13 +297,18 @@ def _check_retryable(run: Run, *, rerun: bool) -> None:
                 )
             ]
         )
-    allowed = RUN_TERMINAL if rerun else {RunStatus.FAILED}
+    allowed = RUN_TERMINAL if from_step else {RunStatus.FAILED}
     if run.status not in allowed:
-        wanted = "an ended run" if rerun else "a failed run"
+        wanted = (
+            "an ended run can be retried from a step"
+            if from_step
+            else (
+                "only a failed run can be retried from its failed step (name from_step to "
+                "rerun an ended run)"
+            )
+        )
         raise IllegalTransition(
-            errors=[
-                FieldError("status", f"only {wanted} can be retried so; this one is {run.status}")
-            ]
+            errors=[FieldError("status", f"{wanted}; this one is {run.status}")]
         )
     check_run_move(run.status, RunStatus.RUNNING)
 
