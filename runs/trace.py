@@ -216,13 +216,14 @@ class _Builder:
         by_run: dict[Any, list[dict[str, Any]]] = defaultdict(list)
         for row in attempts:
             by_run[row["run_id"]].append(row)
-        # A child run nests under the attempt that started it; the traced run under nothing.
         for row in self.runs:
-            parent = row["parent_step_run_id"]
-            is_traced = row is self.run
-            self._run(row, None if is_traced or parent is None else f"attempt:{parent}")
+            self._run(row, self._run_parent(row))
             self._steps(row, by_run.get(row["id"], []), model_calls, tool_calls)
+        if len(self.spans) > MAX_SPANS:
+            del self.spans[MAX_SPANS:]
+            self._cut("spans", MAX_SPANS)
         if self.truncated is not None:
+            # The marker, last: at most MAX_SPANS spans and it.
             self._add(
                 f"truncated:{self.run['id']}",
                 f"run:{self.run['id']}",
@@ -230,9 +231,15 @@ class _Builder:
                 "truncated",
                 attributes=dict(self.truncated),
             )
-        if len(self.spans) > MAX_SPANS:
-            del self.spans[MAX_SPANS:]
-            self._cut("spans", MAX_SPANS)
+
+    def _run_parent(self, run: dict[str, Any]) -> str | None:
+        """A child run nests under the attempt that started it (or, should that row be
+        gone, its parent run); the traced run is the root."""
+        if run is self.run:
+            return None
+        if run["parent_step_run_id"] is not None:
+            return f"attempt:{run['parent_step_run_id']}"
+        return f"run:{run['parent_run_id']}"
 
     def _cut(self, reason: str, limit: int) -> None:
         if self.truncated is None:
