@@ -102,6 +102,10 @@ class RunView:
     # every run below the root. And the root's max_steps, None for a root.
     tree_used: int = 0
     tree_limit: int | None = None
+    # The retries from a step, oldest first: (the generation it began, the top-level step it
+    # reran from). An attempt of a generation before g, of that step or a later top-level one
+    # (anything inside them included), is superseded: kept in the journal, not planned on.
+    reruns: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,8 @@ class Skip:
     path: str
     kind: str
     generation: int
+    # Above the step's superseded attempts (a retry from a step), else 1.
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,10 @@ class _Planner:
         self.settings = settings
         self.limits = document.get("limits", {})
         self.out = Plan()
-        self.journal = list(journal)
+        # The highest attempt number of each (path, step id) among the superseded attempts:
+        # a step run again numbers its attempts on from there (the journal keeps both).
+        self.superseded: dict[tuple[str, str], int] = {}
+        self.journal = self._current(journal)
         self.by_step: dict[tuple[str, str], list[AttemptView]] = {}
         self.context: dict[str, Any] = {
             "input": run.input,
@@ -349,6 +358,33 @@ class _Planner:
         self._wakes = 0
         # The step about to be visited heads a parallel's branch: never stopped before.
         self._branch_head = False
+
+    def _current(self, journal: Sequence[AttemptView]) -> list[AttemptView]:
+        """The journal without the attempts a retry from a step superseded."""
+        reruns = self.run_view.reruns
+        if not reruns:
+            return list(journal)
+        steps = self.document["steps"]
+        order = {step["id"]: index for index, step in enumerate(steps)}
+        top = top_level_ids(steps)
+        current = []
+        for attempt in journal:
+            # A row inside a composite step has a path that starts with its id.
+            head = attempt.path.split("[", 1)[0] if attempt.path else attempt.step_id
+            index = order.get(top.get(head, head))
+            if index is not None and any(
+                attempt.generation < generation and order.get(step, len(steps)) <= index
+                for generation, step in reruns
+            ):
+                key = (attempt.path, attempt.step_id)
+                self.superseded[key] = max(self.superseded.get(key, 0), attempt.attempt)
+            else:
+                current.append(attempt)
+        return current
+
+    def _fresh(self, path: str, step_id: str) -> int:
+        """The number of a step's first attempt in this journal (1 unless superseded)."""
+        return self.superseded.get((path, step_id), 0) + 1
 
     # entry
 
@@ -523,10 +559,15 @@ class _Planner:
     def _first(self, step: Mapping[str, Any], path: str) -> _Go:
         guard = step.get("when")
         if guard is not None and not evaluate(guard, self.context):
-            self.out.actions.append(Skip(step["id"], path, step["kind"], self.run_view.generation))
-            self._settle_skipped(step)
+            self._skip(step, path)
             return _Go.CONTINUE
-        return self._schedule(step, path, attempt=1)
+        return self._schedule(step, path, attempt=self._fresh(path, step["id"]))
+
+    def _skip(self, step: Mapping[str, Any], path: str) -> None:
+        generation = self.run_view.generation
+        attempt = self._fresh(path, step["id"])
+        self.out.actions.append(Skip(step["id"], path, step["kind"], generation, attempt))
+        self._settle_skipped(step)
 
     def _after_failure(
         self,
@@ -866,8 +907,7 @@ class _Planner:
         if latest is None:
             guard = step.get("when")
             if guard is not None and not evaluate(guard, self.context):
-                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
-                self._settle_skipped(step)
+                self._skip(step, path)
                 return _Go.CONTINUE
         position = len(self.out.actions)
         if opening:
@@ -888,7 +928,7 @@ class _Planner:
                     step["id"],
                     path,
                     step["kind"],
-                    attempt=(latest.attempt + 1) if latest else 1,
+                    attempt=(latest.attempt + 1) if latest else self._fresh(path, step["id"]),
                     generation=generation,
                     branch=branch,
                     status=status,
@@ -935,8 +975,7 @@ class _Planner:
         if latest is None:
             guard = step.get("when")
             if guard is not None and not evaluate(guard, self.context):
-                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
-                self._settle_skipped(step)
+                self._skip(step, path)
                 return _Go.CONTINUE
         opening = latest is None or latest.status != "running"
         position = len(self.out.actions)
@@ -971,7 +1010,7 @@ class _Planner:
                     step["id"],
                     path,
                     step["kind"],
-                    attempt=(latest.attempt + 1) if latest else 1,
+                    attempt=(latest.attempt + 1) if latest else self._fresh(path, step["id"]),
                     generation=generation,
                     status=status,
                     output=output if go is _Go.CONTINUE else None,
@@ -1037,7 +1076,7 @@ class _Planner:
                     BODY,
                     path,
                     BODY_KIND,
-                    attempt=1,
+                    attempt=self._fresh(path, BODY),
                     generation=self.run_view.generation,
                     status="waiting",
                     start={"body": self._body_ref, "input": scope},
@@ -1194,6 +1233,27 @@ class _Planner:
 
     def _settle_skipped(self, step: Mapping[str, Any]) -> None:
         self._record(step, "skipped", None, None)
+
+
+def top_level_ids(steps: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The id of every step of a document (nested ones too: ids are unique in a document)
+    mapped to the id of the top-level step it is, or is inside."""
+    found: dict[str, str] = {}
+
+    def visit(body: Any, top: str) -> None:
+        for step in body if isinstance(body, list) else [body]:
+            if not isinstance(step, Mapping):
+                continue
+            found[step["id"]] = top
+            for name in ("then", "else", "do"):
+                if name in step:
+                    visit(step[name], top)
+            for branch in (step.get("branches") or {}).values():
+                visit(branch, top)
+
+    for step in steps:
+        visit(step, step["id"])
+    return found
 
 
 def _one(body: Any) -> Mapping[str, Any]:
