@@ -387,6 +387,23 @@ class Page:
     duration: str
     # What the operator may do now: the actions the run's status allows.
     can: dict[str, bool]
+    # The retry from a step with an edited input (``runs.services.run_retry``): offered on an
+    # ended top-level run to its operators; the steps it may start from, and the input to
+    # edit (JSON, secrets masked: a masked secret sent back keeps its value), None when the
+    # input is too large to edit here.
+    rerun: bool = False
+    rerun_steps: list[str] = field(default_factory=list)
+    rerun_input: str | None = None
+
+
+# The largest input the retry form offers to edit (a run input may be 1 MiB; the API takes it).
+EDIT_CHARS = 64_000
+
+
+def editable_input(run: Run) -> str | None:
+    """The run's input as the retry form shows it, or None when it is too large to edit."""
+    text = json.dumps(secrets.shown(run.input), indent=2, ensure_ascii=False, default=str)
+    return text if len(text) <= EDIT_CHARS else None
 
 
 def page(run: Run, user: Any) -> Page:
@@ -427,4 +444,7 @@ def page(run: Run, user: Any) -> Page:
             "resume": status == RunStatus.PAUSED,
             "retry": status == RunStatus.FAILED,
         },
+        rerun=may_operate and status in RUN_TERMINAL and run.parent_run_id is None,
+        rerun_steps=[node.step_id for node in graph.walk(graph.outline(run.version.document))],
+        rerun_input=editable_input(run),
     )

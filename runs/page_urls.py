@@ -9,5 +9,6 @@ app_name = "runs"
 
 urlpatterns = [
     path("runs/<uuid:run_id>/", pages.inspect, name="inspect"),
+    path("runs/<uuid:run_id>/retry-from-step/", pages.rerun, name="rerun"),
     path("runs/<uuid:run_id>/<slug:action>/", pages.act, name="act"),
 ]

@@ -10,8 +10,10 @@ the POST is refused (403) as the API would refuse them, and a stranger gets 404.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib import messages
@@ -21,9 +23,11 @@ from django.shortcuts import redirect, render
 from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_http_methods, require_POST
 
-from workflows.errors import EngineError, FieldError, NotFound
+from workflows import access, secrets
+from workflows.errors import EngineError, FieldError, InvalidInput, NotFound
 
 from . import inspection, services
+from .models import Run
 
 ACTIONS: dict[str, Callable[..., Any]] = {
     "cancel": services.run_cancel,
@@ -47,6 +51,54 @@ def problem(request: HttpRequest, error: EngineError) -> HttpResponse:
     return response
 
 
+@dataclass
+class Rerun:
+    """The retry form as it was sent: what to show in it again, its errors, the dry run's
+    answer."""
+
+    from_step: str = ""
+    input: str | None = None
+    errors: list[FieldError] = field(default_factory=list)
+    preview: services.RetryPreview | None = None
+
+    @property
+    def input_changes(self) -> list[tuple[str, str, str]]:
+        """The dry run's input changes as (field, before, after), values as JSON."""
+        changes = self.preview.input_changes if self.preview else []
+        return [(c["field"], _json(c["before"]), _json(c["after"])) for c in changes]
+
+    @property
+    def step_inputs(self) -> list[tuple[str, str, str]]:
+        """The dry run's first steps as (path and step id, input before, input after)."""
+        changes = self.preview.step_inputs if self.preview else []
+        return [
+            (f"{c.get('path', '')}{c['step']}", _json(c["before"]), _json(c["after"]))
+            for c in changes
+        ]
+
+
+def _json(value: Any) -> str:
+    return inspection.show(value, 2_000).text or "null"
+
+
+def _page(
+    request: HttpRequest, run: Run, *, rerun: Rerun | None = None, status: int = 200
+) -> HttpResponse:
+    page = inspection.page(run, request.user)
+    if rerun is not None and rerun.input is None:
+        rerun.input = page.rerun_input
+    context = {
+        "page": page,
+        "refresh": REFRESH_SECONDS,
+        "rerun": rerun or Rerun(input=page.rerun_input),
+    }
+    template = "runs/_live.html" if request.GET.get("part") == "live" else "runs/inspect.html"
+    response = render(request, template, context, status=status)
+    # A run's page is always read afresh (its status moves); a shared cache must not keep it.
+    add_never_cache_headers(response)
+    return response
+
+
 @login_required
 @require_http_methods(["GET", "HEAD"])
 def inspect(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
@@ -54,12 +106,56 @@ def inspect(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
         run = inspection.run_for_page(run_id=run_id, user=request.user)
     except NotFound as error:
         return problem(request, error)
-    context = {"page": inspection.page(run, request.user), "refresh": REFRESH_SECONDS}
-    template = "runs/_live.html" if request.GET.get("part") == "live" else "runs/inspect.html"
-    response = render(request, template, context)
-    # A run's page is always read afresh (its status moves); a shared cache must not keep it.
-    add_never_cache_headers(response)
-    return response
+    return _page(request, run)
+
+
+@login_required
+@require_POST
+def rerun(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    """Retry from a step with an edited input (``run_retry``), or its dry run: the page again
+    with what the retry would do. The input box holds the run's input with secrets masked; a
+    secret left masked keeps its value, and an input left as it was is no edit at all."""
+    try:
+        run = inspection.run_for_page(run_id=run_id, user=request.user)
+        # Before reading the form: one who may not act learns nothing from a malformed one.
+        access.require_operate_run(request.user, run)
+    except EngineError as error:
+        return problem(request, error)
+    form = Rerun(from_step=request.POST.get("from_step", ""), input=request.POST.get("input", ""))
+    dry_run = request.POST.get("mode") == "preview"
+    try:
+        edited = _edited(run, form.input or "")
+        answer = services.run_retry(
+            run_id=run.id,
+            user=request.user,
+            from_step=form.from_step or None,
+            input=edited,
+            dry_run=dry_run,
+        )
+    except InvalidInput as error:
+        # The form again, with what was typed and each field's problem.
+        form.errors = error.errors
+        return _page(request, run, rerun=form, status=error.status)
+    except EngineError as error:
+        return problem(request, error)
+    if isinstance(answer, services.RetryPreview):
+        form.preview = answer
+        return _page(request, run, rerun=form)
+    where = f" from {form.from_step}" if form.from_step else ""
+    messages.success(request, f"Run retried{where} (generation {answer.generation}).")
+    return redirect("runs:inspect", run_id=run.id)
+
+
+def _edited(run: Run, text: str) -> Any:
+    """The input the form sent, or None when it is the run's own (no edit): JSON, or a 400
+    naming ``input``."""
+    if not text.strip():
+        return None
+    try:
+        given = json.loads(text)
+    except ValueError as error:
+        raise InvalidInput(errors=[FieldError("input", f"is not JSON: {error}")]) from None
+    return None if given == secrets.shown(run.input) else given
 
 
 @login_required

@@ -209,3 +209,101 @@ def test_a_run_of_thousands_of_attempts_gives_a_bounded_page() -> None:
     assert f'href="/api/v1/runs/{run.id}"' in body
     assert body.count('data-step="work" data-kind="task"') == 1
     assert "3000 succeeded" in body
+
+
+# --- retry from a step with an edited input, and its dry run --------------------------------
+
+
+def rerun(client: Client, run: Run, **form: str) -> Any:
+    return client.post(url(run, "retry-from-step/"), form)
+
+
+def test_the_dry_run_shows_what_would_run_again_and_changes_nothing() -> None:
+    run = scenes.failed_run(input={"ticket": "T-1", "lang": "en"})
+    client = browser(person("olga", "change_run"))
+    page = client.get(url(run)).content.decode()
+    assert 'id="rerun-form"' in page
+    assert re.findall(r'<option value="(\w*)"', page) == ["", "fetch", "draft", "publish"]
+    edited = '{"ticket": "T-2", "lang": "en"}'
+    answer = rerun(client, run, from_step="draft", input=edited, mode="preview")
+    assert answer.status_code == 200
+    body = answer.content.decode()
+    assert "Dry run: nothing has changed yet" in body
+    again = re.search(r'<dd id="rerun-again">(.*?)</dd>', body, re.S)
+    kept = re.search(r'<dd id="rerun-kept">(.*?)</dd>', body, re.S)
+    assert again and re.findall(r"<code>(\w+)</code>", again.group(1)) == ["draft", "publish"]
+    assert kept and re.findall(r"<code>(\w+)</code>", kept.group(1)) == ["fetch"]
+    changes = re.search(r'<table id="rerun-input-changes">(.*?)</table>', body, re.S)
+    assert changes and "input.ticket" in changes.group(1)
+    assert "&quot;T-1&quot;" in changes.group(1) and "&quot;T-2&quot;" in changes.group(1)
+    # What was typed stays in the form.
+    assert "T-2" in re.search(r"<textarea[^>]*>(.*?)</textarea>", body, re.S).group(1)
+    fresh = Run.objects.get(id=run.id)
+    assert (fresh.status, fresh.generation, fresh.input["ticket"]) == ("failed", 1, "T-1")
+    assert not RunAction.objects.filter(run=run).exists()
+
+
+def test_an_operator_retries_from_a_step_with_an_edited_input() -> None:
+    run = scenes.failed_run(input={"ticket": "T-1"})
+    client = browser(person("olga", "change_run"))
+    answer = rerun(client, run, from_step="fetch", input='{"ticket": "T-9"}', mode="retry")
+    assert answer.status_code == 302 and answer["Location"] == url(run)
+    fresh = Run.objects.get(id=run.id)
+    assert (fresh.status, fresh.generation, fresh.input) == ("running", 2, {"ticket": "T-9"})
+    [action] = RunAction.objects.filter(run=run)
+    assert (action.action, action.actor_name, action.detail["from_step"]) == (
+        "retry",
+        "olga",
+        "fetch",
+    )
+    body = client.get(url(run)).content.decode()
+    assert "Run retried from fetch (generation 2)." in body
+    # Running again: no retry form until it ends, and the old attempts are still shown.
+    assert 'id="rerun-form"' not in body and 'data-step="draft" data-attempt="3"' in body
+
+
+def test_an_input_sent_back_unchanged_is_no_edit_and_secrets_stay_masked() -> None:
+    token = "[secret:0123456789abcdef0123]"
+    run = scenes.failed_run(input={"ticket": "T-1", "key": token}, secrets="sealed")
+    client = browser(person("olga", "change_run"))
+    page = client.get(url(run)).content.decode()
+    shown = re.search(r"<textarea[^>]*>(.*?)</textarea>", page, re.S).group(1)
+    assert "••••" in shown and "[secret:" not in page
+    answer = rerun(client, run, from_step="draft", input=shown.replace("&quot;", '"'), mode="retry")
+    assert answer.status_code == 302
+    fresh = Run.objects.get(id=run.id)
+    # The stored input (with its token) is untouched: the form's masked copy was no edit.
+    assert fresh.input == {"ticket": "T-1", "key": token} and fresh.generation == 2
+
+
+def test_a_bad_retry_form_is_a_400_naming_the_field() -> None:
+    run = scenes.failed_run()
+    client = browser(person("olga", "change_run"))
+    answer = rerun(client, run, from_step="draft", input="{not json", mode="preview")
+    assert answer.status_code == 400
+    assert re.search(
+        r'id="rerun-errors">.*<code>input</code>: is not JSON', answer.content.decode(), re.S
+    )
+    answer = rerun(client, run, from_step="nope", input="", mode="preview")
+    assert answer.status_code == 400
+    assert "<code>from_step</code>: &#x27;nope&#x27; is not a step" in answer.content.decode()
+    answer = rerun(client, run, from_step="draft", input="[1, 2]", mode="retry")
+    assert answer.status_code == 400 and "must be a JSON object" in answer.content.decode()
+    assert Run.objects.get(id=run.id).generation == 1
+
+
+def test_a_retry_of_a_live_run_is_a_409_and_of_a_run_one_may_not_operate_403_or_404() -> None:
+    live = RunFactory(status=RunStatus.RUNNING)
+    olga = browser(person("olga", "change_run"))
+    answer = rerun(olga, live, from_step="classify", input="", mode="preview")
+    assert answer.status_code == 409 and "an ended run can be retried" in answer.content.decode()
+    run = scenes.failed_run()
+    viewer = person("vic")
+    access.grant(access.VIEWER, run.workflow_id, user=viewer)
+    vic = browser(viewer)
+    assert 'id="rerun-form"' not in vic.get(url(run)).content.decode()
+    # Refused before the form is read: a malformed one is refused the same.
+    assert rerun(vic, run, from_step="draft", input="{bad", mode="preview").status_code == 403
+    assert rerun(vic, run, from_step="draft", input="", mode="retry").status_code == 403
+    assert rerun(browser(person("eve")), run, mode="retry").status_code == 404
+    assert Run.objects.get(id=run.id).generation == 1

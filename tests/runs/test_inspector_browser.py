@@ -81,7 +81,7 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert page.locator("#run-actions button").count() == 0  # ended: nothing to do
     shot(page, "finished")
 
-    failed = scenes.failed_run()
+    failed = scenes.failed_run(input={"ticket": "T-1"})
     page.goto(f"{live_server.url}/runs/{failed.id}/")
     assert page.inner_text("#run-status") == "failed"
     assert "the model refused" in page.inner_text("#run-error")
@@ -98,6 +98,19 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert page.locator("pre.diff script").count() == 0
     assert "FRAME-3" in third.locator("pre.traceback").inner_text()
     shot(page, "failed_retries")
+    # A dry run of a retry from draft with an edited input: what would run again, nothing done.
+    assert not page.is_visible("#rerun-form")  # folded until asked for
+    page.click("#rerun > summary")
+    page.select_option("#rerun-step", "draft")
+    page.fill("#rerun-input", '{"ticket": "T-2"}')
+    page.click("#rerun-preview")
+    page.wait_for_selector("#rerun-dry-run")
+    assert page.inner_text("#rerun-again") == "draft, publish"
+    assert page.inner_text("#rerun-kept") == "fetch"
+    assert "input.ticket" in page.inner_text("#rerun-input-changes")
+    assert page.input_value("#rerun-input") == '{"ticket": "T-2"}'
+    shot(page, "retry_dry_run")
+    assert Run.objects.values_list("generation", flat=True).get(id=failed.id) == 1
 
     waiting, request = start_approval(users=["root"])
     page.goto(f"{live_server.url}/runs/{waiting.id}/")
