@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import Exists, F, OuterRef, QuerySet
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from workflows import access, secrets
@@ -150,29 +150,26 @@ def diff(before: str, after: str) -> list[tuple[str, str]]:
 def latest_attempts(run: Run) -> list[tuple[str, str, str, str, str]]:
     """(body, path, step id, status, branch) of the latest attempt of every step instance of
     the run and of its body runs (a foreach item of several steps runs as an anonymous child
-    run): what the graph counts. Counted rows, not values: no input or output is read."""
-    later = StepRun.objects.filter(
-        run=OuterRef("run"),
-        path=OuterRef("path"),
-        step_id=OuterRef("step_id"),
-        id__gt=OuterRef("id"),
-    )
+    run): what the graph counts. Small tuples, not values: no input or output is read.
+
+    Every attempt's tuple is read and the latest kept here, in id order: one index scan per
+    level, whatever the table's statistics (a correlated "no later attempt" subquery took 4 s
+    over 10,000 attempts on a table not yet analysed, 25 ms once analysed)."""
     found: list[tuple[str, str, str, str, str]] = []
     runs: QuerySet[Run] = Run.objects.filter(id=run.id)
     for depth in range(BODY_DEPTH + 1):
         rows = (
             StepRun.objects.filter(run__in=runs.values("id"))
-            .annotate(newer=Exists(later), body=F("run__body"))
-            .filter(newer=False)
-            .values_list("body", "path", "step_id", "status", "branch")
+            .order_by("id")
+            .values_list("run__body", "run_id", "path", "step_id", "status", "branch")
         )
-        level = list(rows)
-        if depth == 0:
+        latest: dict[tuple[Any, str, str], tuple[str, str, str, str, str]] = {}
+        for body, run_id, path, step_id, status, branch in rows.iterator(chunk_size=5_000):
             # The run itself is drawn at the document's root, whatever body it is of.
-            level = [("", *rest) for _, *rest in level]  # type: ignore[misc]
-        found.extend(level)
+            latest[(run_id, path, step_id)] = (body if depth else "", path, step_id, status, branch)
+        found.extend(latest.values())
         runs = Run.objects.filter(parent_run__in=runs.values("id")).exclude(body="")
-        if not level or not runs.exists():
+        if not latest or not runs.exists():
             break
     return found
 

@@ -275,3 +275,55 @@ def many_attempts(count: int, value_size: int = 0) -> Run:
     with unchecked():
         StepRun.objects.bulk_create(rows, batch_size=1000)
     return run
+
+
+BODIES = {
+    "id": "bodies",
+    "steps": [
+        {"id": "load", "kind": "task"},
+        {
+            "id": "each",
+            "kind": "foreach",
+            "items": "${steps.load.output.items}",
+            "do": [{"id": "fetch_one", "kind": "task"}, {"id": "store_one", "kind": "task"}],
+        },
+    ],
+}
+
+
+def body_runs(items: int = 3) -> Run:
+    """A foreach whose body has two steps: each item is an anonymous child run (``body``
+    ``each.do``) holding them; the last item is still storing."""
+    start = timezone.now() - timedelta(seconds=10)
+    run = RunFactory(version=saved(BODIES), status=RunStatus.RUNNING, created_at=start)
+    _attempt(run, "load", start, 100, output={"items": list(range(items))})
+    _attempt(run, "each", start, 0, kind="foreach", status=StepStatus.RUNNING, output=None)
+    for index in range(items):
+        last = index == items - 1
+        stand_in = _attempt(
+            run,
+            "_body",
+            start,
+            0,
+            kind="subworkflow",
+            path=f"each[{index}]/",
+            status=StepStatus.WAITING if last else StepStatus.SUCCEEDED,
+        )
+        child = RunFactory(
+            version=run.version,
+            status=RunStatus.RUNNING if last else RunStatus.COMPLETED,
+            parent_run=run,
+            parent_step_run=stand_in,
+            root_run=run,
+            body="each.do",
+            input={"item": index},
+        )
+        _attempt(child, "fetch_one", start, 50)
+        _attempt(
+            child,
+            "store_one",
+            start,
+            50,
+            status=StepStatus.RUNNING if last else StepStatus.SUCCEEDED,
+        )
+    return run

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
+from django.db import connection
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from runs.models import Run, RunAction
 from runs.status import RunStatus
@@ -307,3 +309,35 @@ def test_a_retry_of_a_live_run_is_a_409_and_of_a_run_one_may_not_operate_403_or_
     assert rerun(vic, run, from_step="draft", input="", mode="retry").status_code == 403
     assert rerun(browser(person("eve")), run, mode="retry").status_code == 404
     assert Run.objects.get(id=run.id).generation == 1
+
+
+def test_a_body_of_several_steps_is_counted_from_its_body_runs() -> None:
+    run = scenes.body_runs(items=3)
+    client = browser(person("root", "view_run"))
+    body = client.get(url(run)).content.decode()
+    summaries = dict(
+        re.findall(
+            r'data-step="(\w+)" data-kind="\w+" data-status="\w*" data-summary="([^"]*)"', body
+        )
+    )
+    assert summaries["fetch_one"] == "3 succeeded"
+    assert summaries["store_one"] == "1 running · 2 succeeded"
+    assert summaries["each"] == "3 items: 1 waiting · 2 succeeded"
+    # A body run's own page draws its body, not the whole workflow.
+    child = Run.objects.filter(parent_run=run).order_by("created_at").first()
+    page = client.get(url(child)).content.decode()
+    nodes = re.findall(r'data-step="(\w+)" data-kind=', page)
+    assert nodes == ["fetch_one", "store_one"]
+    assert f'href="/runs/{run.id}/" id="parent-run"' in page
+
+
+def test_the_page_reads_as_many_queries_for_300_attempts_as_for_3() -> None:
+    client = browser(person("root", "view_run"))
+    small, large = scenes.many_attempts(3), scenes.many_attempts(300)
+    counts = []
+    for run in (small, large):
+        with CaptureQueriesContext(connection) as queries:
+            assert client.get(url(run)).status_code == 200
+        counts.append(len(queries))
+    assert counts[0] == counts[1], counts
+    assert counts[1] <= 25
