@@ -59,11 +59,14 @@ RUN_PAGE_LINKS = 20
 
 def run_page_links(run: Any) -> list[tuple[str, str, str]]:
     """The run inspector's links (``runs.inspection.on_page_links``): each request of the run
-    still waiting for a decision, as (step id, text, its page). The page itself shows it only
-    to its approvers; a link to it tells others where the run waits, nothing more."""
-    pending = ApprovalRequest.objects.filter(run_id=run.id, status=ApprovalStatus.PENDING).order_by(
-        "created_at"
-    )
+    (or of a run below it) still waiting for a decision, as (step id, text, its page). The
+    page itself shows the request only to its approvers; a link to it tells others where the
+    run waits, nothing more."""
+    # Its own requests and, for a run at the top of a tree, those of the runs below it (a
+    # foreach of approvals waits in its body runs).
+    pending = ApprovalRequest.objects.filter(
+        Q(run_id=run.id) | Q(run__root_run_id=run.id), status=ApprovalStatus.PENDING
+    ).order_by("created_at")
     return [
         (
             f"{request.path}{request.step_id}",

@@ -87,6 +87,8 @@ class Node:
     items: dict[str, int] | None = None
     # For a condition: the branches taken ("then"/"else") in its latest attempts.
     taken: list[str] = field(default_factory=list)
+    # Where a click on it leads (the page sets it: its latest attempt, its child run).
+    href: str = ""
 
     @property
     def status(self) -> str | None:

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db.models import QuerySet
+from django.urls import reverse
 from django.utils import timezone
 
 from workflows import access, secrets
@@ -147,26 +148,41 @@ def diff(before: str, after: str) -> list[tuple[str, str]]:
 # --- the graph ----------------------------------------------------------------------------
 
 
-def latest_attempts(run: Run) -> list[tuple[str, str, str, str, str]]:
-    """(body, path, step id, status, branch) of the latest attempt of every step instance of
-    the run and of its body runs (a foreach item of several steps runs as an anonymous child
-    run): what the graph counts. Small tuples, not values: no input or output is read.
+@dataclass(frozen=True)
+class Latest:
+    """The latest attempt of one step instance: what the graph counts."""
+
+    body: str
+    path: str
+    step_id: str
+    status: str
+    branch: str
+    # The attempt's id when it is the run's own (not a body run's).
+    id: int | None
+
+
+def latest_attempts(run: Run) -> list[Latest]:
+    """The latest attempt of every step instance of the run and of its body runs (a foreach
+    item of several steps runs as an anonymous child run). Small tuples, not values: no input
+    or output is read.
 
     Every attempt's tuple is read and the latest kept here, in id order: one index scan per
     level, whatever the table's statistics (a correlated "no later attempt" subquery took 4 s
     over 10,000 attempts on a table not yet analysed, 25 ms once analysed)."""
-    found: list[tuple[str, str, str, str, str]] = []
+    found: list[Latest] = []
     runs: QuerySet[Run] = Run.objects.filter(id=run.id)
     for depth in range(BODY_DEPTH + 1):
         rows = (
             StepRun.objects.filter(run__in=runs.values("id"))
             .order_by("id")
-            .values_list("run__body", "run_id", "path", "step_id", "status", "branch")
+            .values_list("run__body", "run_id", "path", "step_id", "status", "branch", "id")
         )
-        latest: dict[tuple[Any, str, str], tuple[str, str, str, str, str]] = {}
-        for body, run_id, path, step_id, status, branch in rows.iterator(chunk_size=5_000):
+        latest: dict[tuple[Any, str, str], Latest] = {}
+        for body, run_id, path, step_id, status, branch, row_id in rows.iterator(chunk_size=5_000):
             # The run itself is drawn at the document's root, whatever body it is of.
-            latest[(run_id, path, step_id)] = (body if depth else "", path, step_id, status, branch)
+            latest[(run_id, path, step_id)] = Latest(
+                body if depth else "", path, step_id, status, branch, None if depth else row_id
+            )
         found.extend(latest.values())
         runs = Run.objects.filter(parent_run__in=runs.values("id")).exclude(body="")
         if not latest or not runs.exists():
@@ -174,14 +190,37 @@ def latest_attempts(run: Run) -> list[tuple[str, str, str, str, str]]:
     return found
 
 
-def drawing(run: Run) -> tuple[graph.Drawing, list[graph.Node]]:
+def _links_of(nodes: list[graph.Node], latest: list[Latest], shown: set[int]) -> None:
+    """A node leads to its latest attempt's details when the page shows them, a subworkflow
+    node to the child run its latest attempt started."""
+    newest: dict[str, int] = {}
+    for row in latest:
+        if row.id is not None:
+            node_key = graph.key(row.body, row.path, row.step_id)
+            newest[node_key] = max(newest.get(node_key, 0), row.id)
+    by_attempt = {newest[n.key]: n for n in graph.walk(nodes) if n.key in newest}
+    for attempt_id, node in by_attempt.items():
+        if attempt_id in shown:
+            node.href = f"#attempt-{attempt_id}"
+    started = Run.objects.filter(parent_step_run_id__in=list(by_attempt), body="")
+    for child_id, step_run_id in started.values_list("id", "parent_step_run_id")[:ACTION_ROWS]:
+        node = by_attempt[step_run_id]
+        if node.kind == "subworkflow":
+            node.href = reverse("runs:inspect", kwargs={"run_id": child_id})
+
+
+def drawing(run: Run, shown: set[int]) -> graph.Drawing:
+    """The graph of the run's document (of its body, for a body run) coloured by status;
+    ``shown``: the attempts whose details the page shows, which nodes link to."""
     document = run.version.document
     if run.body:
         # A body run's page draws the body it runs, not its whole workflow.
         document = {"steps": _body_of(document, run.body)}
     nodes = graph.outline(document)
-    graph.colour(nodes, latest_attempts(run))
-    return graph.layout(nodes), nodes
+    latest = latest_attempts(run)
+    graph.colour(nodes, [(r.body, r.path, r.step_id, r.status, r.branch) for r in latest])
+    _links_of(nodes, latest, shown)
+    return graph.layout(nodes)
 
 
 def _body_of(document: dict[str, Any], ref: str) -> list[Any]:
@@ -407,6 +446,7 @@ def page(run: Run, user: Any) -> Page:
     now = timezone.now()
     total = StepRun.objects.filter(run=run).count()
     rows = _attempt_rows(run, TIMELINE_ROWS)
+    detailed = rows[-DETAIL_ROWS:]
     tracebacks = access.may_see_tracebacks(user, run.workflow_id)
     may_operate = access.may_operate_run(user, run.workflow_id, run.created_by_id)
     children = Run.objects.filter(parent_run=run).order_by("created_at", "id")
@@ -419,9 +459,9 @@ def page(run: Run, user: Any) -> Page:
         live=status not in RUN_TERMINAL,
         may_operate=may_operate,
         tracebacks=tracebacks,
-        drawing=drawing(run)[0],
+        drawing=drawing(run, {row.id for row in detailed}),
         chart=timeline_of(run, rows, total, now),
-        attempts=attempts(run, rows[-DETAIL_ROWS:], tracebacks=tracebacks),
+        attempts=attempts(run, detailed, tracebacks=tracebacks),
         total_attempts=total,
         actions=[
             (action, show(action.detail, 500).text if action.detail else "")

@@ -341,3 +341,17 @@ def test_the_page_reads_as_many_queries_for_300_attempts_as_for_3() -> None:
         counts.append(len(queries))
     assert counts[0] == counts[1], counts
     assert counts[1] <= 25
+
+
+def test_nodes_link_to_their_latest_attempt() -> None:
+    run = scenes.failed_run()
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    third = run.steps.get(step_id="draft", attempt=3)
+    assert re.search(
+        rf'data-step="draft" data-kind="task"[^>]*>\s*<title>[^<]*</title>\s*'
+        rf'<a href="#attempt-{third.id}"',
+        body,
+    )
+    assert f'id="attempt-{third.id}"' in body
+    # A step never reached links nowhere.
+    assert not re.search(r'data-step="publish"[^>]*>\s*<title>[^<]*</title>\s*<a ', body)

@@ -90,7 +90,10 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert page.locator("svg.timeline rect.backoff").count() == 2
     assert page.locator("#run-actions button").all_inner_texts() == ["Retry"]
     third = page.locator('details.attempt-detail[data-step="draft"][data-attempt="3"]')
-    third.locator("summary").click()
+    # The graph's node leads to its latest attempt, opened.
+    assert third.get_attribute("open") is None
+    node(page, "draft").locator("a").click()
+    page.wait_for_selector('details.attempt-detail[data-step="draft"][data-attempt="3"][open]')
     diff = third.locator("pre.diff").first
     assert diff.is_visible()
     # The injected markup is text in the diff, never markup in the page.

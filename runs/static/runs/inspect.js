@@ -38,9 +38,25 @@
     schedule();
   }
 
-  if (document.readyState === "loading") {
-    document.addEventListener("DOMContentLoaded", schedule);
-  } else {
+  // A graph node links to its latest attempt (#attempt-<id>): open those details.
+  function openTarget() {
+    const id = decodeURIComponent(window.location.hash.slice(1));
+    const target = id && document.getElementById(id);
+    if (target && target.tagName === "DETAILS") {
+      target.open = true;
+      target.scrollIntoView({ block: "start" });
+    }
+  }
+
+  function start() {
+    openTarget();
     schedule();
+  }
+
+  window.addEventListener("hashchange", openTarget);
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", start);
+  } else {
+    start();
   }
 })();
