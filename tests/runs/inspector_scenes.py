@@ -122,7 +122,7 @@ def finished_run(**run_fields: Any) -> Run:
 PROMPT = "Draft an answer to ticket {n}. Be brief."
 
 
-def _content(body: Any) -> Content:
+def content(body: Any) -> Content:
     content, _ = Content.objects.get_or_create(
         digest=calls.digest(body), defaults={"body": body, "size": len(str(body))}
     )
@@ -136,10 +136,10 @@ def _call(attempt: StepRun, prompt: str, reply: str | None, status: str = "ok") 
         run_id=attempt.run_id,
         provider="openai",
         model="gpt-4o-mini",
-        prompt=_content(
+        prompt=content(
             {"system": "You answer tickets.", "messages": [{"role": "user", "content": prompt}]}
         ),
-        reply=_content({"text": reply}) if reply is not None else None,
+        reply=content({"text": reply}) if reply is not None else None,
         status=status,
         input_tokens=40,
         output_tokens=12 if reply else 0,

@@ -16,11 +16,11 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from runs.models import Run, RunAction
+from runs.models import Run, RunAction, ToolCall
 from runs.status import RunStatus
 from tests.approvals.builders import start_approval
 from tests.runs import inspector_scenes as scenes
-from tests.runs.factories import RunFactory
+from tests.runs.factories import RunFactory, StepRunFactory
 from workflows import access
 
 pytestmark = pytest.mark.django_db
@@ -355,3 +355,40 @@ def test_nodes_link_to_their_latest_attempt() -> None:
     assert f'id="attempt-{third.id}"' in body
     # A step never reached links nowhere.
     assert not re.search(r'data-step="publish"[^>]*>\s*<title>[^<]*</title>\s*<a ', body)
+
+
+def test_a_subworkflow_node_leads_to_its_child_run() -> None:
+    child_version = scenes.saved({"id": "other", "steps": [{"id": "inner", "kind": "task"}]})
+    version = scenes.saved(
+        {"id": "parent_flow", "steps": [{"id": "call", "kind": "subworkflow", "workflow": "other"}]}
+    )
+    run = RunFactory(version=version, status=RunStatus.WAITING)
+    step = StepRunFactory(run=run, step_id="call", kind="subworkflow", status="waiting")
+    child = RunFactory(version=child_version, parent_run=run, parent_step_run=step, root_run=run)
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    assert re.search(
+        rf'data-step="call"[^>]*>\s*<title>[^<]*</title>\s*<a href="/runs/{child.id}/"', body
+    )
+    assert f'<a href="/runs/{child.id}/">other</a>' in body
+
+
+def test_tool_calls_show_their_arguments_and_result_masked() -> None:
+    token = "[secret:0123456789abcdef0123]"
+    run = scenes.finished_run(secrets="sealed")
+    step = run.steps.get(step_id="close")
+    ToolCall.objects.create(
+        step_run=step,
+        run_id=run.id,
+        server="tickets",
+        tool="close_ticket",
+        arguments=scenes.content({"id": "T-1", "token": token}),
+        result=scenes.content({"is_error": False, "structured": {"closed": True}}),
+        status="ok",
+        latency_ms=31,
+    )
+    body = browser(person("root", "view_run")).get(url(run)).content.decode()
+    tool = re.search(r'<div class="tool-call">(.*?)</div>', body, re.S)
+    assert tool and "tickets.close_ticket" in tool.group(1) and "31 ms" in tool.group(1)
+    assert "&quot;token&quot;: &quot;••••&quot;" in tool.group(1)
+    assert "&quot;closed&quot;: true" in tool.group(1)
+    assert "[secret:" not in body
