@@ -126,7 +126,7 @@ def diff(before: str, after: str) -> list[tuple[str, str]]:
     with two lines of context, at most :data:`DIFF_LINES` lines. Empty when equal."""
     if before == after:
         return []
-    lines = []
+    lines: list[tuple[str, str]] = []
     for line in difflib.unified_diff(
         before.splitlines(),
         after.splitlines(),
