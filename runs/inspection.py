@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
@@ -28,7 +28,7 @@ from workflows import access, secrets
 from workflows.errors import FieldError, NotFound, echo
 
 from . import graph, timeline
-from .models import ModelCall, Run, RunAction, StepRun, ToolCall
+from .models import Content, ModelCall, Run, RunAction, StepRun, ToolCall
 from .status import RUN_MOVES, RUN_TERMINAL, RunStatus
 
 TIMELINE_ROWS = 200
@@ -39,6 +39,8 @@ DIFF_LINES = 200
 # Model calls whose prompt and reply are shown in full (up to TEXT_CHARS): the rest are listed
 # with their figures and a link to the API.
 CALLS_WITH_TEXT = 40
+# Model calls listed on the page at all (an agent's attempt may make many).
+CALLS_LISTED = 400
 ACTION_ROWS = 200
 # Body runs are at most this deep (CONTRACT section 9: nesting depth 8).
 BODY_DEPTH = 8
@@ -329,44 +331,54 @@ def _between(start: datetime | None, end: datetime | None) -> str:
 
 
 def _calls(run: Run, views: list[AttemptView]) -> None:
+    """The model calls of the shown attempts; the texts of the :data:`CALLS_WITH_TEXT` most
+    recent, each compared with the call in the same position of its step's previous attempt.
+    Prompts and replies are read only for those (a prompt may be a 250,000-character
+    conversation)."""
     by_step = {view.step.id: view for view in views}
     calls = list(
-        ModelCall.objects.filter(step_run_id__in=by_step)
-        .select_related("prompt", "reply")
-        .order_by("step_run_id", "id")
+        ModelCall.objects.filter(step_run_id__in=by_step).order_by("step_run_id", "id")[
+            :CALLS_LISTED
+        ]
     )
-    texts = {call.id for call in calls[-CALLS_WITH_TEXT:]}
-    # The previous attempt of every shown attempt that made calls, to compare with.
+    with_text = calls[-CALLS_WITH_TEXT:]
+    # The previous attempt of every shown attempt whose calls show their texts.
     wanted = {
-        (view.step.path, view.step.step_id, view.step.attempt - 1)
-        for view in views
-        if view.step.attempt > 1
+        (step.path, step.step_id, step.attempt - 1)
+        for step in (by_step[call.step_run_id].step for call in with_text)
+        if step.attempt > 1
     }
     previous: dict[tuple[str, str, int], list[ModelCall]] = {}
-    if wanted and calls:
-        earlier = ModelCall.objects.filter(
-            run_id=run.id, step_run__step_id__in={w[1] for w in wanted}
-        ).select_related("prompt", "reply", "step_run")
-        for call in earlier.order_by("id")[: CALLS_WITH_TEXT * 4]:
+    if wanted:
+        which = Q()
+        for path, step_id, attempt in wanted:
+            which |= Q(step_run__path=path, step_run__step_id=step_id, step_run__attempt=attempt)
+        earlier = ModelCall.objects.filter(which, run_id=run.id).select_related("step_run")
+        for call in earlier.order_by("id")[:CALLS_LISTED]:
             where = (call.step_run.path, call.step_run.step_id, call.step_run.attempt)
-            if where in wanted:
-                previous.setdefault(where, []).append(call)
+            previous.setdefault(where, []).append(call)
+    needed = [*with_text, *(c for found in previous.values() for c in found)]
+    digests = {d for c in needed for d in (c.prompt_id, c.reply_id) if d is not None}
+    bodies = dict(Content.objects.filter(digest__in=digests).values_list("digest", "body"))
+
+    def text(digest: str | None) -> str:
+        return conversation(bodies.get(digest)) if digest is not None else ""
+
+    shows_text = {call.id for call in with_text}
     position: dict[int, int] = {}
     for call in calls:
         view = by_step[call.step_run_id]
         index = position[call.step_run_id] = position.get(call.step_run_id, -1) + 1
-        if call.id not in texts:
+        if call.id not in shows_text:
             view.calls.append(Call(call, None, None))
             continue
-        prompt = conversation(call.prompt.body)
-        reply = conversation(call.reply.body) if call.reply is not None else ""
+        prompt, reply = text(call.prompt_id), text(call.reply_id)
         shown = Call(call, _cut(prompt, TEXT_CHARS), _cut(reply, TEXT_CHARS))
         before = previous.get((view.step.path, view.step.step_id, view.step.attempt - 1), [])
         if index < len(before):
             old = before[index]
-            shown.prompt_diff = diff(conversation(old.prompt.body), prompt)
-            old_reply = conversation(old.reply.body) if old.reply is not None else ""
-            shown.reply_diff = diff(old_reply, reply)
+            shown.prompt_diff = diff(text(old.prompt_id), prompt)
+            shown.reply_diff = diff(text(old.reply_id), reply)
         view.calls.append(shown)
 
 
