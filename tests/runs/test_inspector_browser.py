@@ -134,6 +134,7 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert "50 items: 2 failed · 48 succeeded" in node(page, "each").text_content()
     assert page.locator("svg.timeline g.attempt").count() == 53
     shot(page, "foreach_50")
+    page.locator("#graph").screenshot(path=str(ARTIFACTS / "inspector_foreach_50_graph.png"))
     assert problems == []
 
 
