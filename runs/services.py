@@ -238,7 +238,7 @@ def run_retry(
     if from_step is not None and restart is not None:
         reruns.append({"generation": run.generation + 1, "from_step": restart})
     if dry_run:
-        rerun, kept = retries.split(document["steps"], restart)
+        rerun, kept = retries.split(document["steps"], attempts, restart)
         return RetryPreview(
             generation=run.generation + 1,
             restart_at=restart,

@@ -357,3 +357,16 @@ def test_an_unknown_or_malformed_run_is_a_404(api) -> None:
     for run_id in ("not-a-uuid", "00000000-0000-0000-0000-000000000000"):
         answer = api.post(f"/api/v1/runs/{run_id}/retry", {"from_step": "two"}, format="json")
         assert answer.status_code == 404 and fields(answer) == ["id"]
+
+
+def test_a_step_before_from_step_that_did_not_settle_runs_again_too(api) -> None:
+    run = completed_run(api)
+    with unchecked():
+        Run.objects.filter(id=run.id).update(status=RunStatus.CANCELLED)
+        StepRun.objects.filter(run=run, step_id="two").update(status="cancelled")
+    answer = retry(api, run, {"from_step": "three", "dry_run": True})
+    assert (answer.json()["rerun"], answer.json()["kept"]) == (["two", "three"], ["one"])
+    assert retry(api, run, {"from_step": "three"}).status_code == 200
+    run = advanced(run.id)
+    assert run.status == "completed", run.error
+    assert [(s, a, g) for s, a, g, _ in journal(run)][-2:] == [("two", 2, 2), ("three", 2, 2)]
