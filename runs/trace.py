@@ -38,7 +38,8 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Case, F, JSONField, Q, QuerySet, TextField, When
+from django.db.models.functions import Cast, Length
 from django.urls import reverse
 
 from workflows import access, secrets
@@ -48,6 +49,10 @@ from .engine.journal import steps_of
 from .models import ModelCall, Run, StepRun, ToolCall
 
 MAX_SPANS = 5000
+# An input or output longer than this (characters of its JSON) is left out of the trace, its
+# length said instead: a trace of 5,000 attempts of 1 MiB values would be gigabytes. The run
+# resource has them whole.
+MAX_VALUE_CHARS = 8192
 # Levels of child runs below the traced run (a subworkflow chain is at most 8 deep, and a body
 # of several steps inside each adds a level).
 MAX_DEPTH = 16
@@ -58,8 +63,6 @@ _RUN_FIELDS = (
     "version_id",
     "version__number",
     "status",
-    "input",
-    "output",
     "error",
     "correlation",
     "generation",
@@ -83,8 +86,6 @@ _STEP_FIELDS = (
     "generation",
     "status",
     "branch",
-    "input",
-    "output",
     "error",
     "worker",
     "queue",
@@ -103,7 +104,7 @@ def run_trace(*, run_id: Any, user: Any = None) -> dict[str, Any]:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = Run.objects.filter(id=key).values(*_RUN_FIELDS).first()
+    run = _bounded(Run.objects.filter(id=key)).values(*_RUN_FIELDS, *_VALUES).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, _Owned(run))
@@ -129,7 +130,9 @@ def _descendants(run: Mapping[str, Any], user: Any) -> list[dict[str, Any]]:
     readable = access.run_filter(user)
     if readable is not None:
         tree = tree.filter(readable)
-    rows = list(tree.order_by("created_at", "id").values(*_RUN_FIELDS)[: MAX_SPANS + 1])
+    rows = list(
+        _bounded(tree.order_by("created_at", "id")).values(*_RUN_FIELDS, *_VALUES)[: MAX_SPANS + 1]
+    )
     below: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         below[row["parent_run_id"]].append(row)
@@ -145,6 +148,32 @@ def _descendants(run: Mapping[str, Any], user: Any) -> list[dict[str, Any]]:
     if level and any(below.get(parent) for parent in level):
         found.append({"_cut": "depth"})
     return found
+
+
+_VALUES = ("input_value", "input_chars", "output_value", "output_chars")
+
+
+def _bounded(rows: QuerySet[Any]) -> QuerySet[Any]:
+    """``rows`` with their input and output read only when short (and their lengths): the
+    database measures them, so a long one is never sent here."""
+    annotations: dict[str, Any] = {}
+    for name in ("input", "output"):
+        chars = Length(Cast(name, output_field=TextField()))
+        annotations[f"{name}_chars"] = chars
+        annotations[f"{name}_value"] = Case(
+            When(Q(**{f"{name}_chars__lte": MAX_VALUE_CHARS}), then=F(name)),
+            default=None,
+            output_field=JSONField(),
+        )
+    return rows.annotate(**annotations)
+
+
+def _value(row: Mapping[str, Any], name: str) -> Any:
+    """A row's input or output, or what stands for it when it is too long to show here."""
+    chars = row[f"{name}_chars"]
+    if chars is not None and chars > MAX_VALUE_CHARS:
+        return {"omitted": f"{chars} characters of JSON, over {MAX_VALUE_CHARS}: read the run"}
+    return row[f"{name}_value"]
 
 
 def _time(value: Any) -> str | None:
@@ -197,9 +226,9 @@ class _Builder:
     def build(self) -> None:
         run_ids = [row["id"] for row in self.runs]
         attempts = list(
-            StepRun.objects.filter(run_id__in=run_ids)
+            _bounded(StepRun.objects.filter(run_id__in=run_ids))
             .order_by("id")
-            .values(*_STEP_FIELDS)[: MAX_SPANS + 1]
+            .values(*_STEP_FIELDS, *_VALUES)[: MAX_SPANS + 1]
         )
         if len(attempts) > MAX_SPANS:
             attempts = attempts[:MAX_SPANS]
@@ -269,8 +298,8 @@ class _Builder:
             "version": run["version__number"],
             "generation": run["generation"],
             "correlation": run["correlation"],
-            "input": run["input"],
-            "output": run["output"],
+            "input": _value(run, "input"),
+            "output": _value(run, "output"),
             "error": _error(run["error"]),
         }
         if run["body"]:
@@ -370,8 +399,8 @@ class _Builder:
                     if queued is not None
                     else None
                 ),
-                "input": row["input"],
-                "output": row["output"],
+                "input": _value(row, "input"),
+                "output": _value(row, "output"),
                 "error": _error(row["error"]),
             },
             usage=row["usage"],

@@ -341,3 +341,14 @@ def test_a_stored_span_that_is_not_an_object_is_skipped(api) -> None:
     row = StepRunFactory(run=run, spans=["not a span", {"name": "ok"}])
     spans = by_id(traced(api, run))
     assert f"span:{row.id}:1" in spans and f"span:{row.id}:0" not in spans
+
+
+def test_a_long_input_or_output_is_left_out_and_its_length_said(api) -> None:
+    run = RunFactory(input={"text": "x" * (trace.MAX_VALUE_CHARS + 10)})
+    row = StepRunFactory(run=run, input={"short": 1}, output="y" * (trace.MAX_VALUE_CHARS * 2))
+    spans = by_id(traced(api, run))
+    attempt = spans[f"attempt:{row.id}"]["attributes"]
+    assert attempt["input"] == {"short": 1}
+    assert attempt["output"]["omitted"].startswith(f"{trace.MAX_VALUE_CHARS * 2 + 2} characters")
+    assert "omitted" in spans[f"run:{run.id}"]["attributes"]["input"]
+    assert "x" * 100 not in api.get(f"/api/v1/runs/{run.id}/trace").content.decode()
