@@ -321,21 +321,6 @@ def test_the_trace_costs_a_fixed_number_of_queries(
     assert len([s for s in body["spans"] if s["kind"] == "model_generation"]) == steps
 
 
-def test_the_schema_documents_the_trace_and_the_retry(api) -> None:
-    schema = api.get("/api/v1/schema/?format=json").json()
-    traced_op = schema["paths"]["/api/v1/runs/{run_id}/trace"]["get"]
-    assert traced_op["operationId"] == "runs_trace"
-    span = schema["components"]["schemas"]["TraceSpan"]
-    assert set(span["properties"]) >= SPAN_FIELDS
-    retry = schema["paths"]["/api/v1/runs/{run_id}/retry"]["post"]
-    body = retry["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-    assert set(schema["components"]["schemas"][body.rsplit("/", 1)[1]]["properties"]) == {
-        "from_step",
-        "input",
-        "dry_run",
-    }
-
-
 def test_a_stored_span_that_is_not_an_object_is_skipped(api) -> None:
     run = RunFactory()
     row = StepRunFactory(run=run, spans=["not a span", {"name": "ok"}])
