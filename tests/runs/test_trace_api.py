@@ -337,3 +337,43 @@ def test_a_long_input_or_output_is_left_out_and_its_length_said(api) -> None:
     assert attempt["output"]["omitted"].startswith(f"{trace.MAX_VALUE_CHARS * 2 + 2} characters")
     assert "omitted" in spans[f"run:{run.id}"]["attributes"]["input"]
     assert "x" * 100 not in api.get(f"/api/v1/runs/{run.id}/trace").content.decode()
+
+
+def test_a_tool_call_is_one_span_with_the_mcp_tool_span_that_made_it(api) -> None:
+    run = RunFactory()
+    stored = {
+        "name": "mcp_tool",
+        "kind": "client",
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "finished_at": "2026-01-01T00:00:01+00:00",
+        "attributes": {"server": "files", "tool": "read"},
+    }
+    attempt = StepRunFactory(run=run, step_id="fetch", kind="mcp_tool", spans=[stored])
+    [made, lone] = calls.tool_calls_record(
+        [
+            calls.ToolUse(
+                step_run_id=attempt.id,
+                run_id=run.id,
+                server=server,
+                tool="read",
+                arguments={"path": "/a"},
+                result={"is_error": False, "text": "ok"},
+                status="ok",
+                latency_ms=7,
+            )
+            for server in ("files", "other")
+        ]
+    )
+    spans = by_id(traced(api, run))
+    merged = spans[f"tool_call:{made.id}"]
+    assert (merged["parent"], merged["name"], merged["kind"]) == (
+        f"attempt:{attempt.id}",
+        "mcp_tool",
+        "client",
+    )
+    assert merged["start"] == stored["started_at"] and merged["status"] == "ok"
+    assert merged["attributes"]["tool_call"] == made.id
+    assert f"span:{attempt.id}:0" not in spans
+    # A call no span stands for is its own span, timed back from when it was recorded.
+    own = spans[f"tool_call:{lone.id}"]
+    assert own["attributes"]["server"] == "other" and own["parent"] == f"attempt:{attempt.id}"
