@@ -370,3 +370,11 @@ def test_a_step_before_from_step_that_did_not_settle_runs_again_too(api) -> None
     run = advanced(run.id)
     assert run.status == "completed", run.error
     assert [(s, a, g) for s, a, g, _ in journal(run)][-2:] == [("two", 2, 2), ("three", 2, 2)]
+
+
+def test_an_edit_of_a_run_whose_secrets_this_key_cannot_open_is_a_409(api, settings) -> None:
+    run = completed_run(api)
+    settings.DJFLOW_FIELD_KEY = ["another-key-of-at-least-32-characters!"]
+    answer = retry(api, run, {"from_step": "two", "input": {"topic": "x"}})
+    assert answer.status_code == 409 and fields(answer) == ["input"]
+    assert "DJFLOW_FIELD_KEY" in answer.json()["errors"][0]["message"]
