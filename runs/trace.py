@@ -45,7 +45,8 @@ from django.urls import reverse
 from workflows import access, secrets
 from workflows.errors import FieldError, NotFound, echo
 
-from .engine.journal import steps_of
+from .engine.journal import document_of, steps_of
+from .engine.plan import superseded
 from .models import ModelCall, Run, StepRun, ToolCall
 
 MAX_SPANS = 5000
@@ -66,6 +67,7 @@ _RUN_FIELDS = (
     "error",
     "correlation",
     "generation",
+    "reruns",
     "body",
     "cost_usd",
     "created_at",
@@ -325,6 +327,9 @@ class _Builder:
     ) -> None:
         run_id = run["id"]
         inside = _containers(run["version_id"])
+        reruns = tuple((int(r["generation"]), str(r["from_step"])) for r in run["reruns"] or ())
+        # Attempts a retry from a step superseded: kept, shown, marked.
+        is_superseded = superseded(document_of(run["version_id"])["steps"], reruns)
         by_step: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for row in attempts:
             by_step.setdefault((row["path"], row["step_id"]), []).append(row)
@@ -348,6 +353,7 @@ class _Builder:
             )
             for row in sorted(rows, key=lambda row: row["id"]):
                 calls = model_calls.get(row["id"], [])
+                row["superseded"] = is_superseded(row["path"], row["step_id"], row["generation"])
                 self._attempt(row, step_span, calls, tool_calls.get(row["id"], []))
 
     @staticmethod
@@ -390,6 +396,7 @@ class _Builder:
                 "kind": row["kind"],
                 "path": row["path"],
                 "generation": row["generation"],
+                "superseded": row["superseded"],
                 "queue": row["queue"],
                 "worker": row["worker"],
                 "branch": row["branch"] or None,

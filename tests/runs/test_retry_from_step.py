@@ -135,6 +135,20 @@ def test_a_completed_run_reruns_from_a_step_against_the_edited_input(api, user) 
     shown = api.get(f"/api/v1/runs/{run.id}").json()
     assert shown["input"] == {"topic": "new", "key": MASK}
     assert shown["actions"][-1]["detail"]["from_step"] == "two"
+    # The trace marks the superseded attempts.
+    spans = api.get(f"/api/v1/runs/{run.id}/trace").json()["spans"]
+    marked = {
+        (s["step_id"], s["attempt"]): s["attributes"]["superseded"]
+        for s in spans
+        if s["kind"] == "attempt"
+    }
+    assert marked == {
+        ("one", 1): False,
+        ("two", 1): True,
+        ("three", 1): True,
+        ("two", 2): False,
+        ("three", 2): False,
+    }
 
 
 def test_a_second_retry_from_an_earlier_step_supersedes_both_generations(api) -> None:
