@@ -143,8 +143,6 @@ def _descendants(run: Mapping[str, Any], user: Any) -> list[dict[str, Any]]:
     while level and depth < MAX_DEPTH:
         depth += 1
         children = [child for parent in level for child in below.get(parent, [])]
-        for child in children:
-            child["_depth"] = depth
         found += children
         level = [child["id"] for child in children]
     if level and any(below.get(parent) for parent in level):
@@ -221,9 +219,12 @@ class _Builder:
         self.runs = [run, *(row for row in descendants if "_cut" not in row)]
         self.spans: list[dict[str, Any]] = []
         self.truncated: dict[str, Any] | None = None
-        if cut or len(self.runs) > MAX_SPANS:
-            self.truncated = {"reason": "depth" if cut else "spans", "limit": MAX_DEPTH}
+        self.full = False  # MAX_SPANS reached: nothing more is added
+        if len(self.runs) > MAX_SPANS:
+            self._cut("spans", MAX_SPANS)
             self.runs = self.runs[:MAX_SPANS]
+        elif cut:
+            self._cut("depth", MAX_DEPTH)
 
     def build(self) -> None:
         run_ids = [row["id"] for row in self.runs]
@@ -250,9 +251,6 @@ class _Builder:
         for row in self.runs:
             self._run(row, self._run_parent(row))
             self._steps(row, by_run.get(row["id"], []), model_calls, tool_calls)
-        if len(self.spans) > MAX_SPANS:
-            del self.spans[MAX_SPANS:]
-            self._cut("spans", MAX_SPANS)
         if self.truncated is not None:
             # The marker, last: at most MAX_SPANS spans and it.
             self._add(
@@ -277,6 +275,11 @@ class _Builder:
             self.truncated = {"reason": reason, "limit": limit}
 
     def _add(self, id: str, parent: str | None, name: str, kind: str, **fields: Any) -> None:
+        """Add a span; past MAX_SPANS none but the marker, and the trace says it is cut."""
+        if kind != "truncated" and (self.full or len(self.spans) >= MAX_SPANS):
+            self.full = True
+            self._cut("spans", MAX_SPANS)
+            return
         self.spans.append(
             {
                 "id": id,

@@ -377,3 +377,15 @@ def test_a_tool_call_is_one_span_with_the_mcp_tool_span_that_made_it(api) -> Non
     # A call no span stands for is its own span, timed back from when it was recorded.
     own = spans[f"tool_call:{lone.id}"]
     assert own["attributes"]["server"] == "other" and own["parent"] == f"attempt:{attempt.id}"
+
+
+def test_past_the_span_bound_in_runs_the_trace_says_spans(api, monkeypatch) -> None:
+    run = RunFactory()
+    with unchecked():
+        for _ in range(4):
+            child = RunFactory(version=run.version)
+            Run.objects.filter(id=child.id).update(parent_run=run, root_run=run, depth=1)
+    monkeypatch.setattr(trace, "MAX_SPANS", 3)
+    body = traced(api, run)
+    assert body["truncated"] == {"reason": "spans", "limit": 3}
+    assert [s["kind"] for s in body["spans"]] == ["run", "run", "run", "truncated"]
