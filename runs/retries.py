@@ -119,5 +119,6 @@ def changes(
         return found
     if before == after:
         return []
-    show = (lambda value: value) if raw else secrets.shown
-    return [{"field": field_path(where), "before": show(before), "after": show(after)}]
+    if not raw:
+        before, after = secrets.shown(before), secrets.shown(after)
+    return [{"field": field_path(where), "before": before, "after": after}]

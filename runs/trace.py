@@ -165,7 +165,8 @@ def _bounded(rows: QuerySet[Any]) -> QuerySet[Any]:
             default=None,
             output_field=JSONField(),
         )
-    return rows.annotate(**annotations)
+    annotated: QuerySet[Any] = rows.annotate(**annotations)
+    return annotated
 
 
 def _value(row: Mapping[str, Any], name: str) -> Any:
