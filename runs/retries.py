@@ -37,22 +37,44 @@ def restart_at(
     of a failed run from its failed step). None when every top-level step settled."""
     if from_step is not None:
         return top_level_ids(steps)[from_step]
-    latest: dict[str, AttemptView] = {}
-    for attempt in attempts:
-        if not attempt.path:
-            latest[attempt.step_id] = attempt
+    latest = _latest(attempts)
     for step in steps:
-        row = latest.get(step["id"])
-        if row is None or row.status not in SETTLED:
+        if not _settled(step, latest.get(step["id"])):
             return str(step["id"])
     return None
 
 
-def split(steps: Sequence[Mapping[str, Any]], restart: str | None) -> tuple[list[str], list[str]]:
-    """(the top-level steps that run again, those kept), each in document order."""
-    ids = [str(step["id"]) for step in steps]
-    at = ids.index(restart) if restart in ids else len(ids)
-    return ids[at:], ids[:at]
+def split(
+    steps: Sequence[Mapping[str, Any]], attempts: Sequence[AttemptView], restart: str | None
+) -> tuple[list[str], list[str]]:
+    """(the top-level steps that run again, those kept), each in document order: from
+    ``restart`` on, every step; before it, those that did not settle run again too (a run
+    cancelled at its second step and retried from its fourth goes on at its second)."""
+    latest = _latest(attempts)
+    rerun: list[str] = []
+    kept: list[str] = []
+    reached = False
+    for step in steps:
+        reached = reached or step["id"] == restart
+        settled = not reached and _settled(step, latest.get(step["id"]))
+        (kept if settled else rerun).append(str(step["id"]))
+    return rerun, kept
+
+
+def _latest(attempts: Sequence[AttemptView]) -> dict[str, AttemptView]:
+    """The latest row of each top-level step (the journal is oldest first)."""
+    return {attempt.step_id: attempt for attempt in attempts if not attempt.path}
+
+
+def _settled(step: Mapping[str, Any], row: AttemptView | None) -> bool:
+    """Whether a retry keeps what the step's latest row ended with: it succeeded or was
+    skipped, or it failed and the run went on past it (``on_error: continue``)."""
+    if row is None:
+        return False
+    if row.status in SETTLED:
+        return True
+    ended = row.status in ("failed", "timed_out", "cancelled")
+    return ended and step.get("on_error", "fail_run") == "continue"
 
 
 def merged_input(schema: Any, stored: Any, given: Mapping[str, Any], registry: Any) -> Any:
@@ -97,5 +119,6 @@ def changes(
         return found
     if before == after:
         return []
-    show = (lambda value: value) if raw else secrets.shown
-    return [{"field": field_path(where), "before": show(before), "after": show(after)}]
+    if not raw:
+        before, after = secrets.shown(before), secrets.shown(after)
+    return [{"field": field_path(where), "before": before, "after": after}]

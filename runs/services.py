@@ -13,7 +13,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from workflows import access, secrets, selectors
-from workflows.errors import FieldError, InvalidInput, NotFound, echo
+from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems
 
@@ -238,7 +238,7 @@ def run_retry(
     if from_step is not None and restart is not None:
         reruns.append({"generation": run.generation + 1, "from_step": restart})
     if dry_run:
-        rerun, kept = retries.split(document["steps"], restart)
+        rerun, kept = retries.split(document["steps"], attempts, restart)
         return RetryPreview(
             generation=run.generation + 1,
             restart_at=restart,
@@ -319,7 +319,13 @@ def _edited_input(
     """The run's new input as it is stored (secrets as tokens) and its sealed secrets; a 400
     naming each field ``input_schema`` refuses."""
     schema = document.get("input_schema")
-    registry = vault.decrypt(run.secrets, run_id=run.id)
+    try:
+        registry = vault.decrypt(run.secrets, run_id=run.id)
+    except vault.SecretsUnreadable as error:
+        # The deployment's key changed: the edit cannot keep the stored secrets.
+        raise Conflict(errors=[FieldError("input", str(error))]) from None
+    # This request holds the run's secrets until it ends: its logs and error reports mask them.
+    secrets.expose(secrets.plaintexts(registry))
     plain = retries.merged_input(schema, run.input, given, registry) if schema else dict(given)
     problems = input_errors(run.version, plain)
     if problems:

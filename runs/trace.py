@@ -38,16 +38,22 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Case, F, JSONField, Q, QuerySet, TextField, When
+from django.db.models.functions import Cast, Length
 from django.urls import reverse
 
 from workflows import access, secrets
 from workflows.errors import FieldError, NotFound, echo
 
-from .engine.journal import steps_of
+from .engine.journal import document_of, steps_of
+from .engine.plan import superseded
 from .models import ModelCall, Run, StepRun, ToolCall
 
 MAX_SPANS = 5000
+# An input or output longer than this (characters of its JSON) is left out of the trace, its
+# length said instead: a trace of 5,000 attempts of 1 MiB values would be gigabytes. The run
+# resource has them whole.
+MAX_VALUE_CHARS = 8192
 # Levels of child runs below the traced run (a subworkflow chain is at most 8 deep, and a body
 # of several steps inside each adds a level).
 MAX_DEPTH = 16
@@ -58,11 +64,10 @@ _RUN_FIELDS = (
     "version_id",
     "version__number",
     "status",
-    "input",
-    "output",
     "error",
     "correlation",
     "generation",
+    "reruns",
     "body",
     "cost_usd",
     "created_at",
@@ -83,8 +88,6 @@ _STEP_FIELDS = (
     "generation",
     "status",
     "branch",
-    "input",
-    "output",
     "error",
     "worker",
     "queue",
@@ -103,7 +106,7 @@ def run_trace(*, run_id: Any, user: Any = None) -> dict[str, Any]:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = Run.objects.filter(id=key).values(*_RUN_FIELDS).first()
+    run = _bounded(Run.objects.filter(id=key)).values(*_RUN_FIELDS, *_VALUES).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, _Owned(run))
@@ -129,7 +132,9 @@ def _descendants(run: Mapping[str, Any], user: Any) -> list[dict[str, Any]]:
     readable = access.run_filter(user)
     if readable is not None:
         tree = tree.filter(readable)
-    rows = list(tree.order_by("created_at", "id").values(*_RUN_FIELDS)[: MAX_SPANS + 1])
+    rows = list(
+        _bounded(tree.order_by("created_at", "id")).values(*_RUN_FIELDS, *_VALUES)[: MAX_SPANS + 1]
+    )
     below: dict[Any, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         below[row["parent_run_id"]].append(row)
@@ -138,13 +143,38 @@ def _descendants(run: Mapping[str, Any], user: Any) -> list[dict[str, Any]]:
     while level and depth < MAX_DEPTH:
         depth += 1
         children = [child for parent in level for child in below.get(parent, [])]
-        for child in children:
-            child["_depth"] = depth
         found += children
         level = [child["id"] for child in children]
     if level and any(below.get(parent) for parent in level):
         found.append({"_cut": "depth"})
     return found
+
+
+_VALUES = ("input_value", "input_chars", "output_value", "output_chars")
+
+
+def _bounded(rows: QuerySet[Any]) -> QuerySet[Any]:
+    """``rows`` with their input and output read only when short (and their lengths): the
+    database measures them, so a long one is never sent here."""
+    annotations: dict[str, Any] = {}
+    for name in ("input", "output"):
+        chars = Length(Cast(name, output_field=TextField()))
+        annotations[f"{name}_chars"] = chars
+        annotations[f"{name}_value"] = Case(
+            When(Q(**{f"{name}_chars__lte": MAX_VALUE_CHARS}), then=F(name)),
+            default=None,
+            output_field=JSONField(),
+        )
+    annotated: QuerySet[Any] = rows.annotate(**annotations)
+    return annotated
+
+
+def _value(row: Mapping[str, Any], name: str) -> Any:
+    """A row's input or output, or what stands for it when it is too long to show here."""
+    chars = row[f"{name}_chars"]
+    if chars is not None and chars > MAX_VALUE_CHARS:
+        return {"omitted": f"{chars} characters of JSON, over {MAX_VALUE_CHARS}: read the run"}
+    return row[f"{name}_value"]
 
 
 def _time(value: Any) -> str | None:
@@ -190,16 +220,19 @@ class _Builder:
         self.runs = [run, *(row for row in descendants if "_cut" not in row)]
         self.spans: list[dict[str, Any]] = []
         self.truncated: dict[str, Any] | None = None
-        if cut or len(self.runs) > MAX_SPANS:
-            self.truncated = {"reason": "depth" if cut else "spans", "limit": MAX_DEPTH}
+        self.full = False  # MAX_SPANS reached: nothing more is added
+        if len(self.runs) > MAX_SPANS:
+            self._cut("spans", MAX_SPANS)
             self.runs = self.runs[:MAX_SPANS]
+        elif cut:
+            self._cut("depth", MAX_DEPTH)
 
     def build(self) -> None:
         run_ids = [row["id"] for row in self.runs]
         attempts = list(
-            StepRun.objects.filter(run_id__in=run_ids)
+            _bounded(StepRun.objects.filter(run_id__in=run_ids))
             .order_by("id")
-            .values(*_STEP_FIELDS)[: MAX_SPANS + 1]
+            .values(*_STEP_FIELDS, *_VALUES)[: MAX_SPANS + 1]
         )
         if len(attempts) > MAX_SPANS:
             attempts = attempts[:MAX_SPANS]
@@ -219,9 +252,6 @@ class _Builder:
         for row in self.runs:
             self._run(row, self._run_parent(row))
             self._steps(row, by_run.get(row["id"], []), model_calls, tool_calls)
-        if len(self.spans) > MAX_SPANS:
-            del self.spans[MAX_SPANS:]
-            self._cut("spans", MAX_SPANS)
         if self.truncated is not None:
             # The marker, last: at most MAX_SPANS spans and it.
             self._add(
@@ -246,6 +276,11 @@ class _Builder:
             self.truncated = {"reason": reason, "limit": limit}
 
     def _add(self, id: str, parent: str | None, name: str, kind: str, **fields: Any) -> None:
+        """Add a span; past MAX_SPANS none but the marker, and the trace says it is cut."""
+        if kind != "truncated" and (self.full or len(self.spans) >= MAX_SPANS):
+            self.full = True
+            self._cut("spans", MAX_SPANS)
+            return
         self.spans.append(
             {
                 "id": id,
@@ -269,8 +304,8 @@ class _Builder:
             "version": run["version__number"],
             "generation": run["generation"],
             "correlation": run["correlation"],
-            "input": run["input"],
-            "output": run["output"],
+            "input": _value(run, "input"),
+            "output": _value(run, "output"),
             "error": _error(run["error"]),
         }
         if run["body"]:
@@ -296,6 +331,9 @@ class _Builder:
     ) -> None:
         run_id = run["id"]
         inside = _containers(run["version_id"])
+        reruns = tuple((int(r["generation"]), str(r["from_step"])) for r in run["reruns"] or ())
+        # Attempts a retry from a step superseded: kept, shown, marked.
+        is_superseded = superseded(document_of(run["version_id"])["steps"], reruns)
         by_step: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for row in attempts:
             by_step.setdefault((row["path"], row["step_id"]), []).append(row)
@@ -319,6 +357,7 @@ class _Builder:
             )
             for row in sorted(rows, key=lambda row: row["id"]):
                 calls = model_calls.get(row["id"], [])
+                row["superseded"] = is_superseded(row["path"], row["step_id"], row["generation"])
                 self._attempt(row, step_span, calls, tool_calls.get(row["id"], []))
 
     @staticmethod
@@ -361,6 +400,7 @@ class _Builder:
                 "kind": row["kind"],
                 "path": row["path"],
                 "generation": row["generation"],
+                "superseded": row["superseded"],
                 "queue": row["queue"],
                 "worker": row["worker"],
                 "branch": row["branch"] or None,
@@ -370,8 +410,8 @@ class _Builder:
                     if queued is not None
                     else None
                 ),
-                "input": row["input"],
-                "output": row["output"],
+                "input": _value(row, "input"),
+                "output": _value(row, "output"),
                 "error": _error(row["error"]),
             },
             usage=row["usage"],

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
@@ -361,21 +361,12 @@ class _Planner:
 
     def _current(self, journal: Sequence[AttemptView]) -> list[AttemptView]:
         """The journal without the attempts a retry from a step superseded."""
-        reruns = self.run_view.reruns
-        if not reruns:
+        if not self.run_view.reruns:
             return list(journal)
-        steps = self.document["steps"]
-        order = {step["id"]: index for index, step in enumerate(steps)}
-        top = top_level_ids(steps)
+        is_superseded = superseded(self.document["steps"], self.run_view.reruns)
         current = []
         for attempt in journal:
-            # A row inside a composite step has a path that starts with its id.
-            head = attempt.path.split("[", 1)[0] if attempt.path else attempt.step_id
-            index = order.get(top.get(head, head))
-            if index is not None and any(
-                attempt.generation < generation and order.get(step, len(steps)) <= index
-                for generation, step in reruns
-            ):
+            if is_superseded(attempt.path, attempt.step_id, attempt.generation):
                 key = (attempt.path, attempt.step_id)
                 self.superseded[key] = max(self.superseded.get(key, 0), attempt.attempt)
             else:
@@ -1233,6 +1224,27 @@ class _Planner:
 
     def _settle_skipped(self, step: Mapping[str, Any]) -> None:
         self._record(step, "skipped", None, None)
+
+
+def superseded(
+    steps: Sequence[Mapping[str, Any]], reruns: Sequence[tuple[int, str]]
+) -> Callable[[str, str, int], bool]:
+    """Whether a journal row (its path, step id and generation) was superseded by a retry from
+    a step (``RunView.reruns``): it is of a generation before the retry's, and of the step the
+    retry reran from, a later top-level step, or a step inside one of them (the path of a row
+    inside a composite step starts with its id). For the planner and for whoever shows the
+    journal."""
+    order = {step["id"]: index for index, step in enumerate(steps)}
+    top = top_level_ids(steps)
+    # For each retry, the first top-level position it reran from.
+    cuts = [(generation, order.get(step, len(steps))) for generation, step in reruns]
+
+    def check(path: str, step_id: str, generation: int) -> bool:
+        head = path.split("[", 1)[0] if path else step_id
+        index = order.get(top.get(head, head))
+        return index is not None and any(generation < g and at <= index for g, at in cuts)
+
+    return check
 
 
 def top_level_ids(steps: Sequence[Mapping[str, Any]]) -> dict[str, str]:

@@ -135,6 +135,20 @@ def test_a_completed_run_reruns_from_a_step_against_the_edited_input(api, user) 
     shown = api.get(f"/api/v1/runs/{run.id}").json()
     assert shown["input"] == {"topic": "new", "key": MASK}
     assert shown["actions"][-1]["detail"]["from_step"] == "two"
+    # The trace marks the superseded attempts.
+    spans = api.get(f"/api/v1/runs/{run.id}/trace").json()["spans"]
+    marked = {
+        (s["step_id"], s["attempt"]): s["attributes"]["superseded"]
+        for s in spans
+        if s["kind"] == "attempt"
+    }
+    assert marked == {
+        ("one", 1): False,
+        ("two", 1): True,
+        ("three", 1): True,
+        ("two", 2): False,
+        ("three", 2): False,
+    }
 
 
 def test_a_second_retry_from_an_earlier_step_supersedes_both_generations(api) -> None:
@@ -357,3 +371,24 @@ def test_an_unknown_or_malformed_run_is_a_404(api) -> None:
     for run_id in ("not-a-uuid", "00000000-0000-0000-0000-000000000000"):
         answer = api.post(f"/api/v1/runs/{run_id}/retry", {"from_step": "two"}, format="json")
         assert answer.status_code == 404 and fields(answer) == ["id"]
+
+
+def test_a_step_before_from_step_that_did_not_settle_runs_again_too(api) -> None:
+    run = completed_run(api)
+    with unchecked():
+        Run.objects.filter(id=run.id).update(status=RunStatus.CANCELLED)
+        StepRun.objects.filter(run=run, step_id="two").update(status="cancelled")
+    answer = retry(api, run, {"from_step": "three", "dry_run": True})
+    assert (answer.json()["rerun"], answer.json()["kept"]) == (["two", "three"], ["one"])
+    assert retry(api, run, {"from_step": "three"}).status_code == 200
+    run = advanced(run.id)
+    assert run.status == "completed", run.error
+    assert [(s, a, g) for s, a, g, _ in journal(run)][-2:] == [("two", 2, 2), ("three", 2, 2)]
+
+
+def test_an_edit_of_a_run_whose_secrets_this_key_cannot_open_is_a_409(api, settings) -> None:
+    run = completed_run(api)
+    settings.DJFLOW_FIELD_KEY = ["another-key-of-at-least-32-characters!"]
+    answer = retry(api, run, {"from_step": "two", "input": {"topic": "x"}})
+    assert answer.status_code == 409 and fields(answer) == ["input"]
+    assert "DJFLOW_FIELD_KEY" in answer.json()["errors"][0]["message"]

@@ -321,23 +321,71 @@ def test_the_trace_costs_a_fixed_number_of_queries(
     assert len([s for s in body["spans"] if s["kind"] == "model_generation"]) == steps
 
 
-def test_the_schema_documents_the_trace_and_the_retry(api) -> None:
-    schema = api.get("/api/v1/schema/?format=json").json()
-    traced_op = schema["paths"]["/api/v1/runs/{run_id}/trace"]["get"]
-    assert traced_op["operationId"] == "runs_trace"
-    span = schema["components"]["schemas"]["TraceSpan"]
-    assert set(span["properties"]) >= SPAN_FIELDS
-    retry = schema["paths"]["/api/v1/runs/{run_id}/retry"]["post"]
-    body = retry["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-    assert set(schema["components"]["schemas"][body.rsplit("/", 1)[1]]["properties"]) == {
-        "from_step",
-        "input",
-        "dry_run",
-    }
-
-
 def test_a_stored_span_that_is_not_an_object_is_skipped(api) -> None:
     run = RunFactory()
     row = StepRunFactory(run=run, spans=["not a span", {"name": "ok"}])
     spans = by_id(traced(api, run))
     assert f"span:{row.id}:1" in spans and f"span:{row.id}:0" not in spans
+
+
+def test_a_long_input_or_output_is_left_out_and_its_length_said(api) -> None:
+    run = RunFactory(input={"text": "x" * (trace.MAX_VALUE_CHARS + 10)})
+    row = StepRunFactory(run=run, input={"short": 1}, output="y" * (trace.MAX_VALUE_CHARS * 2))
+    spans = by_id(traced(api, run))
+    attempt = spans[f"attempt:{row.id}"]["attributes"]
+    assert attempt["input"] == {"short": 1}
+    assert attempt["output"]["omitted"].startswith(f"{trace.MAX_VALUE_CHARS * 2 + 2} characters")
+    assert "omitted" in spans[f"run:{run.id}"]["attributes"]["input"]
+    assert "x" * 100 not in api.get(f"/api/v1/runs/{run.id}/trace").content.decode()
+
+
+def test_a_tool_call_is_one_span_with_the_mcp_tool_span_that_made_it(api) -> None:
+    run = RunFactory()
+    stored = {
+        "name": "mcp_tool",
+        "kind": "client",
+        "started_at": "2026-01-01T00:00:00+00:00",
+        "finished_at": "2026-01-01T00:00:01+00:00",
+        "attributes": {"server": "files", "tool": "read"},
+    }
+    attempt = StepRunFactory(run=run, step_id="fetch", kind="mcp_tool", spans=[stored])
+    [made, lone] = calls.tool_calls_record(
+        [
+            calls.ToolUse(
+                step_run_id=attempt.id,
+                run_id=run.id,
+                server=server,
+                tool="read",
+                arguments={"path": "/a"},
+                result={"is_error": False, "text": "ok"},
+                status="ok",
+                latency_ms=7,
+            )
+            for server in ("files", "other")
+        ]
+    )
+    spans = by_id(traced(api, run))
+    merged = spans[f"tool_call:{made.id}"]
+    assert (merged["parent"], merged["name"], merged["kind"]) == (
+        f"attempt:{attempt.id}",
+        "mcp_tool",
+        "client",
+    )
+    assert merged["start"] == stored["started_at"] and merged["status"] == "ok"
+    assert merged["attributes"]["tool_call"] == made.id
+    assert f"span:{attempt.id}:0" not in spans
+    # A call no span stands for is its own span, timed back from when it was recorded.
+    own = spans[f"tool_call:{lone.id}"]
+    assert own["attributes"]["server"] == "other" and own["parent"] == f"attempt:{attempt.id}"
+
+
+def test_past_the_span_bound_in_runs_the_trace_says_spans(api, monkeypatch) -> None:
+    run = RunFactory()
+    with unchecked():
+        for _ in range(4):
+            child = RunFactory(version=run.version)
+            Run.objects.filter(id=child.id).update(parent_run=run, root_run=run, depth=1)
+    monkeypatch.setattr(trace, "MAX_SPANS", 3)
+    body = traced(api, run)
+    assert body["truncated"] == {"reason": "spans", "limit": 3}
+    assert [s["kind"] for s in body["spans"]] == ["run", "run", "run", "truncated"]
