@@ -35,8 +35,11 @@ ACTIONS: dict[str, Callable[..., Any]] = {
     "resume": services.run_resume,
     "retry": services.run_retry,
 }
-# Seconds between two looks at a live run.
+# Seconds between two looks at a live run; a run past BUSY_ATTEMPTS attempts is looked at
+# less often (its live part is some 370 kB and 0.13 s of a web process at 10,000 attempts).
 REFRESH_SECONDS = 2
+BUSY_REFRESH_SECONDS = 10
+BUSY_ATTEMPTS = 1_000
 
 
 def problem(request: HttpRequest, error: EngineError) -> HttpResponse:
@@ -89,7 +92,7 @@ def _page(
         rerun.input = page.rerun_input
     context = {
         "page": page,
-        "refresh": REFRESH_SECONDS,
+        "refresh": BUSY_REFRESH_SECONDS if page.total_attempts > BUSY_ATTEMPTS else REFRESH_SECONDS,
         "rerun": rerun or Rerun(input=page.rerun_input),
     }
     template = "runs/_live.html" if request.GET.get("part") == "live" else "runs/inspect.html"

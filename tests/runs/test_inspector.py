@@ -180,6 +180,7 @@ def test_the_live_part_polls_while_the_run_is_live_and_stops_when_it_ends() -> N
     page = client.get(url(run))
     assert page["Cache-Control"].startswith("max-age=0") and "no-store" in page["Cache-Control"]
     assert 'data-live="true"' in page.content.decode()
+    assert 'data-refresh="2"' in page.content.decode()
     assert "/static/runs/inspect.js" in page.content.decode()
     part = client.get(url(run) + "?part=live").content.decode()
     assert part.lstrip().startswith('<div id="live" data-live="true"') and "<html" not in part
@@ -211,6 +212,8 @@ def test_a_run_of_thousands_of_attempts_gives_a_bounded_page() -> None:
     assert f'href="/api/v1/runs/{run.id}"' in body
     assert body.count('data-step="work" data-kind="task"') == 1
     assert "3000 succeeded" in body
+    # A run this busy is looked at every 10 s, not every 2.
+    assert 'data-refresh="10"' in body
 
 
 # --- retry from a step with an edited input, and its dry run --------------------------------
