@@ -19,11 +19,12 @@ from typing import Any
 
 from django.db import DatabaseError
 
+from runs import inspection
 from runs.engine import hooks
 from runs.models import Run, StepRun, TimerPurpose
 from workflows.kinds import Ending, Kind, Opening, Role, Scope, register
 
-from . import gates, outbox
+from . import gates, outbox, selectors
 
 logger = logging.getLogger(__name__)
 
@@ -110,3 +111,5 @@ def plug_in() -> None:
     hooks.repair("mails_reoffered", outbox.reoffer_unsent)
     # Approval reminders whose timer fired but whose mails were never queued.
     hooks.repair("reminders_restored", gates.restore_reminders)
+    # The run inspector links a run waiting for approval to its request's page.
+    inspection.on_page_links(selectors.run_page_links)

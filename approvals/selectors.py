@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.urls import reverse
 
 from .models import ApprovalRequest, Approver, Notification
+from .status import ApprovalStatus
 
 
 def as_approver(user: Any) -> Q:
@@ -48,3 +50,28 @@ def inbox_for(
     pending = list(rows.filter(waiting))
     history = list(rows.exclude(waiting)[:history_limit])
     return pending, history
+
+
+# The pending requests a run's page links to; a run waits on a handful at most (one per
+# approval step in flight, a foreach of approvals one per item), so a few are plenty.
+RUN_PAGE_LINKS = 20
+
+
+def run_page_links(run: Any) -> list[tuple[str, str, str]]:
+    """The run inspector's links (``runs.inspection.on_page_links``): each request of the run
+    (or of a run below it) still waiting for a decision, as (step id, text, its page). The
+    page itself shows the request only to its approvers; a link to it tells others where the
+    run waits, nothing more."""
+    # Its own requests and, for a run at the top of a tree, those of the runs below it (a
+    # foreach of approvals waits in its body runs).
+    pending = ApprovalRequest.objects.filter(
+        Q(run_id=run.id) | Q(run__root_run_id=run.id), status=ApprovalStatus.PENDING
+    ).order_by("created_at")
+    return [
+        (
+            f"{request.path}{request.step_id}",
+            f"waiting for approval (quorum {request.quorum}): open the approval request",
+            reverse("approvals:detail", kwargs={"approval_id": request.id}),
+        )
+        for request in pending.only("id", "path", "step_id", "quorum")[:RUN_PAGE_LINKS]
+    ]

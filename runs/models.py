@@ -66,6 +66,11 @@ class Run(models.Model):
     # A retry from the failed step starts a new generation: attempt budgets and limits count
     # within one generation, and what earlier generations completed is kept.
     generation = models.PositiveIntegerField(default=1)
+    # Each retry from a step (runs.services.run_retry with from_step), oldest first:
+    # [{"generation": g, "from_step": <top-level step id>}]. The planner reads it to leave
+    # out the attempts it superseded (that step's and every later top-level step's, of
+    # generations before g), which stay in the journal.
+    reruns = models.JSONField(default=list, blank=True, db_default=[])
     attempts = models.PositiveIntegerField(default=0)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
     # Who the run's model calls count against (CONTRACT section 10: the per-account model

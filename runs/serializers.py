@@ -470,3 +470,109 @@ class RunSerializer(RunListSerializer):
         # The journal is prefetched (selectors.run_detail_queryset): no query.
         reasons = (unservable.waiting_reason(step) for step in run.steps.all())
         return next((reason for reason in reasons if reason), None)
+
+
+# --- retry and trace ------------------------------------------------------------------------
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean, not "true", 1 or "yes"."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
+class RunRetrySerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/retry``; every field optional, unknown fields refused."""
+
+    from_step = StrictCharField(
+        max_length=100,
+        required=False,
+        trim_whitespace=False,
+        help_text="rerun this step and every top-level step after it (a step inside a "
+        "condition, parallel, foreach or loop reruns its enclosing top-level step); any ended "
+        "run. Without it: a failed run from its failed step",
+    )
+    input = serializers.JSONField(
+        required=False,
+        help_text="a new run input (an object), checked against the version's input_schema; "
+        "a writeOnly field left out or sent as •••• keeps its stored value",
+    )
+    dry_run = StrictBooleanField(
+        required=False,
+        default=False,
+        help_text="answer what the retry would do and change nothing",
+    )
+
+    body_name = "a retry"
+
+
+class InputChangeSerializer(serializers.Serializer):
+    field = serializers.CharField(help_text="input.<path>")
+    before = serializers.JSONField(allow_null=True)
+    after = serializers.JSONField(allow_null=True)
+
+
+class StepInputChangeSerializer(serializers.Serializer):
+    step = serializers.CharField()
+    path = serializers.CharField()
+    before = serializers.JSONField(allow_null=True, help_text="the input it last ran with")
+    after = serializers.JSONField(allow_null=True, help_text="the input it would run with")
+
+
+class RetryPreviewSerializer(serializers.Serializer):
+    """What a dry run of a retry answers (``runs.services.RetryPreview``)."""
+
+    dry_run = serializers.BooleanField(help_text="always true")
+    generation = serializers.IntegerField(help_text="the generation the retry would start")
+    restart_at = serializers.CharField(
+        allow_null=True, help_text="the top-level step it would start from"
+    )
+    rerun = serializers.ListField(
+        child=serializers.CharField(), help_text="top-level steps that would run again"
+    )
+    kept = serializers.ListField(
+        child=serializers.CharField(), help_text="top-level steps whose outputs are kept"
+    )
+    input_changes = InputChangeSerializer(many=True)
+    step_inputs = StepInputChangeSerializer(
+        many=True,
+        help_text="the resolved inputs of the attempts it would schedule first, before and "
+        "after (later steps' inputs depend on outputs not made yet)",
+    )
+
+
+class TraceSpanSerializer(serializers.Serializer):
+    id = serializers.CharField(
+        help_text="stable: run:<uuid>, step:<run>:<path><step id>, "
+        "attempt:<id>, span:<attempt>:<n>, model_call:<id>, tool_call:<id>"
+    )
+    parent = serializers.CharField(allow_null=True)
+    name = serializers.CharField()
+    kind = serializers.CharField(
+        help_text="run, step, attempt, truncated, or the handler span's own kind "
+        "(internal, model_generation, retrieval, embedding, client)"
+    )
+    step_id = serializers.CharField(allow_null=True)
+    attempt = serializers.IntegerField(allow_null=True)
+    start = serializers.DateTimeField(allow_null=True)
+    end = serializers.DateTimeField(allow_null=True)
+    status = serializers.CharField(allow_null=True)
+    attributes = serializers.DictField()
+    usage = serializers.DictField()
+    cost_usd = serializers.FloatField(allow_null=True)
+
+
+class TruncatedSerializer(serializers.Serializer):
+    reason = serializers.ChoiceField(choices=["spans", "depth"])
+    limit = serializers.IntegerField()
+
+
+class RunTraceSerializer(serializers.Serializer):
+    run = serializers.UUIDField()
+    spans = TraceSpanSerializer(many=True)
+    truncated = TruncatedSerializer(
+        allow_null=True, help_text="null, or why spans were left out (a span of kind truncated)"
+    )

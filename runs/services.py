@@ -4,7 +4,8 @@ call these; none of them changes a status without a lock on the run row."""
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
@@ -12,16 +13,18 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from workflows import access, secrets, selectors
-from workflows.errors import FieldError, InvalidInput, NotFound, echo
+from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
+from workflows.inputs import input_errors
 from workflows.preflight import start_problems
 
-from . import dispatch, vault
-from .engine import delivery
+from . import dispatch, retries, vault
+from .engine import delivery, journal
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
-from .models import Event, Run, RunAction
+from .engine.plan import Schedule, plan
+from .models import Event, Run, RunAction, StepRun
 from .moves import move_run
-from .status import IllegalTransition, RunStatus, check_run_move
+from .status import RUN_TERMINAL, IllegalTransition, RunStatus, check_run_move
 
 
 @dataclass(frozen=True)
@@ -165,26 +168,99 @@ def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     return run
 
 
-@transaction.atomic
-def run_retry(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
-    """Retry a failed run from its failed step, keeping what succeeded.
+@dataclass(frozen=True)
+class RetryPreview:
+    """What a retry would do, answered by a dry run without changing anything: the step it
+    starts from (``restart_at``: a top-level step id), the top-level steps that would run again
+    and those whose outputs are kept (document order), and what would change in the run's
+    input (``[{"field", "before", "after"}]``, secrets shown as ``••••``) and in the resolved
+    input of the steps the retry schedules first (``[{"step", "path", "before", "after"}]``)."""
 
-    A new generation starts: the failed step gets a fresh attempt budget, and the run's
-    limits (max_steps, max_cost_usd, run_timeout_ms) count afresh from now.
+    generation: int
+    restart_at: str | None
+    rerun: list[str]
+    kept: list[str]
+    input_changes: list[dict[str, Any]]
+    step_inputs: list[dict[str, Any]]
+
+
+@transaction.atomic
+def run_retry(
+    *,
+    run_id: Any,
+    user: AbstractBaseUser | None = None,
+    from_step: str | None = None,
+    input: Any = None,
+    dry_run: bool = False,
+) -> Run | RetryPreview:
+    """Retry a run; a new generation starts, the old attempts stay in the journal.
+
+    Without ``from_step``: a failed run, from its failed step, keeping what succeeded (the
+    failed step gets a fresh attempt budget). With ``from_step`` (any ended run: completed,
+    failed, cancelled, timed out): that top-level step (or the one it is inside) and every
+    top-level step after it run again, as if for the first time (guards evaluated again);
+    the steps before it keep their outputs (``runs.retries``). ``input`` (an object) replaces
+    the run's input, checked against the version's ``input_schema``, and templates resolve
+    against it from now on; a secret it omits keeps its stored value. Either way the run's
+    limits count afresh from now. ``dry_run`` changes nothing and answers what the retry
+    would do (:class:`RetryPreview`).
+
+    ``user`` must operate the run (404 when they may not see it, 403 when they may only see
+    it); a bad ``from_step`` or ``input`` is a 400 naming it, a run in a status the retry
+    does not take a 409. A child run is retried through its parent (409).
     """
+    errors = []
+    if input is not None and not isinstance(input, Mapping):
+        errors.append(FieldError("input", f"must be a JSON object, not {_json_name(input)}"))
+    if from_step is not None and not isinstance(from_step, str):
+        errors.append(FieldError("from_step", "must be a step id (a string)"))
+    if errors:
+        raise InvalidInput(errors=errors)
     run = _locked(run_id, user)
-    if run.status != RunStatus.FAILED:
-        raise IllegalTransition(
+    document = journal.document_of(run.version_id)
+    if from_step is not None and from_step not in journal.steps_of(run.version_id):
+        raise InvalidInput(
             errors=[
-                FieldError("status", f"only a failed run can be retried; this one is {run.status}")
+                FieldError(
+                    "from_step",
+                    f"'{echo(from_step)}' is not a step of {run.workflow_id} version "
+                    f"{run.version.number}",
+                )
             ]
         )
-    check_run_move(run.status, RunStatus.RUNNING)
-    record_action(run.id, "retry", user, {"generation": run.generation + 1})
+    _check_retryable(run, from_step=from_step is not None, edit=input is not None)
+    stored_input, sealed = run.input, run.secrets
+    if input is not None:
+        stored_input, sealed = _edited_input(run, document, input)
+    attempts = journal.journal_of(run.id)
+    restart = retries.restart_at(document["steps"], attempts, from_step)
+    reruns = list(run.reruns or [])
+    if from_step is not None and restart is not None:
+        reruns.append({"generation": run.generation + 1, "from_step": restart})
+    if dry_run:
+        rerun, kept = retries.split(document["steps"], attempts, restart)
+        return RetryPreview(
+            generation=run.generation + 1,
+            restart_at=restart,
+            rerun=rerun,
+            kept=kept,
+            input_changes=retries.changes(run.input, stored_input),
+            step_inputs=_next_inputs(run, document, attempts, stored_input, reruns),
+        )
+    detail: dict[str, Any] = {"generation": run.generation + 1}
+    if from_step is not None:
+        detail |= {"from_step": from_step, "restart_at": restart}
+    if input is not None:
+        # Kept with its tokens (the API shows them masked): the input each generation ran on.
+        detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
+    record_action(run.id, "retry", user, detail)
     move_run(
         run,
         RunStatus.RUNNING,
         generation=run.generation + 1,
+        input=stored_input,
+        secrets=sealed,
+        reruns=reruns,
         error=None,
         output=None,
         finished_at=None,
@@ -193,6 +269,116 @@ def run_retry(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     )
     dispatch.advance_on_commit(run.id)
     return run
+
+
+def _json_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    return "a number" if isinstance(value, int | float) else type(value).__name__
+
+
+def _check_retryable(run: Run, *, from_step: bool, edit: bool) -> None:
+    """409 unless the run may be retried so: from a step, any ended run; plainly (with or
+    without a new input), a failed run. A child run's retry from a step or with a new input
+    is its parent's to make (the parent's step holds the child's end)."""
+    if (from_step or edit) and run.parent_run_id is not None:
+        raise IllegalTransition(
+            errors=[
+                FieldError(
+                    "id",
+                    f"run {run.id} is a child run (of run {run.parent_run_id}): retry its "
+                    "parent from the step that started it",
+                )
+            ]
+        )
+    allowed = RUN_TERMINAL if from_step else {RunStatus.FAILED}
+    if run.status not in allowed:
+        wanted = (
+            "an ended run can be retried from a step"
+            if from_step
+            else (
+                "only a failed run can be retried from its failed step (name from_step to "
+                "rerun an ended run)"
+            )
+        )
+        raise IllegalTransition(
+            errors=[FieldError("status", f"{wanted}; this one is {run.status}")]
+        )
+    check_run_move(run.status, RunStatus.RUNNING)
+
+
+def _edited_input(
+    run: Run, document: Mapping[str, Any], given: Mapping[str, Any]
+) -> tuple[Any, str]:
+    """The run's new input as it is stored (secrets as tokens) and its sealed secrets; a 400
+    naming each field ``input_schema`` refuses."""
+    schema = document.get("input_schema")
+    try:
+        registry = vault.decrypt(run.secrets, run_id=run.id)
+    except vault.SecretsUnreadable as error:
+        # The deployment's key changed: the edit cannot keep the stored secrets.
+        raise Conflict(errors=[FieldError("input", str(error))]) from None
+    # This request holds the run's secrets until it ends: its logs and error reports mask them.
+    secrets.expose(secrets.plaintexts(registry))
+    plain = retries.merged_input(schema, run.input, given, registry) if schema else dict(given)
+    problems = input_errors(run.version, plain)
+    if problems:
+        raise InvalidInput(errors=problems)
+    # The run's tokens are kept (old attempts, outputs and the journal hold them), and a
+    # secret that did not change keeps its token.
+    stored, sealed = vault.seal_input(schema, plain, inherited=registry)
+    return stored, vault.encrypt(sealed)
+
+
+def _next_inputs(
+    run: Run,
+    document: Mapping[str, Any],
+    attempts: list[Any],
+    stored_input: Any,
+    reruns: list[dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The resolved inputs of the attempts the retry would schedule first, beside those the
+    same steps last ran with, from a plan over the would-be run (pure: nothing is applied).
+    Later steps' inputs depend on outputs not made yet: unknowable before they run."""
+    view = replace(
+        journal.run_view(run, attempts),
+        status=RunStatus.RUNNING,
+        input=stored_input,
+        generation=run.generation + 1,
+        started_at=None,
+        deadline_at=None,
+        reruns=tuple((int(r["generation"]), str(r["from_step"])) for r in reruns),
+    )
+    planned = plan(document, view, attempts, timezone.now(), journal.planner_settings())
+    scheduled = [a for a in planned.of(Schedule) if a.input is not None]
+    last = _last_inputs(run, [(a.path, a.step_id) for a in scheduled])
+    return [
+        {
+            "step": action.step_id,
+            "path": action.path,
+            "before": secrets.shown(last.get((action.path, action.step_id))),
+            "after": secrets.shown(action.input),
+        }
+        for action in scheduled
+    ]
+
+
+def _last_inputs(run: Run, keys: list[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """The input of the latest attempt of each (path, step id), one query."""
+    if not keys:
+        return {}
+    rows = (
+        StepRun.objects.filter(run=run, step_id__in={step for _, step in keys})
+        .order_by("path", "step_id", "attempt")
+        .values_list("path", "step_id", "input")
+    )
+    return {(path, step): value for path, step, value in rows}
 
 
 EVENT_NAME_MAX = Event._meta.get_field("name").max_length

@@ -98,11 +98,13 @@ RUN_MOVES: dict[str, frozenset[str]] = {
         {_S.RUNNING, _S.WAITING, _S.PAUSED, _S.COMPLETED, _S.FAILED, _S.CANCELLED, _S.TIMED_OUT}
     ),
     _S.PAUSED: frozenset({_S.RUNNING, _S.CANCELLED, _S.TIMED_OUT}),
-    # A failed run may be retried from its failed step (an operator's explicit move).
+    # A failed run may be retried from its failed step, and any ended run from a step of
+    # the operator's choice (runs.services.run_retry): an operator's explicit move, made
+    # under the run's lock; nothing else moves an ended run.
     _S.FAILED: frozenset({_S.RUNNING}),
-    _S.COMPLETED: frozenset(),
-    _S.CANCELLED: frozenset(),
-    _S.TIMED_OUT: frozenset(),
+    _S.COMPLETED: frozenset({_S.RUNNING}),
+    _S.CANCELLED: frozenset({_S.RUNNING}),
+    _S.TIMED_OUT: frozenset({_S.RUNNING}),
 }
 
 _T = StepStatus

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiExample, OpenApiParameter, extend_schema
+from drf_spectacular.utils import (
+    OpenApiExample,
+    OpenApiParameter,
+    PolymorphicProxySerializer,
+    extend_schema,
+)
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -16,16 +22,19 @@ from config.pagination import NewestFirstPagination
 from workflows import access, secrets
 from workflows.views import ERRORS
 
-from . import selectors, services
+from . import selectors, services, trace
 from .models import Run
 from .serializers import (
     EventDeliverySerializer,
     EventSerializer,
     ModelCallDetailSerializer,
+    RetryPreviewSerializer,
     RunListQuerySerializer,
     RunListSerializer,
+    RunRetrySerializer,
     RunSerializer,
     RunStartSerializer,
+    RunTraceSerializer,
 )
 from .status import RunStatus
 
@@ -194,17 +203,67 @@ class RunResumeView(RunActionView):
         return super().post(request, run_id)
 
 
-class RunRetryView(RunActionView):
-    action = staticmethod(services.run_retry)
-
-    @_action_schema(
-        "retry",
-        "Retry a failed run from its failed step, keeping what succeeded: a new generation"
-        " starts. A run that has not failed is a 400.",
-        (400, 401, 403, 404, 409),
+class RunRetryView(APIView):
+    @extend_schema(
+        operation_id="runs_retry",
+        parameters=[RUN_ID],
+        request=RunRetrySerializer,
+        examples=[
+            OpenApiExample(
+                "from_step",
+                value={"from_step": "answer", "input": {"ticket": "Q: and now?"}, "dry_run": True},
+                request_only=True,
+            )
+        ],
+        description=(
+            "Retry the run; a new generation starts and the old attempts stay in the journal."
+            " With no body: a failed run from its failed step, keeping what succeeded. With"
+            " `from_step`: any ended run (completed, failed, cancelled, timed out) reruns that"
+            " top-level step (a step inside a condition, parallel, foreach or loop: its"
+            " enclosing top-level step) and every top-level step after it; the steps before it"
+            " keep their outputs. `input` replaces the run input (checked against the"
+            " version's input_schema; a writeOnly field left out or sent as •••• keeps its"
+            " stored value) and templates resolve against it from now on. `dry_run` answers"
+            " what would run again, what is kept and what would change, and changes nothing."
+            " An unknown `from_step` or a bad `input` is a 400 naming it; a run in another"
+            " status, or a child run, is a 409."
+        ),
+        responses={
+            200: PolymorphicProxySerializer(
+                component_name="RetryResult",
+                serializers=[RunSerializer, RetryPreviewSerializer],
+                resource_type_field_name=None,
+            ),
+            **dict.fromkeys((400, 401, 403, 404, 409), ERRORS),
+        },
     )
     def post(self, request: Request, run_id: str) -> Response:
-        return super().post(request, run_id)
+        body = RunRetrySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        # The service checks, under the run's lock, that the caller may operate it.
+        result = services.run_retry(run_id=run_id, user=request.user, **body.validated_data)
+        if isinstance(result, services.RetryPreview):
+            return Response({"dry_run": True, **dataclasses.asdict(result)})
+        return Response(_render(request, selectors.run_get(run_id=result.id, user=request.user)))
+
+
+class RunTraceView(APIView):
+    @extend_schema(
+        operation_id="runs_trace",
+        parameters=[RUN_ID],
+        description=(
+            "The run as a tree of spans: the run, a span per step (per path inside parallel,"
+            " foreach and loop), per attempt, the handler's own spans, its model calls (with"
+            " the GenAI attributes, usage and cost) and tool calls; child runs nest under the"
+            " attempt of the step that started them, recursively. A child run of a workflow"
+            " the caller may not read is left out. Ids are stable. At most 5,000 spans and 16"
+            " levels of child runs: past that, `truncated` says why and a span of kind"
+            " `truncated` marks it. Secrets show as ••••."
+        ),
+        responses={200: RunTraceSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        return Response(trace.run_trace(run_id=run_id, user=request.user))
 
 
 class EventView(APIView):

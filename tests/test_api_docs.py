@@ -35,5 +35,36 @@ def test_swagger_ui_renders_the_schema_with_no_network(page, live_server) -> Non
     assert "djflow API" in page.inner_text(".swagger-ui .info .title")
     # The operations of the schema are listed (the schema itself was fetched and parsed).
     page.wait_for_selector("#operations-runs-runs_start")
+    page.wait_for_selector("#operations-runs-runs_trace")
     foreign = [url for url in requested if not url.startswith(live_server.url)]
     assert foreign == []
+
+
+@pytest.mark.django_db
+def test_the_schema_documents_the_trace_and_the_retry(api) -> None:
+    """The trace's span and the retry's body are in the OpenAPI schema (CONTRACT section 11)."""
+    schema = api.get("/api/v1/schema/?format=json").json()
+    traced_op = schema["paths"]["/api/v1/runs/{run_id}/trace"]["get"]
+    assert traced_op["operationId"] == "runs_trace"
+    span = schema["components"]["schemas"]["TraceSpan"]
+    assert set(span["properties"]) >= {
+        "id",
+        "parent",
+        "name",
+        "kind",
+        "step_id",
+        "attempt",
+        "start",
+        "end",
+        "status",
+        "attributes",
+        "usage",
+        "cost_usd",
+    }
+    retry = schema["paths"]["/api/v1/runs/{run_id}/retry"]["post"]
+    body = retry["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    assert set(schema["components"]["schemas"][body.rsplit("/", 1)[1]]["properties"]) == {
+        "from_step",
+        "input",
+        "dry_run",
+    }

@@ -54,6 +54,7 @@ def pages(db) -> dict[str, str]:
         "runs list": "/runs/?status=failed",
         "inbox": "/approvals/",
         "approval": f"/approvals/{request.id}/",
+        "run inspector": f"/runs/{request.run_id}/",
         "approval link": link_path(approver(request, "ext@example.org")),
         "notifications": "/notifications/",
         "admin": "/admin/",

@@ -103,7 +103,7 @@ class _Writer:
             step_id=action.step_id,
             path=action.path,
             kind=action.kind,
-            attempt=1,
+            attempt=action.attempt,
             generation=action.generation,
             status=StepStatus.SKIPPED,
             scheduled_at=self.now,

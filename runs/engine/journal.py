@@ -68,6 +68,7 @@ def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
         depth=run.depth,
         tree_used=tree_used,
         tree_limit=tree_limit,
+        reruns=tuple((int(r["generation"]), str(r["from_step"])) for r in run.reruns or ()),
     )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
@@ -102,6 +102,10 @@ class RunView:
     # every run below the root. And the root's max_steps, None for a root.
     tree_used: int = 0
     tree_limit: int | None = None
+    # The retries from a step, oldest first: (the generation it began, the top-level step it
+    # reran from). An attempt of a generation before g, of that step or a later top-level one
+    # (anything inside them included), is superseded: kept in the journal, not planned on.
+    reruns: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,8 @@ class Skip:
     path: str
     kind: str
     generation: int
+    # Above the step's superseded attempts (a retry from a step), else 1.
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,10 @@ class _Planner:
         self.settings = settings
         self.limits = document.get("limits", {})
         self.out = Plan()
-        self.journal = list(journal)
+        # The highest attempt number of each (path, step id) among the superseded attempts:
+        # a step run again numbers its attempts on from there (the journal keeps both).
+        self.superseded: dict[tuple[str, str], int] = {}
+        self.journal = self._current(journal)
         self.by_step: dict[tuple[str, str], list[AttemptView]] = {}
         self.context: dict[str, Any] = {
             "input": run.input,
@@ -349,6 +358,24 @@ class _Planner:
         self._wakes = 0
         # The step about to be visited heads a parallel's branch: never stopped before.
         self._branch_head = False
+
+    def _current(self, journal: Sequence[AttemptView]) -> list[AttemptView]:
+        """The journal without the attempts a retry from a step superseded."""
+        if not self.run_view.reruns:
+            return list(journal)
+        is_superseded = superseded(self.document["steps"], self.run_view.reruns)
+        current = []
+        for attempt in journal:
+            if is_superseded(attempt.path, attempt.step_id, attempt.generation):
+                key = (attempt.path, attempt.step_id)
+                self.superseded[key] = max(self.superseded.get(key, 0), attempt.attempt)
+            else:
+                current.append(attempt)
+        return current
+
+    def _fresh(self, path: str, step_id: str) -> int:
+        """The number of a step's first attempt in this journal (1 unless superseded)."""
+        return self.superseded.get((path, step_id), 0) + 1
 
     # entry
 
@@ -523,10 +550,15 @@ class _Planner:
     def _first(self, step: Mapping[str, Any], path: str) -> _Go:
         guard = step.get("when")
         if guard is not None and not evaluate(guard, self.context):
-            self.out.actions.append(Skip(step["id"], path, step["kind"], self.run_view.generation))
-            self._settle_skipped(step)
+            self._skip(step, path)
             return _Go.CONTINUE
-        return self._schedule(step, path, attempt=1)
+        return self._schedule(step, path, attempt=self._fresh(path, step["id"]))
+
+    def _skip(self, step: Mapping[str, Any], path: str) -> None:
+        generation = self.run_view.generation
+        attempt = self._fresh(path, step["id"])
+        self.out.actions.append(Skip(step["id"], path, step["kind"], generation, attempt))
+        self._settle_skipped(step)
 
     def _after_failure(
         self,
@@ -866,8 +898,7 @@ class _Planner:
         if latest is None:
             guard = step.get("when")
             if guard is not None and not evaluate(guard, self.context):
-                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
-                self._settle_skipped(step)
+                self._skip(step, path)
                 return _Go.CONTINUE
         position = len(self.out.actions)
         if opening:
@@ -888,7 +919,7 @@ class _Planner:
                     step["id"],
                     path,
                     step["kind"],
-                    attempt=(latest.attempt + 1) if latest else 1,
+                    attempt=(latest.attempt + 1) if latest else self._fresh(path, step["id"]),
                     generation=generation,
                     branch=branch,
                     status=status,
@@ -935,8 +966,7 @@ class _Planner:
         if latest is None:
             guard = step.get("when")
             if guard is not None and not evaluate(guard, self.context):
-                self.out.actions.append(Skip(step["id"], path, step["kind"], generation))
-                self._settle_skipped(step)
+                self._skip(step, path)
                 return _Go.CONTINUE
         opening = latest is None or latest.status != "running"
         position = len(self.out.actions)
@@ -971,7 +1001,7 @@ class _Planner:
                     step["id"],
                     path,
                     step["kind"],
-                    attempt=(latest.attempt + 1) if latest else 1,
+                    attempt=(latest.attempt + 1) if latest else self._fresh(path, step["id"]),
                     generation=generation,
                     status=status,
                     output=output if go is _Go.CONTINUE else None,
@@ -1037,7 +1067,7 @@ class _Planner:
                     BODY,
                     path,
                     BODY_KIND,
-                    attempt=1,
+                    attempt=self._fresh(path, BODY),
                     generation=self.run_view.generation,
                     status="waiting",
                     start={"body": self._body_ref, "input": scope},
@@ -1194,6 +1224,48 @@ class _Planner:
 
     def _settle_skipped(self, step: Mapping[str, Any]) -> None:
         self._record(step, "skipped", None, None)
+
+
+def superseded(
+    steps: Sequence[Mapping[str, Any]], reruns: Sequence[tuple[int, str]]
+) -> Callable[[str, str, int], bool]:
+    """Whether a journal row (its path, step id and generation) was superseded by a retry from
+    a step (``RunView.reruns``): it is of a generation before the retry's, and of the step the
+    retry reran from, a later top-level step, or a step inside one of them (the path of a row
+    inside a composite step starts with its id). For the planner and for whoever shows the
+    journal."""
+    order = {step["id"]: index for index, step in enumerate(steps)}
+    top = top_level_ids(steps)
+    # For each retry, the first top-level position it reran from.
+    cuts = [(generation, order.get(step, len(steps))) for generation, step in reruns]
+
+    def check(path: str, step_id: str, generation: int) -> bool:
+        head = path.split("[", 1)[0] if path else step_id
+        index = order.get(top.get(head, head))
+        return index is not None and any(generation < g and at <= index for g, at in cuts)
+
+    return check
+
+
+def top_level_ids(steps: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """The id of every step of a document (nested ones too: ids are unique in a document)
+    mapped to the id of the top-level step it is, or is inside."""
+    found: dict[str, str] = {}
+
+    def visit(body: Any, top: str) -> None:
+        for step in body if isinstance(body, list) else [body]:
+            if not isinstance(step, Mapping):
+                continue
+            found[step["id"]] = top
+            for name in ("then", "else", "do"):
+                if name in step:
+                    visit(step[name], top)
+            for branch in (step.get("branches") or {}).values():
+                visit(branch, top)
+
+    for step in steps:
+        visit(step, step["id"])
+    return found
 
 
 def _one(body: Any) -> Mapping[str, Any]:

@@ -229,8 +229,9 @@ def test_the_applier_s_run_write_leaves_a_row_the_table_does_not_let_move() -> N
     table itself, with the triggers out of the way: a run whose row has ended meanwhile
     (a stale instance) is left as it is, and the caller hears of it."""
     run = RunFactory(status=RunStatus.COMPLETED)
-    with unchecked(), pytest.raises(RuntimeError, match="cannot become running"):
-        store.update_run(run.id, {"status": RunStatus.RUNNING, "attempts": 7})
+    # (An ended run may become running again: an operator's retry from a step. Waiting, not.)
+    with unchecked(), pytest.raises(RuntimeError, match="cannot become waiting"):
+        store.update_run(run.id, {"status": RunStatus.WAITING, "attempts": 7})
     assert Run.objects.filter(id=run.id).values_list("status", "attempts").get() == (
         RunStatus.COMPLETED,
         run.attempts,

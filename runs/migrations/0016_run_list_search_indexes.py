@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("runs", "0014_model_call_retrieved"),
+        ("runs", "0015_run_reruns"),
     ]
 
     operations = [
