@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from rest_framework.test import APIClient
+import requests
+from rest_framework.authtoken.models import Token
 
 from runs.models import Run
 from tests.processes import wait_for
@@ -23,6 +24,22 @@ pytestmark = [pytest.mark.slow]
 TERMINAL = ("completed", "failed", "cancelled", "timed_out")
 
 
+class Api:
+    """The user's API client over real HTTP, against the live server."""
+
+    def __init__(self, live_server: Any, user: Any) -> None:
+        token, _ = Token.objects.get_or_create(user=user)
+        self.base = live_server.url
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Token {token.key}"
+
+    def get(self, path: str) -> requests.Response:
+        return self.session.get(f"{self.base}{path}", timeout=20)
+
+    def post(self, path: str, json: Any) -> requests.Response:
+        return self.session.post(f"{self.base}{path}", json=json, timeout=20)
+
+
 def finished(run_id: Any, logs: Any) -> Run:
     def ended() -> Run | None:
         run = Run.objects.get(id=run_id)
@@ -32,17 +49,17 @@ def finished(run_id: Any, logs: Any) -> Run:
 
 
 def test_a_run_retried_from_its_second_step_with_an_edited_input(
-    api: APIClient, celery_worker, celery_processes, transactional_db
+    user, live_server, celery_worker, celery_processes
 ) -> None:
     ensure_effects_table()
+    api = Api(live_server, user)
     celery_worker(workflow_modules=["tests.runs.flows_retry"])
     logs = celery_processes.logs
     started = api.post(
         "/api/v1/runs",
         {"workflow": "rerun_flow", "input": {"topic": "old", "key": flows.KEY}},
-        format="json",
     )
-    assert started.status_code == 201, started.content
+    assert started.status_code == 201, started.text
     run = finished(started.json()["id"], logs)
     assert run.status == "completed", run.error
     assert run.output["third"] == "old"
@@ -50,18 +67,16 @@ def test_a_run_retried_from_its_second_step_with_an_edited_input(
     preview = api.post(
         f"/api/v1/runs/{run.id}/retry",
         {"from_step": "two", "input": {"topic": "new"}, "dry_run": True},
-        format="json",
     )
-    assert preview.status_code == 200, preview.content
+    assert preview.status_code == 200, preview.text
     assert (preview.json()["rerun"], preview.json()["kept"]) == (["two", "three"], ["one"])
     assert Run.objects.get(id=run.id).generation == 1  # the dry run changed nothing
 
     answer = api.post(
         f"/api/v1/runs/{run.id}/retry",
         {"from_step": "two", "input": {"topic": "new"}},
-        format="json",
     )
-    assert answer.status_code == 200, answer.content
+    assert answer.status_code == 200, answer.text
     run = finished(run.id, logs)
     assert run.status == "completed", run.error
     assert run.generation == 2

@@ -389,3 +389,27 @@ def test_past_the_span_bound_in_runs_the_trace_says_spans(api, monkeypatch) -> N
     body = traced(api, run)
     assert body["truncated"] == {"reason": "spans", "limit": 3}
     assert [s["kind"] for s in body["spans"]] == ["run", "run", "run", "truncated"]
+
+
+def test_a_body_run_of_a_foreach_item_nests_under_its_items_body_attempt(api) -> None:
+    run = RunFactory()
+    StepRunFactory(run=run, step_id="fan", kind="foreach")
+    bodies = [
+        StepRunFactory(run=run, step_id="_body", kind="subworkflow", path=f"fan[{n}]/")
+        for n in range(2)
+    ]
+    children = []
+    with unchecked():
+        for row in bodies:
+            child = RunFactory(version=run.version)
+            Run.objects.filter(id=child.id).update(
+                parent_run=run, parent_step_run=row, root_run=run, body="fan.do"
+            )
+            StepRunFactory(run=child, step_id="a")
+            children.append(child)
+    spans = by_id(traced(api, run))
+    for n, (row, child) in enumerate(zip(bodies, children, strict=True)):
+        assert spans[f"step:{run.id}:fan[{n}]/_body"]["parent"] == f"step:{run.id}:fan"
+        assert spans[f"run:{child.id}"]["parent"] == f"attempt:{row.id}"
+        assert spans[f"run:{child.id}"]["attributes"]["body"] == "fan.do"
+        assert spans[f"step:{child.id}:a"]["parent"] == f"run:{child.id}"
