@@ -7,7 +7,14 @@ from types import FrameType
 from typing import Any
 
 from celery import Celery, platforms
-from celery.signals import beat_init, task_prerun, worker_init
+from celery.signals import (
+    beat_init,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -75,3 +82,37 @@ def recycle_database_connections(**_: object) -> None:
     from django.db import close_old_connections
 
     close_old_connections()
+
+
+@worker_process_init.connect
+def trace_pool_process(**_: object) -> None:
+    """Tracing in each prefork pool process, after the fork (config.tracing)."""
+    from config import tracing
+
+    tracing.setup()
+
+
+@worker_init.connect
+def trace_unforked_worker(sender: Any = None, **_: object) -> None:
+    """Tracing in the worker's own process when its pool does not fork (solo, threads):
+    there the tasks run in this process and no ``worker_process_init`` comes."""
+    from config import tracing
+
+    if "prefork" not in str(getattr(sender, "pool_cls", "prefork")).lower():
+        tracing.setup()
+
+
+@beat_init.connect
+def trace_beat(**_: object) -> None:
+    from config import tracing
+
+    tracing.setup()
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def flush_traces(**_: object) -> None:
+    """Export the spans still queued before the process ends."""
+    from config import tracing
+
+    tracing.shutdown()

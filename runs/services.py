@@ -15,7 +15,7 @@ from workflows import access, secrets, selectors
 from workflows.errors import FieldError, InvalidInput, NotFound, echo
 from workflows.preflight import start_problems
 
-from . import dispatch, vault
+from . import dispatch, tracing, vault
 from .engine import delivery
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
@@ -94,6 +94,8 @@ def run_start(
             raise
         # A concurrent start with the same idempotency key won the insert.
         return StartResult(same_key.get(), created=False)
+    # The request's trace points to the run's own (runs.tracing), when traced.
+    tracing.link_to_run(run.id)
     return StartResult(run, created=True)
 
 
