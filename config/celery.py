@@ -8,6 +8,8 @@ from typing import Any
 
 from celery import Celery, platforms
 from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
     beat_init,
     task_prerun,
     worker_init,
@@ -116,3 +118,16 @@ def flush_traces(**_: object) -> None:
     from config import tracing
 
     tracing.shutdown()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def json_log_lines(logger: logging.Logger | None = None, **_: object) -> None:
+    """Celery replaces the root logger's handlers (and sets the task logger's) after Django
+    configured logging: with DJFLOW_LOG_FORMAT=json, theirs write JSON lines too."""
+    from django.conf import settings
+
+    from config.logging import use_json
+
+    if logger is not None and settings.LOG_FORMAT == "json":
+        use_json(logger)
