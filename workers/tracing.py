@@ -54,7 +54,8 @@ def attempt_span(row: Claimed, worker: str) -> Iterator[trace.Span | None]:
             yield span
     finally:
         try:
-            span.end()
+            if span.is_recording():  # not ended by attempt_recorded (the claim was refused)
+                span.end()
         except Exception:
             logger.warning("tracing: attempt %s's span not ended", row.id, exc_info=True)
 
@@ -91,7 +92,9 @@ def _start_attempt(row: Claimed, worker: str) -> trace.Span | None:
 def attempt_recorded(
     span: trace.Span | None, status: str, error: dict[str, Any] | None, cost: Any
 ) -> None:
-    """What the attempt came to, on its span."""
+    """What the attempt came to, on its span, which ends now: before the journal records the
+    attempt's finish, so it lies within its step span (whose end is the last finish). The
+    recording's own queries, still under it, come after."""
     if span is None:
         return
     try:
@@ -102,6 +105,7 @@ def attempt_recorded(
         if status in _FAILED:
             message = (error or {}).get("message")
             span.set_status(Status(StatusCode.ERROR, str(message) if message else None))
+        span.end()
     except Exception:
         logger.warning("tracing: attempt result not set on its span", exc_info=True)
 
@@ -146,8 +150,8 @@ def close_handler_span(live: tuple[trace.Span, Any] | None, closed: Span) -> Non
             attributes["djflow.cost_usd"] = float(cost)
         span.set_attributes(tracing.clean_attributes(attributes))
         if closed.error is not None:
-            attributes_error = closed.error.split(":", 1)[0]
-            span.set_attribute("error.type", attributes_error)
+            if "error.type" not in attributes:
+                span.set_attribute("error.type", closed.error.split(":", 1)[0])
             span.set_status(Status(StatusCode.ERROR, closed.error))
         span.end()
     except Exception:
