@@ -19,8 +19,9 @@ traced = workflow("traced", limits=LIMITS)
 @traced.step("fetch")
 def fetch(ctx: Any, input: Any, prior: Any) -> Any:
     with ctx.span("lookup", source="catalogue") as outer:
+        outer.set_attribute("rows", 2)
         with ctx.span("parse"):
-            outer.set_attribute("rows", 2)
+            pass  # a span inside a span: nested in the trace as in the handler
     ctx.logger.info("fetched %d rows", 2)
     return {"items": ["a", "b"]}
 
