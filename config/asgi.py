@@ -7,5 +7,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 from config import tracing
 
 # Before the application loads its middleware: Django's instrumentation adds its own.
-tracing.setup(django=True)
+tracing.setup("web", django=True)
 application = get_asgi_application()

@@ -91,7 +91,7 @@ def trace_pool_process(**_: object) -> None:
     """Tracing in each prefork pool process, after the fork (config.tracing)."""
     from config import tracing
 
-    tracing.setup()
+    tracing.setup("worker")
 
 
 @worker_init.connect
@@ -101,14 +101,14 @@ def trace_unforked_worker(sender: Any = None, **_: object) -> None:
     from config import tracing
 
     if "prefork" not in str(getattr(sender, "pool_cls", "prefork")).lower():
-        tracing.setup()
+        tracing.setup("worker")
 
 
 @beat_init.connect
 def trace_beat(**_: object) -> None:
     from config import tracing
 
-    tracing.setup()
+    tracing.setup("beat")
 
 
 @worker_process_shutdown.connect

@@ -106,9 +106,10 @@ def _quiet(name: str, attributes: Any) -> bool:
     return task in QUIET_TASKS
 
 
-def setup(*, django: bool = False, celery: bool = True) -> bool:
+def setup(role: str, *, django: bool = False) -> bool:
     """Set up tracing in this process once (a second call does nothing); True when it is on.
-    ``django``: instrument Django's request handling too (web processes)."""
+    ``role`` (web, worker, beat) is a resource attribute of its spans; ``django``: instrument
+    Django's request handling too (web processes)."""
     global _provider
     if not endpoint_configured():
         return False
@@ -116,7 +117,7 @@ def setup(*, django: bool = False, celery: bool = True) -> bool:
         if _provider is not None:
             return True
         try:
-            _provider = _install(django=django, celery=celery)
+            _provider = _install(role, django=django)
         except Exception:
             # Tracing is an aid: a broken set-up is logged and the process goes on without.
             logger.exception("tracing not set up")
@@ -125,7 +126,7 @@ def setup(*, django: bool = False, celery: bool = True) -> bool:
     return True
 
 
-def _install(*, django: bool, celery: bool) -> Any:
+def _install(role: str, *, django: bool) -> Any:
     from opentelemetry import trace
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
@@ -135,17 +136,23 @@ def _install(*, django: bool, celery: bool) -> Any:
 
     ratio = float(os.environ.get("OTEL_TRACES_SAMPLER_ARG", "1.0") or 1.0)
     provider = TracerProvider(
-        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "djflow")}),
+        resource=Resource.create(
+            {
+                "service.name": os.environ.get("OTEL_SERVICE_NAME", "djflow"),
+                # Set up after the fork: this very process's.
+                "process.pid": os.getpid(),
+                "djflow.process": role,
+            }
+        ),
         id_generator=DerivedIds(),
         sampler=ParentBased(root=QuietRoots(ratio)),
     )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     PsycopgInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)
-    if celery:
-        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+    from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
-        CeleryInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)
+    CeleryInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)
     if django:
         from opentelemetry.instrumentation.django import DjangoInstrumentor
 

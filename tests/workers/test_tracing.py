@@ -199,7 +199,7 @@ def test_without_an_endpoint_no_provider_is_set_up(tmp_path: Path) -> None:
         "from opentelemetry import trace\n"
         "from config import tracing as setup\n"
         "from runs import tracing\n"
-        "print(setup.setup(django=True), type(trace.get_tracer_provider()).__name__,"
+        "print(setup.setup('web', django=True), type(trace.get_tracer_provider()).__name__,"
         " tracing.enabled())\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
