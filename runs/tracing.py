@@ -46,6 +46,8 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
+from workflows import secrets
+
 logger = logging.getLogger(__name__)
 
 TRACER_NAME = "djflow"
@@ -402,7 +404,9 @@ def _journal_attempt(
 
 def _set_status(span: trace.Span, failed: bool, message: Any) -> None:
     if failed:
-        span.set_status(Status(StatusCode.ERROR, str(message) if message else None))
+        # A stored message holds a secret as its token: shown as the mask, as the API does.
+        shown = secrets.shown_text(str(message)) if message else None
+        span.set_status(Status(StatusCode.ERROR, shown))
 
 
 def _flush() -> None:

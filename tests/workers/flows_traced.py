@@ -74,3 +74,21 @@ retried.sleep("nap", ms=300)
 @retried.step("done")
 def finish(ctx: Any, input: Any, prior: Any) -> Any:
     return "done"
+
+
+# A secret (a writeOnly field) the handler puts on a span and into its error.
+secretive = workflow(
+    "traced_secret",
+    limits=LIMITS,
+    input_schema={
+        "type": "object",
+        "properties": {"key": {"type": "string", "writeOnly": True}},
+    },
+)
+
+
+@secretive.step("use")
+def use(ctx: Any, input: Any, prior: Any) -> Any:
+    with ctx.span("call", key=input["key"], note=f"sent {input['key']}"):
+        pass
+    raise StepFailure(f"refused key {input['key']}", class_="fatal")

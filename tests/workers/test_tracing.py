@@ -32,6 +32,7 @@ from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
 from runs.services import run_start
 from workers.execution import execute
+from workflows.secrets import MASK
 
 from . import flows_traced as flows
 
@@ -177,6 +178,23 @@ def test_a_tracing_failure_fails_no_step(
         run = drive(run_start(workflow="traced", input={}).run)
     assert run.status == "completed", run.error
     assert "exporter gone" in caplog.text
+
+
+def test_a_secret_of_the_run_leaves_the_process_masked(
+    exported, offers, django_capture_on_commit_callbacks
+) -> None:
+    key = "sk-live-4f1c9a7e2b5d8c3a"
+    flows.secretive.save()
+    with django_capture_on_commit_callbacks(execute=True):
+        run = drive(run_start(workflow="traced_secret", input={"key": key}).run)
+    assert run.status == "failed"
+    spans = [s for s in exported.get_finished_spans() if s.context.trace_id == run.id.int]
+    shown = repr([(s.name, dict(s.attributes or {}), s.status.description) for s in spans])
+    assert key not in shown
+    call = named(list(spans), "call")
+    assert call.attributes["key"] == MASK and call.attributes["note"] == f"sent {MASK}"
+    assert named(list(spans), "attempt use #1").status.description == f"refused key {MASK}"
+    assert named(list(spans), "run traced_secret").status.description == f"refused key {MASK}"
 
 
 def test_ids_are_derived_from_the_journal() -> None:
