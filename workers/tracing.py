@@ -22,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from runs import tracing
+from workflows import secrets
 
 if TYPE_CHECKING:
     from .claims import Claimed
@@ -104,7 +105,8 @@ def attempt_recorded(
             span.set_attribute("error.type", str(error.get("class")))
         if status in _FAILED:
             message = (error or {}).get("message")
-            span.set_status(Status(StatusCode.ERROR, str(message) if message else None))
+            shown = secrets.scrub_text(str(message)) if message else None
+            span.set_status(Status(StatusCode.ERROR, shown))
         span.end()
     except Exception:
         logger.warning("tracing: attempt result not set on its span", exc_info=True)
@@ -119,9 +121,7 @@ def open_handler_span(opened: Span) -> tuple[trace.Span, Any] | None:
         span = tracing.tracer().start_span(
             opened.name,
             kind=kind,
-            attributes=tracing.clean_attributes(
-                {"djflow.span.kind": opened.kind, **opened.attributes}
-            ),
+            attributes=_exported({"djflow.span.kind": opened.kind, **opened.attributes}),
         )
         activation = trace.use_span(span, end_on_exit=False, record_exception=False)
         activation.__enter__()
@@ -148,14 +148,20 @@ def close_handler_span(live: tuple[trace.Span, Any] | None, closed: Span) -> Non
         cost = closed.cost_usd
         if cost is not None:
             attributes["djflow.cost_usd"] = float(cost)
-        span.set_attributes(tracing.clean_attributes(attributes))
+        span.set_attributes(_exported(attributes))
         if closed.error is not None:
             if "error.type" not in attributes:
                 span.set_attribute("error.type", closed.error.split(":", 1)[0])
-            span.set_status(Status(StatusCode.ERROR, closed.error))
+            span.set_status(Status(StatusCode.ERROR, secrets.scrub_text(closed.error)))
         span.end()
     except Exception:
         logger.warning("tracing: span %s not ended", closed.name, exc_info=True)
+
+
+def _exported(attributes: dict[str, Any]) -> dict[str, Any]:
+    """Attributes as they leave the process: a secret of the run the handler put there (the
+    attempt holds the revealed values) is masked, as in its logs (``secrets.exposing``)."""
+    return tracing.clean_attributes(secrets.scrub(attributes))
 
 
 def gen_ai_attributes(operation: str, closed: Span) -> dict[str, Any]:
