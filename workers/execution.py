@@ -260,7 +260,8 @@ def _record(
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
     database restart, keep trying (the body must not be lost, nor run again)."""
-    tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
+    if ctx.trace_span is not None:
+        tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
     give_up = time.monotonic() + settings.DJFLOW["RECORD_RETRY_SECONDS"]
     pause = 0.1
     while True:
