@@ -211,6 +211,22 @@ def test_ids_are_derived_from_the_journal() -> None:
     )
 
 
+def test_the_clock_and_stray_queries_start_no_trace() -> None:
+    sampler = setup.QuietRoots()
+    trace_id = uuid.uuid4().int
+
+    def kept(name: str, attributes: dict[str, Any] | None = None) -> bool:
+        decision = sampler.should_sample(None, trace_id, name, attributes=attributes).decision
+        return decision.is_sampled()
+
+    assert not kept("run/runs.fire_timers") and not kept("apply_async/runs.reconcile")
+    assert not kept("SELECT", {"db.system": "postgresql"})
+    assert kept("run/workers.execute_step") and kept("POST /api/v1/runs")
+    # A run's own spans (derived ids) are always kept.
+    with tracing._forcing(1, trace_id):
+        assert kept("SELECT", {"db.system": "postgresql"})
+
+
 def test_without_an_endpoint_no_provider_is_set_up(tmp_path: Path) -> None:
     probe = (
         "import django; django.setup()\n"
