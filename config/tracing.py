@@ -149,7 +149,8 @@ def _install(role: str, *, django: bool) -> Any:
     )
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
-    PsycopgInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)
+    if os.environ.get("DJFLOW_TRACE_QUERIES", "true").strip().lower() not in ("false", "0", "no"):
+        PsycopgInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)
     from opentelemetry.instrumentation.celery import CeleryInstrumentor
 
     CeleryInstrumentor().instrument(tracer_provider=provider, skip_dep_check=True)

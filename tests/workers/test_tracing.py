@@ -265,6 +265,36 @@ def test_nothing_is_emitted_when_tracing_is_off(
     emitted.assert_not_called()
 
 
+@pytest.mark.parametrize(("queries", "traced"), [("", "True"), ("false", "False")])
+def test_query_spans_follow_djflow_trace_queries(queries: str, traced: str) -> None:
+    probe = (
+        "import django; django.setup()\n"
+        "from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor\n"
+        "from config import tracing as setup\n"
+        "from runs import tracing\n"
+        "print(setup.setup('worker'), tracing.enabled(),"
+        " PsycopgInstrumentor().is_instrumented_by_opentelemetry)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(
+        DJANGO_SETTINGS_MODULE="config.settings",
+        # Nothing listens there; nothing is sent before a span ends.
+        OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+    )
+    if queries:
+        env["DJFLOW_TRACE_QUERIES"] = queries
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", traced]
+
+
 # --- JSON log lines ----------------------------------------------------------------------------
 
 
