@@ -7,7 +7,16 @@ from types import FrameType
 from typing import Any
 
 from celery import Celery, platforms
-from celery.signals import beat_init, task_prerun, worker_init, worker_process_shutdown
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    beat_init,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -94,3 +103,50 @@ def recycle_database_connections(**_: object) -> None:
     from django.db import close_old_connections
 
     close_old_connections()
+
+
+@worker_process_init.connect
+def trace_pool_process(**_: object) -> None:
+    """Tracing in each prefork pool process, after the fork (config.tracing)."""
+    from config import tracing
+
+    tracing.setup("worker")
+
+
+@worker_init.connect
+def trace_unforked_worker(sender: Any = None, **_: object) -> None:
+    """Tracing in the worker's own process when its pool does not fork (solo, threads):
+    there the tasks run in this process and no ``worker_process_init`` comes."""
+    from config import tracing
+
+    if "prefork" not in str(getattr(sender, "pool_cls", "prefork")).lower():
+        tracing.setup("worker")
+
+
+@beat_init.connect
+def trace_beat(**_: object) -> None:
+    from config import tracing
+
+    tracing.setup("beat")
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def flush_traces(**_: object) -> None:
+    """Export the spans still queued before the process ends."""
+    from config import tracing
+
+    tracing.shutdown()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def json_log_lines(logger: logging.Logger | None = None, **_: object) -> None:
+    """Celery replaces the root logger's handlers (and sets the task logger's) after Django
+    configured logging: with DJFLOW_LOG_FORMAT=json, theirs write JSON lines too."""
+    from django.conf import settings
+
+    from config.logging import use_json
+
+    if logger is not None and settings.LOG_FORMAT == "json":
+        use_json(logger)

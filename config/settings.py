@@ -650,13 +650,29 @@ for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS"):
 if DJFLOW["MCP_PREFLIGHT_TIMEOUT_SECONDS"] > 10:
     raise ImproperlyConfigured("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS must be at most 10")
 
+# Log lines as text (the default) or as JSON objects carrying the run, step, attempt and
+# trace ids (config.logging), for a log pipeline to index.
+LOG_FORMAT = env.str("DJFLOW_LOG_FORMAT", default="text").strip().lower()
+if LOG_FORMAT not in ("text", "json"):
+    raise ImproperlyConfigured(f"DJFLOW_LOG_FORMAT must be text or json, not {LOG_FORMAT!r}")
+_JSON_LOGS = LOG_FORMAT == "json"
+
 # Celery's per-task lines about the engine's clock (the 1 s timer tick, the reconciler) are
 # dropped at their loggers: 186 of an idle minute's 186 lines (config.logging says more).
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"quiet_clock": {"()": "config.logging.QuietClock"}},
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "filters": {
+        "quiet_clock": {"()": "config.logging.QuietClock"},
+        "run_ids": {"()": "config.logging.RunIds"},
+    },
+    "formatters": {"json": {"()": "config.logging.json_formatter"}},
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            **({"formatter": "json", "filters": ["run_ids"]} if _JSON_LOGS else {}),
+        }
+    },
     "root": {"handlers": ["console"], "level": env("LOG_LEVEL", default="INFO")},
     "loggers": {
         "django.db.backends": {"level": "INFO"},

@@ -17,7 +17,7 @@ from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems
 
-from . import dispatch, retries, vault
+from . import dispatch, retries, tracing, vault
 from .engine import delivery, journal
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
@@ -97,6 +97,8 @@ def run_start(
             raise
         # A concurrent start with the same idempotency key won the insert.
         return StartResult(same_key.get(), created=False)
+    # The request's trace points to the run's own (runs.tracing), when traced.
+    tracing.link_to_run(run.id)
     return StartResult(run, created=True)
 
 

@@ -187,6 +187,17 @@ def test_a_plain_install_runs_worker_and_gunicorn_with_a_clean_deploy_check(
     assert mcp.returncode == 0, mcp.stderr
     assert mcp.stdout.strip().splitlines()[-1] == "['plain-install']"
 
+    # Traces: the SDK, the OTLP exporter and the instrumentations are in the plain install
+    # (set up for a web process, with an endpoint; nothing is sent until a span ends).
+    probe = (
+        "import django; django.setup(); from config import tracing; "
+        "print(tracing.setup('web', django=True))"
+    )
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    traces = _run(installed, {**env, **endpoint}, cwd, "-c", probe)
+    assert traces.returncode == 0, traces.stderr
+    assert traces.stdout.strip().splitlines()[-1] == "True", traces.stderr
+
     check = _run(installed, env, cwd, "-m", "django", "check", "--deploy")
     assert check.returncode == 0, check.stdout + check.stderr
     assert "System check identified no issues" in check.stdout + check.stderr, check.stderr

@@ -210,6 +210,8 @@ def test_embeddings_are_off_unless_a_model_is_named(tmp_path: Path) -> None:
         ("DJFLOW_MCP_IDLE_SECONDS", "0"),
         ("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", "0"),
         ("DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS", "11"),
+        ("DJFLOW_LOG_FORMAT", "xml"),
+        ("DJFLOW_LOG_FORMAT", ""),
     ],
 )
 def test_a_model_slot_setting_out_of_range_is_refused_naming_it(

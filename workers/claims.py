@@ -48,6 +48,10 @@ class Claimed:
     kind: str = "task"
     # Who the run's model calls count against (runs.models.Run.account).
     account: str = ""
+    # The run's generation and root run: the attempt's place in its run's trace
+    # (runs.tracing derives the parent step span's id from them).
+    generation: int = 1
+    root_run_id: Any = None
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -75,7 +79,7 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = %(source)s AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
-          s.path, r.secrets, s.kind, r.account
+          s.path, r.secrets, s.kind, r.account, s.generation, r.root_run_id
 ), deadline AS (
 INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
 SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
@@ -136,6 +140,8 @@ def _claim_postgres(
         secrets=row[14],
         kind=row[15],
         account=row[16],
+        generation=row[17],
+        root_run_id=row[18],
     )
 
 
@@ -158,7 +164,9 @@ def _claim_portable(
             "celery_task_id",
             "path",
             "kind",
+            "generation",
             "run__workflow_id",
+            "run__root_run_id",
             "run__version_id",
             "run__secrets",
             "run__account",
@@ -212,4 +220,6 @@ def _claim_portable(
         secrets=row.run.secrets,
         kind=row.kind,
         account=row.run.account,
+        generation=row.generation,
+        root_run_id=row.run.root_run_id,
     )

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from . import tracing
 from .pricing import price
 
 
@@ -110,18 +111,24 @@ class StepContext:
     conceal: Callable[[Any], Any] = field(default=lambda value: value)
     # When the worker took the attempt up (made right after its claim): its duration metric.
     started: float = field(default_factory=time.monotonic)
+    # The attempt's OpenTelemetry span (workers.tracing), None when tracing is off.
+    trace_span: Any = None
 
     @contextmanager
     def span(self, name: str, kind: str = "internal", **attributes: Any) -> Iterator[Span]:
         opened = Span(name, kind, attributes)
         self.spans.append(opened)
+        # Exported too when tracing is on, under the attempt's span (workers.tracing).
+        live = tracing.open_handler_span(opened)
         try:
             yield opened
         except BaseException as exc:
             opened.close(exc)
+            tracing.close_handler_span(live, opened)
             raise
         else:
             opened.close()
+            tracing.close_handler_span(live, opened)
 
     def usage(self) -> dict[str, Any]:
         """The attempt's usage summed over its spans, by model."""

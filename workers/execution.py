@@ -29,6 +29,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from runs import dispatch, metrics, vault
+from runs import tracing as run_tracing
 from runs.engine import calls, journal, unservable
 from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
 from runs.engine.plan import MAX_VALUE_BYTES
@@ -40,7 +41,7 @@ from workflows import kinds, secrets
 from workflows.failures import Deferred, StepFailure
 from workflows.templates import TooLarge, check_size
 
-from . import task_events
+from . import task_events, tracing
 from .claims import Claimed, claim_attempt
 from .context import StepContext, bound_logger
 from .leases import keeper
@@ -132,6 +133,23 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         _hand_back(row, claim, row.workflow_id)
         return HANDED_BACK, None
 
+    # The attempt's span in its run's trace, and its ids on every log line it writes.
+    with (
+        run_tracing.running(row.run_id, row.root_run_id, row.step_id, row.attempt),
+        tracing.attempt_span(row, worker) as span,
+    ):
+        return _run_claimed(row, claim, deadline, handler, span, own_alarm=own_alarm)
+
+
+def _run_claimed(
+    row: Claimed,
+    claim: uuid.UUID,
+    deadline: Any,
+    handler: Callable[..., Any],
+    span: Any,
+    *,
+    own_alarm: bool,
+) -> tuple[str, Held | None]:
     ctx = StepContext(
         run_id=str(row.run_id),
         step_id=row.step_id,
@@ -142,6 +160,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         step_run_id=row.id,
         account=row.account,
         deadline_at=deadline,
+        trace_span=span,
     )
     try:
         run_secrets = vault.decrypt(row.secrets, run_id=row.run_id)
@@ -241,6 +260,8 @@ def _record(
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
     database restart, keep trying (the body must not be lost, nor run again)."""
+    if ctx.trace_span is not None:
+        tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
     give_up = time.monotonic() + settings.DJFLOW["RECORD_RETRY_SECONDS"]
     pause = 0.1
     while True:

@@ -16,7 +16,8 @@ rows the planner cancelled. With the run locked by the caller, in the caller's t
 - its unfired timers are deleted: an ended run needs none;
 - its end is counted (``runs.metrics``) once the transaction commits;
 - its parent is asked to advance (after commit, never planned here): a child's end is its
-  subworkflow step's. A child ended because its parent is ending asks nothing of it.
+  subworkflow step's. A child ended because its parent is ending asks nothing of it;
+- with tracing on, its spans are emitted after commit (``runs.tracing``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from django.db import connection
 from workflows import kinds
 from workflows.kinds import Role
 
-from .. import dispatch, metrics
+from .. import dispatch, metrics, tracing
 from ..models import Run, StepRun, Timer
 from ..moves import move_run, move_steps
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
@@ -109,6 +110,8 @@ def _end(
         started_at=run.started_at or run.created_at,
         finished_at=now,
     )
+    # Its spans (run, steps, the attempts no worker ran) once the end commits, if traced.
+    tracing.on_run_end(run.id)
     left, children = _left(run.id)
     if left:
         in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)

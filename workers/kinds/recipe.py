@@ -239,6 +239,10 @@ def _reserved_call(
     prompt = ctx.conceal({"system": request.system, "messages": request.messages})
     with ctx.span("model_call", kind="model_generation") as span:
         span.set_model(request.model, provider)
+        # What was asked, in the GenAI semantic conventions (the trace shows them too).
+        span.set_attribute("gen_ai.request.max_tokens", request.max_tokens)
+        if request.temperature is not None:
+            span.set_attribute("gen_ai.request.temperature", request.temperature)
         started = time.monotonic()
 
         def made(charged: Decimal | None, **call: Any) -> None:
@@ -264,6 +268,7 @@ def _reserved_call(
         try:
             reply = providers.call(model_name, request)
         except providers.ModelError as error:
+            span.set_attribute("error.type", error.error_class)
             # Failed with an answer (or none reached the provider): charged nothing. The
             # provider's message may echo what it was sent.
             made(
@@ -301,6 +306,10 @@ def _reserved_call(
         if cost is None:
             span.set_attribute("priced", False)
         span.set_attribute("gen_ai.response.model", reply.model)
+        if reply.stop_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", [reply.stop_reason])
+        if reply.request_id:
+            span.set_attribute("gen_ai.response.id", reply.request_id)
         # Charged with the reservation's settling, when the attempt is recorded: the
         # record's own charge (spans priced from their usage) leaves this one out.
         made(
