@@ -47,10 +47,15 @@ P = ParamSpec("P")
 # environment. The settings export PROMETHEUS_MULTIPROC_DIR, but anything that imported the
 # client before them (a plug-in, a test runner) left it on in-memory values, which no other
 # process would see: switch here, before the first metric exists.
-if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not getattr(
-    values.ValueClass, "_multiprocess", False
-):
+# And the other way: a child of a process that had metrics on inherits the variable, and if
+# the client was imported before the settings turned metrics off (and removed it), every
+# metric would look for a folder that is no longer named (a worker started with
+# DJFLOW_METRICS=false by a process with it on failed to start): back to in-memory values.
+_multiprocess = bool(getattr(values.ValueClass, "_multiprocess", False))
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and not _multiprocess:
     values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+elif not os.environ.get("PROMETHEUS_MULTIPROC_DIR") and _multiprocess:
+    values.ValueClass = values.MutexValue
 
 # Error classes handlers and the built-in kinds may name (workflows.failures) and those the
 # engine writes (runs.engine.plan, runs.engine.ending, workers.kinds). A class outside them

@@ -408,3 +408,23 @@ def test_turned_off_nothing_is_counted_or_served_and_values_stay_in_memory(
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "False"]
     assert not (tmp_path / "m").exists()
+    # ... also when the client was imported before the settings turned metrics off (Celery's
+    # command line imports plug-ins first): a worker so started used to fail at once, its
+    # metrics looking for the folder the settings had just unnamed.
+    early = (
+        "import prometheus_client, django; django.setup(); "
+        "from prometheus_client import values; from runs import metrics; "
+        "metrics.WORKFLOW_EXECUTIONS.labels(workflow='w', status='completed').inc(); "
+        "print(getattr(values.ValueClass, '_multiprocess', False))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", early],
+        cwd=BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
+    assert not (tmp_path / "inherited").exists()
