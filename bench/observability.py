@@ -55,7 +55,9 @@ def otlp_sink() -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.observability", description=__doc__)
-    parser.add_argument("--steps", type=int, default=200, help="steps of the sequential run")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="steps of the sequential run (bench.flows: 5 or 200)"
+    )
     parser.add_argument("--runs", type=int, default=16, help="concurrent runs (of --steps)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the median")
     args = parser.parse_args(argv)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 with common.running_worker(
                     workflow_modules=engine.WORKFLOW_MODULES, env=env
                 ) as worker:
-                    engine.engine_sequential(20)  # warm the pool
+                    engine.engine_sequential(5)  # warm the pool
                     sequential[name].append(engine.engine_sequential(args.steps))
                     concurrent[name].append(engine.engine_throughput(args.runs, args.steps, worker))
                 print(
