@@ -1,0 +1,52 @@
+"""Review of the run inspector (issue 16): what a viewer of a run must not learn from its page
+(the ids of runs below it that they may not see), and bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.status import RunStatus
+from tests.approvals.builders import start_approval
+from tests.runs import inspector_scenes as scenes
+from tests.runs.factories import RunFactory, StepRunFactory
+from tests.runs.test_inspector import browser, person, url
+from workflows import access
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_subworkflow_node_does_not_link_to_a_child_run_the_viewer_may_not_see() -> None:
+    child_version = scenes.saved({"id": "hidden", "steps": [{"id": "inner", "kind": "task"}]})
+    version = scenes.saved(
+        {"id": "seen", "steps": [{"id": "call", "kind": "subworkflow", "workflow": "hidden"}]}
+    )
+    run = RunFactory(version=version, status=RunStatus.WAITING)
+    step = StepRunFactory(run=run, step_id="call", kind="subworkflow", status="waiting")
+    child = RunFactory(version=child_version, parent_run=run, parent_step_run=step, root_run=run)
+    vera = person("vera")
+    access.grant("viewer", "seen", user=vera)
+    client = browser(vera)
+    assert client.get(url(child)).status_code == 404
+    body = client.get(url(run)).content.decode()
+    assert str(child.id) not in body
+
+
+def test_a_pending_approval_of_a_child_run_the_viewer_may_not_see_is_not_linked() -> None:
+    ann = person("ann")
+    ann.email = "ann@example.com"
+    ann.save()
+    child, request = start_approval(users=["ann"])
+    parent_version = scenes.saved(
+        {"id": "outer", "steps": [{"id": "call", "kind": "subworkflow", "workflow": "expense"}]}
+    )
+    parent = RunFactory(version=parent_version, status=RunStatus.WAITING)
+    step = StepRunFactory(run=parent, step_id="call", kind="subworkflow", status="waiting")
+    type(child).objects.filter(id=child.id).update(
+        parent_run=parent, parent_step_run=step, root_run=parent
+    )
+    vera = person("vera")
+    access.grant("viewer", "outer", user=vera)
+    client = browser(vera)
+    assert client.get(url(child)).status_code == 404
+    body = client.get(url(parent)).content.decode()
+    assert str(request.id) not in body and 'id="waiting-links"' not in body
