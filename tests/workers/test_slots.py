@@ -506,3 +506,26 @@ def test_a_starting_worker_says_whether_model_calls_are_counted(
     assert uncounted.levelno == logging.WARNING
     assert "not limited" in uncounted.getMessage()
     assert "DJFLOW_MODEL_SLOTS_REDIS_URL" in uncounted.getMessage()
+
+
+@pytest.mark.parametrize("url", [REDIS_URL, None], ids=["counted", "no-redis"])
+def test_a_gauge_that_fails_fails_no_model_call(
+    make_slots: Callable[..., AccountSlots],
+    account: str,
+    url: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The in-flight gauge writes to a file of the metrics folder (multiprocess mode): a folder
+    # gone or full must not fail the model call, let alone the step (runs.metrics' rule).
+    def broken(**labels: str) -> None:
+        raise OSError("the metric files are gone")
+
+    monkeypatch.setattr(slots_module.MODEL_CALLS_IN_FLIGHT, "labels", broken)
+    account_slots = make_slots(1, url)
+    ran = []
+    with account_slots.held(account, wait_seconds=0) as counted:
+        ran.append(counted)
+    assert ran == [url is not None]
+    if url is not None:
+        # The slot was freed: the next call gets it at once.
+        assert account_slots.in_flight(account) == 0
