@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from runs.models import Run
 from runs.status import RunStatus
 from tests.approvals.builders import start_approval
 from tests.runs import inspector_scenes as scenes
@@ -50,3 +51,30 @@ def test_a_pending_approval_of_a_child_run_the_viewer_may_not_see_is_not_linked(
     assert client.get(url(child)).status_code == 404
     body = client.get(url(parent)).content.decode()
     assert str(request.id) not in body and 'id="waiting-links"' not in body
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ('{"ticket": "\\ud800"}', "input.ticket"),
+        ('{"ticket": "a\\u0000b"}', "input.ticket"),
+        ('{"ticket": NaN}', "input"),
+        ('{"ticket": Infinity}', "input"),
+        ('{"ticket": ' + "[" * 5_000 + "]" * 5_000 + "}", "input"),
+        ("[" * 100_000, "input"),
+    ],
+    ids=["lone-surrogate", "nul", "nan", "infinity", "deep", "deep-unclosed"],
+)
+@pytest.mark.parametrize("mode", ["preview", "retry"])
+def test_retry_form_input_the_api_refuses_is_a_400_naming_it_not_a_500(
+    text: str, named: str, mode: str
+) -> None:
+    # The API's parser (config.parsers) refuses these; the form parses the same JSON itself.
+    run = scenes.failed_run(input={"ticket": "T-1"})
+    client = browser(person("olga", "change_run"))
+    answer = client.post(
+        url(run, "retry-from-step/"), {"from_step": "draft", "input": text, "mode": mode}
+    )
+    assert answer.status_code == 400
+    assert f"<code>{named}</code>: " in answer.content.decode()
+    assert Run.objects.get(id=run.id).generation == 1
