@@ -78,3 +78,24 @@ def test_retry_form_input_the_api_refuses_is_a_400_naming_it_not_a_500(
     assert answer.status_code == 400
     assert f"<code>{named}</code>: " in answer.content.decode()
     assert Run.objects.get(id=run.id).generation == 1
+
+
+# --- the runs list ---------------------------------------------------------------------------
+
+
+def test_a_date_with_any_offset_python_reads_is_a_filter_or_a_400_not_a_500() -> None:
+    # Python reads offsets up to ±23:59, Postgres' timestamptz up to ±15:59.
+    client = browser(person("vic", "view_run"))
+    run = RunFactory()
+    answer = client.get("/runs/", {"created_after": "2000-01-01T00:00:00+23:59"})
+    assert answer.status_code == 200 and str(run.id) in answer.content.decode()
+    answer = client.get("/runs/", {"created_before": "2000-01-01T00:00:00-23:59"})
+    assert answer.status_code == 200 and str(run.id) not in answer.content.decode()
+    # The same instants past the calendar's ends: named, not listed.
+    for name, value in (
+        ("created_before", "9999-12-31T23:59:59-23:59"),
+        ("created_after", "0001-01-01T00:00:00+23:59"),
+    ):
+        answer = client.get("/runs/", {name: value})
+        assert answer.status_code == 400
+        assert "Enter a date and time" in answer.content.decode()
