@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
-from datetime import timezone as dt_timezone
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlparse
@@ -64,7 +63,7 @@ class _When(forms.DateTimeField):
         try:
             # The same instant in UTC: Python reads offsets up to ±23:59, Postgres refuses
             # those past ±15:59 (a 500). Past the calendar's ends in UTC, it is no date.
-            return when.astimezone(dt_timezone.utc)
+            return when.astimezone(UTC)
         except OverflowError:
             raise forms.ValidationError(self.error_messages["invalid"], code="invalid") from None
 
