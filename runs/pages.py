@@ -11,6 +11,7 @@ the POST is refused (403) as the API would refuse them, and a stranger gets 404.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,15 +153,15 @@ def rerun(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
 
 def _edited(run: Run, text: str) -> Any:
     """The input the form sent, or None when it is the run's own (no edit): JSON, or a 400
-    naming ``input`` (or the place in it). What the API's parser refuses (``config.parsers``:
-    NaN and Infinity, nesting past ``MAX_JSON_DEPTH``, ``\\u0000`` or a lone surrogate) is
-    refused here too: it would otherwise be a RecursionError, a page that cannot be encoded or
-    a row Postgres refuses, a 500."""
+    naming ``input`` (or the place in it). What the API refuses (``config.parsers``, its JSON
+    field: NaN, Infinity and numbers past a float's range, nesting past ``MAX_JSON_DEPTH``,
+    ``\\u0000`` or a lone surrogate) is refused here too: it would otherwise be a
+    RecursionError, a page that cannot be encoded or a row Postgres refuses, a 500."""
     if not text.strip():
         return None
     too_deep = FieldError("input", f"is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        given = json.loads(text, parse_constant=_no_constant)
+        given = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
     except RecursionError:
         raise InvalidInput(errors=[too_deep]) from None
     except ValueError as error:
@@ -175,6 +176,14 @@ def _edited(run: Run, text: str) -> Any:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    # 1e999 parses as infinity, which no JSON column stores.
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:40]} is out of a number's range")
+    return number
 
 
 @login_required

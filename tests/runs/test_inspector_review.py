@@ -60,10 +60,11 @@ def test_a_pending_approval_of_a_child_run_the_viewer_may_not_see_is_not_linked(
         ('{"ticket": "a\\u0000b"}', "input.ticket"),
         ('{"ticket": NaN}', "input"),
         ('{"ticket": Infinity}', "input"),
+        ('{"ticket": -1e999}', "input"),
         ('{"ticket": ' + "[" * 5_000 + "]" * 5_000 + "}", "input"),
         ("[" * 100_000, "input"),
     ],
-    ids=["lone-surrogate", "nul", "nan", "infinity", "deep", "deep-unclosed"],
+    ids=["lone-surrogate", "nul", "nan", "infinity", "overflow", "deep", "deep-unclosed"],
 )
 @pytest.mark.parametrize("mode", ["preview", "retry"])
 def test_retry_form_input_the_api_refuses_is_a_400_naming_it_not_a_500(
