@@ -358,7 +358,7 @@ class AccountSlots:
             )
 
     def _fail_open(self, account: str) -> None:
-        MODEL_SLOTS_FAIL_OPEN.inc()
+        _count_fail_open()
         with self._lock:
             error = self._down_error
         self._warn(
@@ -414,6 +414,11 @@ def _gauge_up(account: str) -> Any:
 @never_raises
 def _gauge_down(gauge: Any) -> None:
     gauge.dec()
+
+
+@never_raises
+def _count_fail_open() -> None:
+    MODEL_SLOTS_FAIL_OPEN.inc()
 
 
 @never_raises

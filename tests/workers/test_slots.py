@@ -529,3 +529,16 @@ def test_a_gauge_that_fails_fails_no_model_call(
     if url is not None:
         # The slot was freed: the next call gets it at once.
         assert account_slots.in_flight(account) == 0
+
+
+def test_a_fail_open_count_that_fails_fails_no_model_call(
+    make_slots: Callable[..., AccountSlots], account: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise OSError("the metric files are gone")
+
+    monkeypatch.setattr(slots_module.MODEL_SLOTS_FAIL_OPEN, "inc", broken)
+    # Nothing listens there: Redis is unreachable, the call goes ahead uncounted.
+    account_slots = make_slots(1, f"redis://127.0.0.1:{_free_port()}/0")
+    with account_slots.held(account, wait_seconds=0) as counted:
+        assert counted is False
