@@ -7,6 +7,8 @@ from typing import Any
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.urls import reverse
 
+from workflows import access
+
 from .models import ApprovalRequest, Approver, Notification
 from .status import ApprovalStatus
 
@@ -57,16 +59,21 @@ def inbox_for(
 RUN_PAGE_LINKS = 20
 
 
-def run_page_links(run: Any) -> list[tuple[str, str, str]]:
+def run_page_links(run: Any, user: Any) -> list[tuple[str, str, str]]:
     """The run inspector's links (``runs.inspection.on_page_links``): each request of the run
-    (or of a run below it) still waiting for a decision, as (step id, text, its page). The
-    page itself shows the request only to its approvers; a link to it tells others where the
-    run waits, nothing more."""
+    (or of a run below it that ``user`` may read) still waiting for a decision, as (step id,
+    text, its page). The page itself shows the request only to its approvers; a link to it
+    tells others where the run waits, nothing more."""
     # Its own requests and, for a run at the top of a tree, those of the runs below it (a
     # foreach of approvals waits in its body runs).
     pending = ApprovalRequest.objects.filter(
         Q(run_id=run.id) | Q(run__root_run_id=run.id), status=ApprovalStatus.PENDING
     ).order_by("created_at")
+    # A subworkflow's child run may be of a workflow the reader may not see: its requests'
+    # ids and step ids are not theirs to learn (contract section 8).
+    readable = access.run_filter(user, prefix="run__")
+    if readable is not None:
+        pending = pending.filter(readable)
     return [
         (
             f"{request.path}{request.step_id}",

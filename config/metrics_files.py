@@ -22,10 +22,13 @@ meaningful within a host, so only a host's own processes remove its files:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus-client's gauge modes whose values belong to live processes only.
@@ -91,13 +94,25 @@ def remove_gone(folder: Path | None) -> int:
 
 
 def process_ended(pid: int) -> None:
-    """A child of this host ended: its live gauges end with it."""
+    """A child of this host ended: its live gauges end with it. Never raises: a scrape may
+    remove the same files at the same moment (``files_to_read``), and an exception out of
+    gunicorn's ``child_exit`` leaves the arbiter's main loop, which stops the master."""
     folder = this_host()
     if folder is None:
         return
     from prometheus_client import multiprocess
 
-    multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
+    try:
+        for _ in range(3):
+            try:
+                multiprocess.mark_process_dead(pid, str(folder))  # type: ignore[no-untyped-call]
+                return
+            except FileNotFoundError:
+                continue  # one removed by a scrape meanwhile: look again for the others
+    except OSError:
+        logger.warning(
+            "metrics: the live gauges of process %s were not removed", pid, exc_info=True
+        )
 
 
 def files_to_read(root: Path) -> list[str]:

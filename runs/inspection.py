@@ -46,11 +46,12 @@ ACTION_ROWS = 200
 BODY_DEPTH = 8
 
 # Hooks of apps above runs (approvals registers one from its AppConfig.ready()): each gives,
-# for a run, links to show on its page as (step id, text, url). runs never imports them.
-_links: list[Callable[[Run], list[tuple[str, str, str]]]] = []
+# for a run and the user reading its page, links to show on it as (step id, text, url), only
+# of runs that user may read. runs never imports them.
+_links: list[Callable[[Run, Any], list[tuple[str, str, str]]]] = []
 
 
-def on_page_links(source: Callable[[Run], list[tuple[str, str, str]]]) -> None:
+def on_page_links(source: Callable[[Run, Any], list[tuple[str, str, str]]]) -> None:
     if source not in _links:
         _links.append(source)
 
@@ -192,9 +193,12 @@ def latest_attempts(run: Run) -> list[Latest]:
     return found
 
 
-def _links_of(nodes: list[graph.Node], latest: list[Latest], shown: set[int]) -> None:
+def _links_of(
+    nodes: list[graph.Node], latest: list[Latest], shown: set[int], readable: Q | None
+) -> None:
     """A node leads to its latest attempt's details when the page shows them, a subworkflow
-    node to the child run its latest attempt started."""
+    node to the child run its latest attempt started when the reader may read that run
+    (``readable``: ``access.run_filter``; a child of another workflow's id must not leak)."""
     newest: dict[str, int] = {}
     for row in latest:
         if row.id is not None:
@@ -205,15 +209,18 @@ def _links_of(nodes: list[graph.Node], latest: list[Latest], shown: set[int]) ->
         if attempt_id in shown:
             node.href = f"#attempt-{attempt_id}"
     started = Run.objects.filter(parent_step_run_id__in=list(by_attempt), body="")
+    if readable is not None:
+        started = started.filter(readable)
     for child_id, step_run_id in started.values_list("id", "parent_step_run_id")[:ACTION_ROWS]:
         node = by_attempt[step_run_id]
         if node.kind == "subworkflow":
             node.href = reverse("runs:inspect", kwargs={"run_id": child_id})
 
 
-def drawing(run: Run, shown: set[int]) -> graph.Drawing:
+def drawing(run: Run, shown: set[int], readable: Q | None = None) -> graph.Drawing:
     """The graph of the run's document (of its body, for a body run) coloured by status;
-    ``shown``: the attempts whose details the page shows, which nodes link to."""
+    ``shown``: the attempts whose details the page shows, which nodes link to; ``readable``:
+    the child runs a subworkflow node may link to (``access.run_filter``, None: any)."""
     document = run.version.document
     if run.body:
         # A body run's page draws the body it runs, not its whole workflow.
@@ -221,7 +228,7 @@ def drawing(run: Run, shown: set[int]) -> graph.Drawing:
     nodes = graph.outline(document)
     latest = latest_attempts(run)
     graph.colour(nodes, [(r.body, r.path, r.step_id, r.status, r.branch) for r in latest])
-    _links_of(nodes, latest, shown)
+    _links_of(nodes, latest, shown, readable)
     return graph.layout(nodes)
 
 
@@ -471,7 +478,7 @@ def page(run: Run, user: Any) -> Page:
         live=status not in RUN_TERMINAL,
         may_operate=may_operate,
         tracebacks=tracebacks,
-        drawing=drawing(run, {row.id for row in detailed}),
+        drawing=drawing(run, {row.id for row in detailed}, readable),
         chart=timeline_of(run, rows, total, now),
         attempts=attempts(run, detailed, tracebacks=tracebacks),
         total_attempts=total,
@@ -482,7 +489,7 @@ def page(run: Run, user: Any) -> Page:
             ]
         ],
         children=list(children.only("id", "workflow", "status", "body")[:ACTION_ROWS]),
-        links=[link for source in _links for link in source(run)],
+        links=[link for source in _links for link in source(run, user)],
         input=show(run.input),
         output=show(run.output),
         error=secrets.shown(run.error),

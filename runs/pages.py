@@ -11,6 +11,7 @@ the POST is refused (403) as the API would refuse them, and a stranger gets 404.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from workflows import access, secrets
 from workflows.errors import EngineError, FieldError, InvalidInput, NotFound
+from workflows.json_limits import MAX_JSON_DEPTH, json_depth, text_problems
 
 from . import inspection, services
 from .models import Run
@@ -151,14 +153,37 @@ def rerun(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
 
 def _edited(run: Run, text: str) -> Any:
     """The input the form sent, or None when it is the run's own (no edit): JSON, or a 400
-    naming ``input``."""
+    naming ``input`` (or the place in it). What the API refuses (``config.parsers``, its JSON
+    field: NaN, Infinity and numbers past a float's range, nesting past ``MAX_JSON_DEPTH``,
+    ``\\u0000`` or a lone surrogate) is refused here too: it would otherwise be a
+    RecursionError, a page that cannot be encoded or a row Postgres refuses, a 500."""
     if not text.strip():
         return None
+    too_deep = FieldError("input", f"is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        given = json.loads(text)
+        given = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise InvalidInput(errors=[too_deep]) from None
     except ValueError as error:
         raise InvalidInput(errors=[FieldError("input", f"is not JSON: {error}")]) from None
+    if json_depth(given) > MAX_JSON_DEPTH:
+        raise InvalidInput(errors=[too_deep])
+    problems = text_problems({"input": given})
+    if problems:
+        raise InvalidInput(errors=problems)
     return None if given == secrets.shown(run.input) else given
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    # 1e999 parses as infinity, which no JSON column stores.
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text[:40]} is out of a number's range")
+    return number
 
 
 @login_required

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 from urllib.parse import urlparse
@@ -55,6 +55,17 @@ class _When(forms.DateTimeField):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(required=False, **kwargs)
         self.widget.format = "%Y-%m-%dT%H:%M:%S"
+
+    def to_python(self, value: Any) -> datetime | None:
+        when = super().to_python(value)
+        if when is None:
+            return None
+        try:
+            # The same instant in UTC: Python reads offsets up to ±23:59, Postgres refuses
+            # those past ±15:59 (a 500). Past the calendar's ends in UTC, it is no date.
+            return when.astimezone(UTC)
+        except OverflowError:
+            raise forms.ValidationError(self.error_messages["invalid"], code="invalid") from None
 
 
 class _Cost(forms.DecimalField):

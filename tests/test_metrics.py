@@ -10,6 +10,7 @@ import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from django.db import transaction
@@ -343,6 +344,30 @@ def test_gunicorns_and_celerys_hooks_clean_at_a_masters_start_and_at_a_childs_en
         (tmp_path / f"gauge_livesum_{child}.db").write_bytes(b"")
         ending()
         assert files() == {f"counter_{child}.db"}
+
+
+def test_a_childs_end_raises_nothing_when_its_live_gauges_went_first(tmp_path, monkeypatch) -> None:
+    """A scrape removes a gone process's live gauges too (files_to_read): if it does so between
+    the hook's finding the file and removing it, the hook must not raise. An exception out of
+    gunicorn's child_exit leaves the arbiter's main loop, and the master exits."""
+    from prometheus_client import multiprocess
+
+    from config import gunicorn
+
+    gone, host = _gone_pid(), tmp_path / "web-1"
+    host.mkdir()
+    monkeypatch.setenv(metrics_files.ENV, str(host))
+    live_gauge = host / f"gauge_livesum_{gone}.db"
+    live_gauge.write_bytes(b"")
+
+    def found_then_removed_by_a_scrape(pattern: str) -> list[str]:
+        found = [str(live_gauge)] if live_gauge.exists() and "livesum" in pattern else []
+        assert metrics_files.files_to_read(tmp_path) == []
+        return found
+
+    monkeypatch.setattr(multiprocess, "glob", SimpleNamespace(glob=found_then_removed_by_a_scrape))
+    gunicorn.child_exit(None, type("Worker", (), {"pid": gone})())
+    assert not live_gauge.exists()
 
 
 def test_the_settings_export_this_hosts_folder_before_the_client_is_imported(tmp_path) -> None:

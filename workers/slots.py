@@ -194,7 +194,7 @@ class AccountSlots:
         short back-off), then raises SlotsBusy. Releases on exit, whatever happens."""
         self._this_process()
         if self._client is None:
-            with MODEL_CALLS_IN_FLIGHT.labels(account=account).track_inprogress():
+            with _in_flight(account):
                 yield False
             return
         slot = _Slot(account=account, key=KEY_PREFIX + account, member=self._new_member())
@@ -203,7 +203,7 @@ class AccountSlots:
             with self._lock:
                 self._holding[slot.member] = slot
             self._ensure_refresher()
-            with MODEL_CALLS_IN_FLIGHT.labels(account=account).track_inprogress():
+            with _in_flight(account):
                 yield counted
         finally:
             self._release(slot)
@@ -358,7 +358,7 @@ class AccountSlots:
             )
 
     def _fail_open(self, account: str) -> None:
-        MODEL_SLOTS_FAIL_OPEN.inc()
+        _count_fail_open()
         with self._lock:
             error = self._down_error
         self._warn(
@@ -385,6 +385,40 @@ class AccountSlots:
 
 
 # --- the process's instance -----------------------------------------------------------------
+
+
+@contextmanager
+def _in_flight(account: str) -> Iterator[None]:
+    """The in-flight gauge up for the block's length. A gauge that fails (its file under the
+    metrics folder gone, the disk full) is logged and the call goes on: counting never fails
+    a model call, nor so its step (``runs.metrics``)."""
+    gauge = _gauge_up(account)
+    try:
+        yield
+    finally:
+        if gauge is not None:
+            _gauge_down(gauge)
+
+
+def _gauge_up(account: str) -> Any:
+    """The account's gauge, raised by one; None when that failed (logged)."""
+    try:
+        gauge = MODEL_CALLS_IN_FLIGHT.labels(account=account)
+        gauge.inc()
+    except Exception:
+        logger.warning("metrics: the model calls in flight were not counted", exc_info=True)
+        return None
+    return gauge
+
+
+@never_raises
+def _gauge_down(gauge: Any) -> None:
+    gauge.dec()
+
+
+@never_raises
+def _count_fail_open() -> None:
+    MODEL_SLOTS_FAIL_OPEN.inc()
 
 
 @never_raises

@@ -506,3 +506,39 @@ def test_a_starting_worker_says_whether_model_calls_are_counted(
     assert uncounted.levelno == logging.WARNING
     assert "not limited" in uncounted.getMessage()
     assert "DJFLOW_MODEL_SLOTS_REDIS_URL" in uncounted.getMessage()
+
+
+@pytest.mark.parametrize("url", [REDIS_URL, None], ids=["counted", "no-redis"])
+def test_a_gauge_that_fails_fails_no_model_call(
+    make_slots: Callable[..., AccountSlots],
+    account: str,
+    url: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The in-flight gauge writes to a file of the metrics folder (multiprocess mode): a folder
+    # gone or full must not fail the model call, let alone the step (runs.metrics' rule).
+    def broken(**labels: str) -> None:
+        raise OSError("the metric files are gone")
+
+    monkeypatch.setattr(slots_module.MODEL_CALLS_IN_FLIGHT, "labels", broken)
+    account_slots = make_slots(1, url)
+    ran = []
+    with account_slots.held(account, wait_seconds=0) as counted:
+        ran.append(counted)
+    assert ran == [url is not None]
+    if url is not None:
+        # The slot was freed: the next call gets it at once.
+        assert account_slots.in_flight(account) == 0
+
+
+def test_a_fail_open_count_that_fails_fails_no_model_call(
+    make_slots: Callable[..., AccountSlots], account: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object) -> None:
+        raise OSError("the metric files are gone")
+
+    monkeypatch.setattr(slots_module.MODEL_SLOTS_FAIL_OPEN, "inc", broken)
+    # Nothing listens there: Redis is unreachable, the call goes ahead uncounted.
+    account_slots = make_slots(1, f"redis://127.0.0.1:{_free_port()}/0")
+    with account_slots.held(account, wait_seconds=0) as counted:
+        assert counted is False
