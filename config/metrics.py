@@ -91,13 +91,27 @@ def _refused(request: HttpRequest) -> HttpResponse | None:
             content_type="text/plain",
             headers={"WWW-Authenticate": 'Bearer realm="metrics"'},
         )
-    if settings.EMBEDDED and not settings.DJFLOW_TRUSTED_PROXIES and _loopback(request):
+    if (
+        settings.EMBEDDED
+        and not settings.DJFLOW_TRUSTED_PROXIES
+        and not _forwarded(request)
+        and _loopback(request)
+    ):
         return None
     return HttpResponse(
         "set DJFLOW_METRICS_TOKEN to serve metrics here (without it they are served only on "
         "the embedded default, to this machine)\n",
         status=403,
         content_type="text/plain",
+    )
+
+
+def _forwarded(request: HttpRequest) -> bool:
+    """A request a proxy passed on, though none is declared (DJFLOW_TRUSTED_PROXIES 0): from a
+    reverse proxy on this machine every request comes from loopback, whoever sent it."""
+    return any(
+        name in request.META
+        for name in ("HTTP_X_FORWARDED_FOR", "HTTP_FORWARDED", "HTTP_X_REAL_IP", "HTTP_VIA")
     )
 
 

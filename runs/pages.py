@@ -127,8 +127,13 @@ def rerun(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     except EngineError as error:
         return problem(request, error)
     form = Rerun(from_step=request.POST.get("from_step", ""), input=request.POST.get("input", ""))
-    dry_run = request.POST.get("mode") == "preview"
+    # The form's two buttons say which; anything else (a script's POST without it) retries
+    # nothing: a retry is never what a request gets by leaving a field out.
+    mode = request.POST.get("mode")
+    dry_run = mode == "preview"
     try:
+        if mode not in ("preview", "retry"):
+            raise InvalidInput(errors=[FieldError("mode", "must be 'preview' or 'retry'")])
         edited = _edited(run, form.input or "")
         answer = services.run_retry(
             run_id=run.id,

@@ -85,6 +85,11 @@ def test_without_a_token_only_the_embedded_default_answers_and_only_to_this_mach
     assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 200
     assert client.get("/metrics", REMOTE_ADDR="::1").status_code == 200
     assert client.get("/metrics", REMOTE_ADDR="10.1.2.3").status_code == 403
+    # A proxy on this machine that nobody declared: every request looks local, so a request
+    # a proxy passed on is refused.
+    for header in ("HTTP_X_FORWARDED_FOR", "HTTP_FORWARDED", "HTTP_X_REAL_IP", "HTTP_VIA"):
+        forwarded = client.get("/metrics", REMOTE_ADDR="127.0.0.1", **{header: "203.0.113.9"})
+        assert forwarded.status_code == 403, header
     # Behind a proxy every request comes from the proxy's address: loopback proves nothing.
     settings.DJFLOW_TRUSTED_PROXIES = 1
     assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 403

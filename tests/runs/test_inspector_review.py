@@ -100,3 +100,19 @@ def test_a_date_with_any_offset_python_reads_is_a_filter_or_a_400_not_a_500() ->
         answer = client.get("/runs/", {name: value})
         assert answer.status_code == 400
         assert "Enter a date and time" in answer.content.decode()
+
+
+@pytest.mark.parametrize("mode", [None, "", "go", "Retry"])
+def test_a_retry_form_without_its_mode_retries_nothing(mode: str | None) -> None:
+    # A script's POST that leaves the button out is a 400, never a retry.
+    run = scenes.failed_run(input={"ticket": "T-1"})
+    client = browser(person("olga", "change_run"))
+    form = {"from_step": "draft", "input": ""}
+    if mode is not None:
+        form["mode"] = mode
+    answer = client.post(url(run, "retry-from-step/"), form)
+    assert answer.status_code == 400
+    assert "<code>mode</code>: must be &#x27;preview&#x27; or &#x27;retry&#x27;" in (
+        answer.content.decode()
+    )
+    assert Run.objects.get(id=run.id).generation == 1
