@@ -77,10 +77,17 @@ def _settled(step: Mapping[str, Any], row: AttemptView | None) -> bool:
     return ended and step.get("on_error", "fail_run") == "continue"
 
 
-def merged_input(schema: Any, stored: Any, given: Mapping[str, Any], registry: Any) -> Any:
+def merged_input(
+    schema: Any,
+    stored: Any,
+    given: Mapping[str, Any],
+    registry: Any,
+    kept: list[str] | None = None,
+) -> Any:
     """``given`` with each secret of the stored input that it omits (or sends masked) put
     back, in plaintext: what is validated and sealed again. Only where the secret's parent
-    object is still in ``given``: an edit that removes a whole object removes its secrets."""
+    object is still in ``given``: an edit that removes a whole object removes its secrets.
+    The dotted field of each secret put back is appended to ``kept``."""
     plain = secrets.reveal(stored, registry)
     merged = copy.deepcopy(dict(given))
     for path, value in sorted(write_only_values(schema, plain), key=lambda item: len(item[0])):
@@ -91,6 +98,8 @@ def merged_input(schema: Any, stored: Any, given: Mapping[str, Any], registry: A
         missing = isinstance(parent, dict) and isinstance(last, str) and last not in parent
         if missing or (isinstance(parent, dict) and parent.get(last) == secrets.MASK):
             parent[last] = value
+            if kept is not None:
+                kept.append(".".join(["input", *map(str, path)]))
     return merged
 
 

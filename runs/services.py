@@ -233,7 +233,7 @@ def run_retry(
     _check_retryable(run, from_step=from_step is not None, edit=input is not None)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
-        stored_input, sealed = _edited_input(run, document, input)
+        stored_input, sealed = _edited_input(run, document, input, user)
     attempts = journal.journal_of(run.id)
     restart = retries.restart_at(document["steps"], attempts, from_step)
     reruns = list(run.reruns or [])
@@ -316,10 +316,19 @@ def _check_retryable(run: Run, *, from_step: bool, edit: bool) -> None:
 
 
 def _edited_input(
-    run: Run, document: Mapping[str, Any], given: Mapping[str, Any]
+    run: Run,
+    document: Mapping[str, Any],
+    given: Mapping[str, Any],
+    user: AbstractBaseUser | None = None,
 ) -> tuple[Any, str]:
     """The run's new input as it is stored (secrets as tokens) and its sealed secrets; a 400
-    naming each field ``input_schema`` refuses."""
+    naming each field ``input_schema`` refuses.
+
+    An edit that changes the input and keeps a stored secret (omitted, or sent masked) is
+    for those who could have the secret anyway: an author of the workflow (its handlers are
+    their code) and the run's starter (who gave it). An operator who is neither must give
+    each secret again: otherwise editing, say, the address a step sends the secret to would
+    hand the operator a value they may never see."""
     schema = document.get("input_schema")
     try:
         registry = vault.decrypt(run.secrets, run_id=run.id)
@@ -328,7 +337,22 @@ def _edited_input(
         raise Conflict(errors=[FieldError("input", str(error))]) from None
     # This request holds the run's secrets until it ends: its logs and error reports mask them.
     secrets.expose(secrets.plaintexts(registry))
-    plain = retries.merged_input(schema, run.input, given, registry) if schema else dict(given)
+    kept: list[str] = []
+    plain = (
+        retries.merged_input(schema, run.input, given, registry, kept) if schema else dict(given)
+    )
+    changed = plain != secrets.reveal(run.input, registry)
+    if kept and changed and not _may_keep_secrets(user, run):
+        raise InvalidInput(
+            errors=[
+                FieldError(
+                    field,
+                    "is a secret: give it again to retry with an edited input (only an author "
+                    "of the workflow or the run's starter may keep the stored one)",
+                )
+                for field in kept
+            ]
+        )
     problems = input_errors(run.version, plain)
     if problems:
         raise InvalidInput(errors=problems)
@@ -336,6 +360,14 @@ def _edited_input(
     # secret that did not change keeps its token.
     stored, sealed = vault.seal_input(schema, plain, inherited=registry)
     return stored, vault.encrypt(sealed)
+
+
+def _may_keep_secrets(user: AbstractBaseUser | None, run: Run) -> bool:
+    if user is None:  # the engine's own callers, code with the database's rights
+        return True
+    if run.created_by_id is not None and run.created_by_id == user.pk:
+        return True
+    return access.may_author(user, run.workflow_id, exists=True)
 
 
 def _next_inputs(

@@ -392,3 +392,28 @@ def test_an_edit_of_a_run_whose_secrets_this_key_cannot_open_is_a_409(api, setti
     answer = retry(api, run, {"from_step": "two", "input": {"topic": "x"}})
     assert answer.status_code == 409 and fields(answer) == ["input"]
     assert "DJFLOW_FIELD_KEY" in answer.json()["errors"][0]["message"]
+
+
+def test_an_operator_who_is_neither_author_nor_starter_gives_the_secrets_again(api) -> None:
+    """Editing the input while keeping a stored secret would let an operator point the
+    secret somewhere of their choosing (a step's address, say) without ever seeing it: only
+    the workflow's authors (their code has the secret anyway) and the run's starter (who gave
+    it) keep it; an operator names it again."""
+    run = completed_run(api)  # started by `api`'s user, the workflow's author
+    olga = client_for(person("olga", "operator"))
+    for kept in ({"topic": "elsewhere"}, {"topic": "elsewhere", "key": MASK}):
+        for dry_run in (True, False):
+            answer = retry(olga, run, {"from_step": "two", "input": kept, "dry_run": dry_run})
+            assert answer.status_code == 400, answer.content
+            assert fields(answer) == ["input.key"]
+            assert "give it again" in answer.json()["errors"][0]["message"]
+    assert Run.objects.get(id=run.id).generation == 1
+    # The same input (nothing edited) keeps it: that is a plain retry from the step.
+    same = retry(olga, run, {"from_step": "two", "input": {"topic": "old"}, "dry_run": True})
+    assert same.status_code == 200, same.content
+    # The secret given again: the edit goes through.
+    again = {"topic": "elsewhere", "key": "sk-given-again-1"}
+    answer = retry(olga, run, {"from_step": "two", "input": again, "dry_run": True})
+    assert answer.status_code == 200, answer.content
+    # The starter (here also the author) keeps it without naming it.
+    assert retry(api, run, {"from_step": "two", "input": {"topic": "x"}}).status_code == 200
