@@ -10,8 +10,6 @@ the POST is refused (403) as the API would refuse them, and a stranger gets 404.
 
 from __future__ import annotations
 
-import json
-import math
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +24,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from workflows import access, secrets
 from workflows.errors import EngineError, FieldError, InvalidInput, NotFound
-from workflows.json_limits import MAX_JSON_DEPTH, json_depth, text_problems
+from workflows.json_limits import MAX_JSON_DEPTH, json_depth, loads_numbers_only, text_problems
 
 from . import inspection, services
 from .models import Run
@@ -166,7 +164,7 @@ def _edited(run: Run, text: str) -> Any:
         return None
     too_deep = FieldError("input", f"is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        given = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+        given = loads_numbers_only(text)
     except RecursionError:
         raise InvalidInput(errors=[too_deep]) from None
     except ValueError as error:
@@ -177,18 +175,6 @@ def _edited(run: Run, text: str) -> Any:
     if problems:
         raise InvalidInput(errors=problems)
     return None if given == secrets.shown(run.input) else given
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    # 1e999 parses as infinity, which no JSON column stores.
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"{text[:40]} is out of a number's range")
-    return number
 
 
 @login_required

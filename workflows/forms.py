@@ -22,7 +22,7 @@ from django_json_widget.widgets import JSONEditorWidget
 
 from .access import ROLES
 from .errors import FieldError
-from .json_limits import MAX_JSON_DEPTH, json_depth, text_problems
+from .json_limits import MAX_JSON_DEPTH, NotANumber, json_depth, loads_numbers_only, text_problems
 
 
 def json_from_text(text: str) -> Any:
@@ -33,9 +33,13 @@ def json_from_text(text: str) -> Any:
     ``RecursionError`` in the service or a page that cannot be encoded: a 500 for staff input.
     """
     try:
-        value = json.loads(text)
+        value = loads_numbers_only(text)
     except RecursionError:
         raise _too_deep() from None
+    except NotANumber as exc:
+        raise forms.ValidationError(
+            "Malformed JSON: %(msg)s.", code="malformed_json", params={"msg": str(exc)}
+        ) from None
     except json.JSONDecodeError as exc:
         raise forms.ValidationError(
             "Malformed JSON: %(msg)s at line %(line)d, column %(col)d.",

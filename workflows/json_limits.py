@@ -19,13 +19,22 @@ value the parser returned.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, Final
 
 from .errors import FieldError
 from .validation import field_path
 
-__all__ = ["MAX_JSON_DEPTH", "UNSTORABLE", "json_depth", "text_problems"]
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "UNSTORABLE",
+    "NotANumber",
+    "json_depth",
+    "loads_numbers_only",
+    "text_problems",
+]
 
 MAX_JSON_DEPTH: Final = 100
 UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
@@ -75,3 +84,26 @@ def json_depth(value: Any) -> int:
         elif isinstance(item, list):
             stack.extend((child, depth + 1) for child in item)
     return deepest
+
+
+class NotANumber(ValueError):
+    """``NaN``, ``Infinity`` or a number past a float's range (``1e999``): Python's parser
+    takes them, but they are not JSON numbers and no JSON column stores them (Postgres'
+    ``jsonb`` refuses the row: a 500 after validation)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise NotANumber(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise NotANumber(f"{text[:40]} is out of a number's range")
+    return number
+
+
+def loads_numbers_only(text: str) -> Any:
+    """``json.loads`` refusing what is not a JSON number (:class:`NotANumber`), as the API's
+    parser does (DRF's ``STRICT_JSON``, and its JSON field for ``1e999``)."""
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)

@@ -572,3 +572,14 @@ def test_a_lone_surrogate_is_named_where_it_is(admin_client):
     assert response.context["form"].errors["document"] == [
         "steps[0].input[1]: a string may not contain a lone surrogate (\\udfff)"
     ]
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_number_json_has_not_is_a_form_error_not_a_500(admin_client, number):
+    # Python's parser takes them; Postgres' jsonb refuses the row, after validation.
+    text = '{"id": "simple", "input_schema": {"maximum": ' + number + '}, "steps": []}'
+    response = post_document(admin_client, reverse(ADD_URL), text)
+    assert response.status_code == 200
+    [error] = response.context["form"].errors["document"]
+    assert error.startswith("Malformed JSON: ") and "number" in error, error
+    assert not Workflow.objects.exists()
