@@ -219,9 +219,13 @@ def test_a_redis_restart_mid_run_loses_no_run_and_repeats_no_body(
     bodies = len(relays) * len(RELAY_EFFECTS)
 
     # Mid-run: most first steps have run, and the workers are busy recording them and
-    # offering the second ones when the broker dies.
+    # offering the second ones when the broker dies; and the two long bodies have begun (on
+    # a loaded machine the patient worker once took them up 21 ms after the kill).
     wait_for(
-        lambda: _executions(relays) >= bodies // 5,
+        lambda: (
+            _executions(relays) >= bodies // 5
+            and all(effects(run_id, "long") for run_id in lingering)
+        ),
         timeout=30,
         message=celery_processes.logs,
     )
