@@ -265,7 +265,9 @@ def test_nothing_is_emitted_when_tracing_is_off(
     emitted.assert_not_called()
 
 
-@pytest.mark.parametrize(("queries", "traced"), [("", "True"), ("false", "False")])
+@pytest.mark.parametrize(
+    ("queries", "traced"), [("", "False"), ("false", "False"), ("true", "True")]
+)
 def test_query_spans_follow_djflow_trace_queries(queries: str, traced: str) -> None:
     probe = (
         "import django; django.setup()\n"

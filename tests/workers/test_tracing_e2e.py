@@ -72,6 +72,7 @@ def test_one_trace_per_run_across_web_worker_and_beat_processes(
             **model_server.openai_env(),
             **OTEL,
             "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+            "DJFLOW_TRACE_QUERIES": "true",
             "DJFLOW_LOG_FORMAT": "json",
         }
         for name, value in model_server.openai_env().items():
