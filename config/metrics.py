@@ -126,7 +126,10 @@ class FilesCollector(Collector):
     """What every process counted, from the files under DJFLOW_METRICS_DIR."""
 
     def collect(self) -> Iterator[Metric]:
-        files = metrics_files.files_to_read(Path(settings.DJFLOW_METRICS_DIR))
+        tunables = settings.DJFLOW
+        # A host's workers are live while their last beat is this recent (workflows.heartbeats).
+        window = tunables["WORKER_HEARTBEAT_SECONDS"] * tunables["WORKER_LIVE_BEATS"]
+        files = metrics_files.files_to_read(Path(settings.DJFLOW_METRICS_DIR), live_window=window)
         yield from MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
 
 

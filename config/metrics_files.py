@@ -16,7 +16,14 @@ meaningful within a host, so only a host's own processes remove its files:
 - a child that ends (gunicorn's ``child_exit``, Celery's ``worker_process_shutdown``) has its
   live gauges' files removed (``mark_process_dead``): what it had in flight is no longer;
 - a scrape skips, and removes, the live gauges' files of its host's processes that are gone
-  (a pool child killed outright, which no hook saw).
+  (a pool child killed outright, which no hook saw);
+- a scrape skips the live gauges of another host whose workers stopped beating: a Celery
+  worker's main process touches ``alive`` in its host's folder at every heartbeat
+  (``mark_host_alive``), and a folder whose mark is older than the heartbeats' live window
+  (or has none) is a host that is gone (a container recreated under a new host name, a
+  machine retired), whose in-flight calls ended with it. Its files are left in place, not
+  removed: a host that was only slow counts again at its next beat, and its counters (which
+  must never go down) are read as before.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import logging
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -33,6 +41,8 @@ logger = logging.getLogger(__name__)
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus-client's gauge modes whose values belong to live processes only.
 _LIVE_PREFIX = "gauge_live"
+# In a host's folder: touched by its workers' heartbeats (see the module's docstring).
+ALIVE_MARK = "alive"
 
 
 def host_folder(root: Path) -> Path:
@@ -115,18 +125,47 @@ def process_ended(pid: int) -> None:
         )
 
 
-def files_to_read(root: Path) -> list[str]:
+def mark_host_alive() -> None:
+    """This host's workers are beating (a Celery worker's heartbeat, in its main process).
+    Never raises: a metric's bookkeeping must not cost a heartbeat."""
+    folder = this_host()
+    if folder is None:
+        return
+    try:
+        (folder / ALIVE_MARK).touch()
+    except OSError:
+        logger.warning("metrics: could not mark %s alive", folder, exc_info=True)
+
+
+def _host_gone(folder: Path, now: float, window: float) -> bool:
+    try:
+        return now - (folder / ALIVE_MARK).stat().st_mtime > window
+    except FileNotFoundError:
+        return True
+
+
+def files_to_read(root: Path, *, live_window: float = 15.0) -> list[str]:
     """Every host's files under the root, less the live gauges of this host's processes that
-    are gone (removed on the way)."""
+    are gone (removed on the way) and those of other hosts whose workers have not beaten
+    within ``live_window`` seconds (left in place)."""
     own = this_host()
     own = own.resolve() if own is not None else None
+    now = time.time()
+    gone_hosts: dict[Path, bool] = {}
     files = []
     for path in sorted(root.glob("*/*.db")):
-        if path.name.startswith(_LIVE_PREFIX) and path.parent.resolve() == own:
-            pid = pid_of(path)
-            if pid is not None and not alive(pid):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-                continue
+        if path.name.startswith(_LIVE_PREFIX):
+            folder = path.parent.resolve()
+            if folder == own:
+                pid = pid_of(path)
+                if pid is not None and not alive(pid):
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+                    continue
+            else:
+                if folder not in gone_hosts:
+                    gone_hosts[folder] = _host_gone(folder, now, live_window)
+                if gone_hosts[folder]:
+                    continue
         files.append(str(path))
     return files

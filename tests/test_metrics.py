@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -306,21 +307,39 @@ def test_a_scrape_reads_every_hosts_files_less_its_own_gone_live_gauges(
 ) -> None:
     gone, live = _gone_pid(), os.getppid()
     own, other = tmp_path / "web-1", tmp_path / "worker-1"
-    own.mkdir()
-    other.mkdir()
+    retired, silent = tmp_path / "worker-old", tmp_path / "worker-unmarked"
+    for folder in (own, other, retired, silent):
+        folder.mkdir()
     monkeypatch.setenv(metrics_files.ENV, str(own))
     kept = [
         own / f"counter_{gone}.db",
         own / f"gauge_livesum_{live}.db",
-        # Another host's process ids mean nothing here: its files are read as they are.
+        # Another host's process ids mean nothing here: its files are read as they are,
+        # while its workers beat (their heartbeat touches the mark).
         other / f"gauge_livesum_{gone}.db",
         other / f"counter_{gone}.db",
+        # A host whose workers stopped beating: its counts stay (counters never go down)...
+        retired / f"counter_{gone}.db",
+        silent / f"counter_{gone}.db",
     ]
+    # ... but not what it had in flight, which ended with it; left in place, not removed.
+    skipped = [retired / f"gauge_livesum_{gone}.db", silent / f"gauge_livesum_{gone}.db"]
     dropped = own / f"gauge_livesum_{gone}.db"
-    for path in [*kept, dropped]:
+    for path in [*kept, *skipped, dropped]:
         path.write_bytes(b"")
-    assert sorted(metrics_files.files_to_read(tmp_path)) == sorted(str(p) for p in kept)
+    (other / metrics_files.ALIVE_MARK).touch()
+    (retired / metrics_files.ALIVE_MARK).touch()
+    an_hour_ago = time.time() - 3600
+    os.utime(retired / metrics_files.ALIVE_MARK, (an_hour_ago, an_hour_ago))
+    found = metrics_files.files_to_read(tmp_path, live_window=15)
+    assert sorted(found) == sorted(str(p) for p in kept)
     assert not dropped.exists()
+    assert all(path.exists() for path in skipped)
+    # The mark is this host's workers' heartbeat.
+    monkeypatch.setenv(metrics_files.ENV, str(retired))
+    metrics_files.mark_host_alive()
+    monkeypatch.setenv(metrics_files.ENV, str(own))
+    assert str(skipped[0]) in metrics_files.files_to_read(tmp_path, live_window=15)
 
 
 def test_gunicorns_and_celerys_hooks_clean_at_a_masters_start_and_at_a_childs_end(

@@ -26,6 +26,7 @@ from django.conf import settings
 from django.db import DatabaseError, close_old_connections, connection
 from django.utils import timezone
 
+from config import metrics_files
 from runs.engine import unservable
 from workflows import heartbeats, registry
 
@@ -81,6 +82,9 @@ class Heartbeat(bootsteps.StartStopStep):
         return sorted(worker.app.amqp.queues.consume_from)
 
     def _beat(self, hostname: str, handlers: list[str], queues: list[str]) -> None:
+        # The metrics folder's mark: a scrape elsewhere counts this host's live gauges (the
+        # model calls in flight) while it is fresh (config.metrics_files).
+        metrics_files.mark_host_alive()
         try:
             # The main process has no requests to recycle its connection around.
             close_old_connections()
