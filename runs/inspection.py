@@ -473,6 +473,9 @@ def page(run: Run, user: Any) -> Page:
     if readable is not None:
         children = children.filter(readable)
     status = run.status
+    # The form only its operators see on an ended run: its steps and input (up to 64,000
+    # characters of JSON) are not worked out for anyone else, nor at each live refresh.
+    rerun = may_operate and status in RUN_TERMINAL and run.parent_run_id is None
     return Page(
         run=run,
         live=status not in RUN_TERMINAL,
@@ -500,7 +503,11 @@ def page(run: Run, user: Any) -> Page:
             "resume": status == RunStatus.PAUSED,
             "retry": status == RunStatus.FAILED,
         },
-        rerun=may_operate and status in RUN_TERMINAL and run.parent_run_id is None,
-        rerun_steps=[node.step_id for node in graph.walk(graph.outline(run.version.document))],
-        rerun_input=editable_input(run),
+        rerun=rerun,
+        rerun_steps=(
+            [node.step_id for node in graph.walk(graph.outline(run.version.document))]
+            if rerun
+            else []
+        ),
+        rerun_input=editable_input(run) if rerun else None,
     )

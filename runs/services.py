@@ -102,14 +102,16 @@ def run_start(
     return StartResult(run, created=True)
 
 
-def _locked(run_id: Any, user: AbstractBaseUser | None = None) -> Run:
-    """The run, locked, once ``user`` may operate it (404 when they may not see it, 403
-    when they may see but not operate it; ``None`` is trusted code)."""
+def _locked(run_id: Any, user: AbstractBaseUser | None = None, *, lock: bool = True) -> Run:
+    """The run, locked (unless ``lock`` is false: a read that changes nothing), once
+    ``user`` may operate it (404 when they may not see it, 403 when they may see but not
+    operate it; ``None`` is trusted code)."""
     try:
         run_id = uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = Run.objects.select_for_update().filter(id=run_id).first()
+    runs = Run.objects.select_for_update() if lock else Run.objects.all()
+    run = runs.filter(id=run_id).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_operate_run(user, run)
@@ -218,7 +220,9 @@ def run_retry(
         errors.append(FieldError("from_step", "must be a step id (a string)"))
     if errors:
         raise InvalidInput(errors=errors)
-    run = _locked(run_id, user)
+    # A dry run writes nothing: it does not hold the run's lock, which would keep the run's
+    # workers from recording while it plans.
+    run = _locked(run_id, user, lock=not dry_run)
     document = journal.document_of(run.version_id)
     if from_step is not None and from_step not in journal.steps_of(run.version_id):
         raise InvalidInput(

@@ -417,3 +417,19 @@ def test_an_operator_who_is_neither_author_nor_starter_gives_the_secrets_again(a
     assert answer.status_code == 200, answer.content
     # The starter (here also the author) keeps it without naming it.
     assert retry(api, run, {"from_step": "two", "input": {"topic": "x"}}).status_code == 200
+
+
+def test_a_dry_run_takes_no_lock_and_a_retry_does(api) -> None:
+    """A preview writes nothing: holding the run's row lock would keep its workers from
+    recording while it plans."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    run = completed_run(api)
+    body = {"from_step": "two", "input": {"topic": "x"}}
+    with CaptureQueriesContext(connection) as preview:
+        assert retry(api, run, {**body, "dry_run": True}).status_code == 200
+    assert not [q for q in preview.captured_queries if "FOR UPDATE" in q["sql"]]
+    with CaptureQueriesContext(connection) as real:
+        assert retry(api, run, body).status_code == 200
+    assert [q for q in real.captured_queries if "FOR UPDATE" in q["sql"]]
