@@ -7,7 +7,8 @@ from typing import Any
 from workflows.sdk import handler, workflow
 
 NOOP = "bench.noop"
-SHAPES = (5, 200)
+# 10, 200 and 2,000 steps: the per-step cost must not grow with the journal (issue 17).
+SHAPES = (5, 10, 200, 2000)
 
 
 @handler(NOOP)
@@ -16,7 +17,10 @@ def noop(ctx: Any, input: Any, prior: Any) -> None:
 
 
 def _sequence(steps: int) -> None:
-    flow = workflow(f"bench_seq_{steps}", limits={"run_timeout_ms": 3_600_000})
+    flow = workflow(
+        f"bench_seq_{steps}",
+        limits={"run_timeout_ms": 3_600_000, "max_steps": max(1000, steps * 2)},
+    )
     for n in range(steps):
         flow.task(f"s{n}", handler=NOOP)
 
