@@ -191,3 +191,22 @@ def test_a_rolled_back_plan_keeps_no_prefix():
     assert _scheduled(run.id) == first.id
     _step(run.id)
     assert StepRun.objects.get(run=run, step_id="s1").status == "succeeded"
+
+
+def test_a_step_run_inline_after_another_commits_once(settings, rows_read):
+    """A worker that goes on with the run's next step claims it in the transaction that
+    recorded the previous one: one commit per step, the first step's claim aside."""
+    settings.DJFLOW = {**settings.DJFLOW, "INLINE_MAX_STEPS": 50, "CHECK_PREFIX": False}
+    journal.forget_prefixes()
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    first = _scheduled(run.id)
+    with CaptureQueriesContext(connection) as captured:
+        execute(first, worker="in-process")
+    run.refresh_from_db()
+    assert run.status == "completed"
+    statements = [query["sql"] for query in captured.captured_queries]
+    commits = sum(sql.strip() == "COMMIT" for sql in statements)
+    claims = sum("WITH claimed AS" in sql for sql in statements)
+    # Ten steps: ten recording transactions, nine of which also claimed the next step, and
+    # the first step's own claim on its own (autocommit, no COMMIT statement).
+    assert (commits, claims) == (10, 10), "\n".join(sql[:120] for sql in statements)
