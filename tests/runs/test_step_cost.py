@@ -210,3 +210,28 @@ def test_a_step_run_inline_after_another_commits_once(settings, rows_read):
     # Ten steps: ten recording transactions, nine of which also claimed the next step, and
     # the first step's own claim on its own (autocommit, no COMMIT statement).
     assert (commits, claims) == (10, 10), "\n".join(sql[:120] for sql in statements)
+
+
+def test_the_kept_prefixes_are_bounded_by_runs_and_by_bytes(monkeypatch):
+    from runs.engine.plan import Prefix
+
+    def prefix(steps: int, size: int) -> Prefix:
+        return Prefix(steps, steps, 1, {}, None, True, steps, False, size)
+
+    journal.forget_prefixes()
+    monkeypatch.setattr(journal, "PREFIX_CACHE_RUNS", 3)
+    monkeypatch.setattr(journal, "PREFIX_CACHE_BYTES", 100)
+    for run in range(5):
+        journal._keep(f"run-{run}", 1, "", prefix(run + 1, 10))
+    assert list(journal._prefixes) == ["run-2", "run-3", "run-4"]  # the oldest went first
+    monkeypatch.setattr(journal, "PREFIX_CACHE_RUNS", 10)
+    journal._keep("run-5", 1, "", prefix(1, 25))
+    journal._keep("run-6", 1, "", prefix(1, 25))
+    journal._keep("run-7", 1, "", prefix(1, 25))  # 105 bytes: run-2 goes
+    assert list(journal._prefixes) == ["run-3", "run-4", "run-5", "run-6", "run-7"]
+    assert journal._prefix_bytes == 95
+    journal._keep("huge", 1, "", prefix(1, 26))  # over a quarter of the bound: not kept
+    assert "huge" not in journal._prefixes
+    journal._keep("run-4", 1, "", prefix(2, 10))  # a shorter one never replaces a longer
+    assert journal._prefixes["run-4"][2].steps == 5
+    journal.forget_prefixes()
