@@ -102,6 +102,9 @@ class _Chain:
     soft_limit: float | None
     queue: str | None
     chained: int = 0
+    # The claim the recording transaction being tried makes on the next attempt: should its
+    # commit go unacknowledged, the attempt may be claimed with nobody to run it.
+    pending: uuid.UUID | None = None
 
     def goes_on_with(self, step_run: StepRun) -> bool:
         """Whether this task runs ``step_run`` (the run's next attempt) itself."""
@@ -289,10 +292,14 @@ def _record(
         tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
     give_up = time.monotonic() + settings.DJFLOW["RECORD_RETRY_SECONDS"]
     pause = 0.1
+    # Claims on the next attempt made by tries that failed, perhaps after their commit.
+    unsure: list[uuid.UUID] = []
     while True:
         try:
             recorded = _record_once(row, claim, status, output, error, ctx, run_secrets, chain)
         except (OperationalError, InterfaceError):
+            if chain is not None and chain.pending is not None:
+                unsure.append(chain.pending)
             if time.monotonic() + pause > give_up:
                 raise
             logger.warning("recording attempt %s failed; reconnecting", row.id, exc_info=True)
@@ -300,6 +307,8 @@ def _record(
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
         else:
+            for lost in unsure:
+                _release(lost)
             # Committed: counted now, off the recording's transaction (runs.metrics).
             metrics.attempt_recorded(
                 workflow=row.workflow_id,
@@ -322,6 +331,8 @@ def _record_once(
     run_secrets: dict[str, Any],
     chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
+    if chain is not None:
+        chain.pending = None
     # The run is charged what was not charged during the attempt (a recipe's model calls
     # are, as each is settled); the attempt shows all it cost.
     cost = ctx.uncharged_usd()
@@ -367,8 +378,12 @@ def _record_once(
                 if chain is not None and chain.goes_on_with(next_attempt):
                     # Claimed in this transaction, which commits before its body runs: the
                     # next step's claim costs no commit of its own.
+                    chain.pending = uuid.uuid4()
                     claimed = claim_attempt(
-                        next_attempt.id, worker=chain.worker, now=timezone.now()
+                        next_attempt.id,
+                        worker=chain.worker,
+                        now=timezone.now(),
+                        claim=chain.pending,
                     )
                 held = (next_attempt, run.workflow_id, claimed)
     return status, held
@@ -407,6 +422,21 @@ def _record_inside(
         if _may_change_the_plan(row, result["status"]) and request_advance(row.run_id):
             dispatch.advance_on_commit(row.run_id)
     return result["status"], None
+
+
+def _release(claim: uuid.UUID) -> None:
+    """Hand back the attempt a recording transaction claimed for this task if that
+    transaction committed after all (its commit was not acknowledged: the connection dropped)
+    and a later try recorded nothing new: its body never ran, so it is offered again, like
+    any attempt handed back, instead of waiting for its lease to lapse as lost (which would
+    fail an at_most_once step that never ran)."""
+    with transaction.atomic():
+        for step_run in StepRun.objects.select_related("run").filter(
+            claim=claim, status=StepStatus.RUNNING
+        ):
+            if _returned(step_run.id, claim, timezone.now()):
+                logger.warning("attempt %s claimed by an unsure commit: offered", step_run.id)
+                dispatch.offer_on_commit(step_run, workflow_id=step_run.run.workflow_id)
 
 
 def _charge_attempt(step_run_id: int, cost: Any) -> None:
@@ -464,7 +494,7 @@ def _hand_back(row: Claimed, claim: uuid.UUID, workflow_id: str) -> None:
     handler = unservable.handler_of(workflow_id, row.version_id, row.step_id)
     with transaction.atomic():
         now = timezone.now()
-        returned = _returned(row, claim, now, refusals=F("refusals") + 1)
+        returned = _returned(row.id, claim, now, refusals=F("refusals") + 1)
         waits = returned and unservable.unservable_arm(
             step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
         )
@@ -491,17 +521,17 @@ def _defer(row: Claimed, claim: uuid.UUID, deferred: Deferred) -> None:
     """
     logger.info("attempt %s handed back for %.1f s: %s", row.id, deferred.seconds, deferred)
     with transaction.atomic():
-        if _returned(row, claim, timezone.now()):
+        if _returned(row.id, claim, timezone.now()):
             dispatch.offer_later_on_commit(
                 row, workflow_id=row.workflow_id, seconds=deferred.seconds
             )
 
 
-def _returned(row: Claimed, claim: uuid.UUID, now: Any, **more: Any) -> bool:
+def _returned(step_run_id: int, claim: uuid.UUID, now: Any, **more: Any) -> bool:
     """The claimed attempt back to ``scheduled`` (running -> scheduled, the one move back in
     runs.status.STEP_MOVES), if the claim still holds; True when it did."""
     moved = move_steps(
-        StepRun.objects.filter(id=row.id, claim=claim),
+        StepRun.objects.filter(id=step_run_id, claim=claim),
         StepStatus.SCHEDULED,
         sources=[StepStatus.RUNNING],
         claim=None,

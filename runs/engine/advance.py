@@ -124,7 +124,15 @@ def advance_locked(
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
         prefix = journal.prefix_for(run, prefix) if prefix is not None else None
-        attempts = journal.journal_of(run.id, after=prefix.through_id if prefix else 0)
+        checked = prefix is not None and settings.DJFLOW["CHECK_PREFIX"]
+        if checked:
+            # The check plans from the same read of the whole journal: a completion committed
+            # between two reads (inside a composite step, recorded without the run's lock)
+            # would be a difference that is not the prefix's.
+            whole = journal.journal_of(run.id)
+            attempts = [a for a in whole if prefix is not None and a.id > prefix.through_id]
+        else:
+            attempts = journal.journal_of(run.id, after=prefix.through_id if prefix else 0)
         document = journal.document_for(run)
         view = journal.run_view(run, attempts, prefix)
         planned = plan(
@@ -137,8 +145,8 @@ def advance_locked(
             prefix=prefix,
             positions=journal.positions_for(run),
         )
-        if prefix is not None and settings.DJFLOW["CHECK_PREFIX"]:
-            _check_prefix(run, planned, now, budget.actions)
+        if checked:
+            _check_prefix(run, planned, whole, view, now, budget.actions)
         if planned.prefix is not None:
             prefix = planned.prefix
             journal.keep_prefix(run, prefix)
@@ -166,13 +174,15 @@ def advance_locked(
     return planned, held
 
 
-def _check_prefix(run: Run, planned: Plan, now: Any, max_actions: int) -> None:
+def _check_prefix(
+    run: Run, planned: Plan, attempts: list[Any], view: Any, now: Any, max_actions: int
+) -> None:
     """The engine's own tests (DJFLOW_CHECK_PREFIX): a plan from a prefix must be the plan
-    the whole journal gives, or the prefix stood for rows it should not have."""
-    attempts = journal.journal_of(run.id)
+    the whole journal (``attempts``, the same read) gives, or the prefix stood for rows it
+    should not have. The run's view is the same too (its tree's count is read unlocked)."""
     whole = plan(
         journal.document_for(run),
-        journal.run_view(run, attempts),
+        view,
         attempts,
         now,
         journal.planner_settings(),

@@ -201,7 +201,9 @@ def _size(value: Any) -> int:
 # a prefix only covers rows that never change, and a stale one is merely shorter.
 
 PREFIX_CACHE_RUNS = 2048
-PREFIX_CACHE_BYTES = 64 * 1024 * 1024
+# Stored JSON bytes: parsed into Python objects they take about five to six times as much
+# (measured), so this is about 50 MB of each worker process at most.
+PREFIX_CACHE_BYTES = 8 * 1024 * 1024
 _prefixes: OrderedDict[Any, tuple[int, str, Prefix]] = OrderedDict()
 _prefix_bytes = 0
 _prefix_lock = threading.Lock()

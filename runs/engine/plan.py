@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
+from functools import partial
 from itertools import islice
 from typing import Any
 
@@ -430,6 +431,8 @@ class _Planner:
         self._wakes = 0
         # The step about to be visited heads a parallel's branch: never stopped before.
         self._branch_head = False
+        # Opens a new run of the body being visited (set by _body_run), for _after_failure.
+        self._reopen: Callable[[int], _Go] | None = None
 
     def _prefixable(self, prefix: Prefix | None = None) -> bool:
         view = self.run_view
@@ -721,6 +724,9 @@ class _Planner:
                 # As that generation saw it: a rejected approval's decision stays its output.
                 self._settle(step, "failed", latest.output, error)
                 return _Go.CONTINUE
+            if step["id"] == BODY and self._reopen is not None:
+                # A body run: a new one (see _body_run).
+                return self._reopen(latest.attempt + 1)
             return self._schedule(step, path, attempt=latest.attempt + 1)
         due = self._retry_due(step, path, attempts, latest, error)
         if due is not None:
@@ -1184,37 +1190,17 @@ class _Planner:
         attempts = self.by_step.get((path, BODY), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
-            if self._out_of_steps(BODY):
-                return _Go.STOP, None
-            scope = {
-                "input": self.context["input"],
-                "steps": self.context["steps"],
-                **roots,
-                "default": default,
-            }
-            try:
-                # The body run's input: it is copied into every body run, so it is bounded.
-                check_size(scope, MAX_VALUE_BYTES)
-            except TooLarge as error:
-                message = (
-                    f"input: the body's scope (the run input, the outputs of the steps before "
-                    f"it, its item or iteration) is {error}; the limit is 1 MiB"
-                )
-                return self._fail(stand_in, {"class": INVALID_INPUT, "message": message}), None
-            self.counted += 1
-            self.out.actions.append(
-                Open(
-                    BODY,
-                    path,
-                    BODY_KIND,
-                    attempt=self._fresh(path, BODY),
-                    generation=self.run_view.generation,
-                    status="waiting",
-                    start={"body": self._body_ref, "input": scope},
-                )
-            )
-            self.waiting = True
-            return _Go.BLOCKED, None
+            return self._open_body(path, roots, default, self._fresh(path, BODY)), None
+        if (
+            latest.status not in IN_FLIGHT
+            and latest.status != "succeeded"
+            and latest.generation < self.run_view.generation
+        ):
+            # A body run that failed before a retry of the run starts again as a new body
+            # run (it has no workflow of its own to schedule again).
+            return self._open_body(path, roots, default, latest.attempt + 1), None
+        # The same when its child fails now, in an older generation (see _after_failure).
+        self._reopen = partial(self._open_body, path, roots, default)
         saved = self.context
         self.context = {**self.context, "steps": dict(self.context["steps"])}
         try:
@@ -1230,8 +1216,43 @@ class _Planner:
                 go = self._after_failure(stand_in, path, attempts, latest)
             output = self.context["steps"][BODY]["output"] if go is _Go.CONTINUE else None
         finally:
-            self.context = saved
+            self.context, self._reopen = saved, None
         return go, output
+
+    def _open_body(self, path: str, roots: dict[str, Any], default: Any, attempt: int) -> _Go:
+        """Open a body run (the subworkflow row that starts it) with the scope it sees."""
+        stand_in = {"id": BODY, "kind": BODY_KIND}
+        if self._out_of_steps(BODY):
+            return _Go.STOP
+        scope = {
+            "input": self.context["input"],
+            "steps": self.context["steps"],
+            **roots,
+            "default": default,
+        }
+        try:
+            # The body run's input: it is copied into every body run, so it is bounded.
+            check_size(scope, MAX_VALUE_BYTES)
+        except TooLarge as error:
+            message = (
+                f"input: the body's scope (the run input, the outputs of the steps before "
+                f"it, its item or iteration) is {error}; the limit is 1 MiB"
+            )
+            return self._fail(stand_in, {"class": INVALID_INPUT, "message": message})
+        self.counted += 1
+        self.out.actions.append(
+            Open(
+                BODY,
+                path,
+                BODY_KIND,
+                attempt=attempt,
+                generation=self.run_view.generation,
+                status="waiting",
+                start={"body": self._body_ref, "input": scope},
+            )
+        )
+        self.waiting = True
+        return _Go.BLOCKED
 
     def _started(self, body: Any, path: str) -> bool:
         first = BODY if isinstance(body, list) and len(body) > 1 else _one(body)["id"]
