@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Sequence
 
 import redis
 from celery import chain as celery_chain
 from celery import shared_task
 from django.conf import settings
 
-from bench.common import KEY_PREFIX, bench_redis, wait_for_key
+from bench.common import KEY_PREFIX, bench_redis, destinations, wait_for_key
 from tests.processes import CeleryProcess
 
 
@@ -110,11 +111,13 @@ def chain(hops: int, worker: CeleryProcess | None = None) -> float:
     return _elapsed(run, timeout=30 + hops * 0.05, worker=worker) * 1000 / (hops - 1)
 
 
-def throughput(runs: int, hops: int, worker: CeleryProcess) -> float:
+def throughput(runs: int, hops: int, worker: CeleryProcess | Sequence[CeleryProcess]) -> float:
     """Tasks per second of ``runs`` concurrent relays of ``hops`` tasks (``hops=1``:
-    independent tasks), from the first task's start to the last task's end."""
+    independent tasks), from the first task's start to the last task's end, on ``worker``
+    (one or several nodes)."""
     from config.celery import app
 
+    nodes = destinations(worker)
     run = uuid.uuid4().hex
     queue = f"bench-{run[:12]}"
     total = runs * hops
@@ -122,11 +125,12 @@ def throughput(runs: int, hops: int, worker: CeleryProcess) -> float:
         for _ in range(runs):
             tick.apply_async((run, 1, hops, total, queue), queue=queue, producer=producer)
     # Only now does the worker see them: what is timed is the worker, not this loop.
-    app.control.add_consumer(queue, destination=[worker.hostname], reply=True, timeout=5)
+    app.control.add_consumer(queue, destination=nodes, reply=True, timeout=5)
     try:
-        seconds = _elapsed(run, timeout=60 + total * 0.01, worker=worker)
+        first = worker if isinstance(worker, CeleryProcess) else worker[0]
+        seconds = _elapsed(run, timeout=60 + total * 0.01, worker=first)
     finally:
-        app.control.cancel_consumer(queue, destination=[worker.hostname], reply=True, timeout=5)
+        app.control.cancel_consumer(queue, destination=nodes, reply=True, timeout=5)
         # The queue was for this measurement only: leave no binding behind in the broker.
         bench_redis().delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
     return total / seconds

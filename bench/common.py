@@ -119,6 +119,75 @@ def running_worker(
             worker.stop(timeout=30)
 
 
+@contextlib.contextmanager
+def running_workers(
+    count: int,
+    *,
+    concurrency: int = 2,
+    loglevel: str = "warning",
+    include: Sequence[str] = ("bench.bare_celery",),
+    workflow_modules: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[list[CeleryProcess]]:
+    """``count`` workers like :func:`running_worker`'s, each a node of its own (``bench1@``,
+    ``bench2@``...) with its own pool of ``concurrency`` processes: the shape of a deployment
+    on several machines, on this one."""
+    purge_broker()
+    with tempfile.TemporaryDirectory(prefix="djflow-bench-") as workdir:
+        workers = [
+            worker_process(
+                env=service_env(
+                    database_url=DATABASE_URL,
+                    broker_url=REDIS_URL,
+                    result_backend=REDIS_URL,
+                    workflow_modules=workflow_modules,
+                    extra=env,
+                ),
+                workdir=Path(workdir),
+                name=f"bench{n + 1}",
+                concurrency=concurrency,
+                loglevel=loglevel,
+                include=include,
+            )
+            for n in range(count)
+        ]
+        try:
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.wait_ready(timeout=60)
+            yield workers
+        except BaseException:
+            for worker in workers:
+                print(worker.logs()[-3000:])
+            raise
+        finally:
+            for worker in workers:
+                worker.stop(timeout=30)
+
+
+def destinations(workers: CeleryProcess | Sequence[CeleryProcess]) -> list[str]:
+    """The node names of one worker or several (remote control's ``destination``)."""
+    if isinstance(workers, CeleryProcess):
+        return [workers.hostname or ""]
+    return [worker.hostname or "" for worker in workers]
+
+
+def write_rows(path: str, rows: Sequence[Row]) -> None:
+    """Hand a sub-benchmark's rows back to ``bench.run_all`` (which runs it in a process of
+    its own) as JSON."""
+    import dataclasses
+    import json
+
+    Path(path).write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
+
+
+def read_rows(path: str) -> list[Row]:
+    import json
+
+    return [Row(**fields) for fields in json.loads(Path(path).read_text())]
+
+
 def wait_for_key(key: str, timeout: float, worker: CeleryProcess | None = None) -> bytes:
     """Poll Redis for ``key``: the client only watches, the timing is the worker's."""
     client = bench_redis()

@@ -56,14 +56,16 @@ def engine_sequential(steps: int) -> float:
 
 def engine_throughput(runs: int, steps: int, worker: Any = None) -> float:
     """Steps per second of ``runs`` concurrent runs of ``steps`` no-op steps, first step's
-    start to last step's finish.
+    start to last step's finish, on ``worker`` (one ``CeleryProcess`` or a list of them).
 
     As for bare Celery, the worker stops consuming step bodies while this process starts the
     runs, so what is timed is the worker, not the client competing with it for the CPU.
     """
+    from bench.common import destinations
     from config.celery import app
 
-    destination = [worker.hostname] if worker is not None else None
+    # One worker or several (the scale-out figures): all of them stop, then all consume.
+    destination = destinations(worker) if worker is not None else None
     if destination:
         app.control.cancel_consumer("default", destination=destination, reply=True, timeout=5)
     try:

@@ -601,6 +601,9 @@ def main(argv: list[str] | None = None) -> None:
         "--scale", type=float, default=1.0, help="multiply the counts (0.1 for a quick check)"
     )
     parser.add_argument(
+        "--json", help="also write the rows to this file (bench.run_all reads them back)"
+    )
+    parser.add_argument(
         "--budget",
         type=float,
         default=240.0,
@@ -637,6 +640,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{BROKER_URL}, results {RESULTS_URL}, database {DATABASE_URL}; ratio = engine / bare"
     )
     print(common.format_table(rows))
+    if args.json:
+        common.write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

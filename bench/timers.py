@@ -692,6 +692,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--scale", type=float, default=1.0, help="multiply the counts (0.1 for a quick check)"
     )
+    parser.add_argument(
+        "--json", help="also write the rows to this file (bench.run_all reads them back)"
+    )
     args = parser.parse_args(argv)
 
     configure()
@@ -713,6 +716,8 @@ def main(argv: list[str] | None = None) -> None:
         "ratio = engine / bare"
     )
     print(common.format_table(rows))
+    if args.json:
+        common.write_rows(args.json, rows)
 
 
 if __name__ == "__main__":
