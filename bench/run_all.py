@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
 
         params, measured = scale_model.from_measurements(data)
         print("\nscale model (bench.scale_model):")
-        print(scale_model.report(params, measured))
+        print(scale_model.report(params, measured, scale_model.shape_of(data)))
 
 
 if __name__ == "__main__":

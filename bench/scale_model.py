@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -167,16 +168,25 @@ def format_sizing(rows: Sequence[Sizing]) -> str:
 
 
 def from_measurements(data: dict) -> tuple[Parameters, list[tuple[str, int, float]]]:
-    """The parameters and the scale-out figures from ``bench.run_all --json``'s file: the
-    1-process point calibrates (its wall time and CPU per step), the others are checked."""
+    """The parameters and the scale-out figures from ``bench.run_all --json``'s file.
+
+    The 1-process point gives the wall time of a step (``serial_ms``); the CPU per step is the
+    median over every shape (a step's work does not depend on how many processes share the
+    cores, and the Redis server is shared with whatever else runs on the machine, so one
+    shape's figure can be another's load). Only throughputs are predicted, and the 1-process
+    one is the calibration: the others are the check."""
     points = data["scale_out"]
     one = next(p for p in points if p["nodes"] == 1 and p["concurrency"] == 1)
     counts = data["counts"]
+
+    def median(key: str) -> float:
+        return statistics.median(p[key] for p in points)
+
     params = Parameters(
         serial_ms=1000 / one["engine"],
-        worker_cpu_ms=one["worker_cpu_ms"],
-        postgres_cpu_ms=one["postgres_cpu_ms"],
-        broker_cpu_ms=one["redis_cpu_ms"],
+        worker_cpu_ms=median("worker_cpu_ms"),
+        postgres_cpu_ms=median("postgres_cpu_ms"),
+        broker_cpu_ms=median("redis_cpu_ms"),
         statements_per_step=counts["statements_per_step"],
         commits_per_step=counts["commits_per_step"],
         commits_per_core=data["ceiling"]["commits_per_core"],
@@ -196,12 +206,17 @@ def _label(point: dict) -> str:
     return f"{point['nodes']} nodes x {point['concurrency']}"
 
 
-def report(params: Parameters, measured: Sequence[tuple[str, int, float]], **sizing: float) -> str:
+def report(
+    params: Parameters,
+    measured: Sequence[tuple[str, int, float]],
+    shape: str = "",
+    **sizing: float,
+) -> str:
     parts = [
         "parameters: " + ", ".join(f"{k} {v:,.2f}" for k, v in asdict(params).items()),
         f"  CPU per step on this machine {params.cpu_ms:.2f} ms, waiting {params.wait_ms:.2f} ms",
         "",
-        "this machine, predicted beside measured (16 x 200 steps):",
+        f"this machine, predicted beside measured{f' ({shape})' if shape else ''}:",
         format_checks(checks(params, measured)),
         "",
         "a deployment, each part on machines of its own:",
@@ -220,8 +235,17 @@ def main(argv: list[str] | None = None) -> None:
         "--rtt-ms", type=float, default=0.0, help="round trip to Postgres per statement"
     )
     args = parser.parse_args(argv)
-    params, measured = from_measurements(json.loads(args.measurements.read_text()))
-    print(report(params, measured, utilisation=args.utilisation, rtt_ms=args.rtt_ms))
+    data = json.loads(args.measurements.read_text())
+    params, measured = from_measurements(data)
+    print(
+        report(params, measured, shape_of(data), utilisation=args.utilisation, rtt_ms=args.rtt_ms)
+    )
+
+
+def shape_of(data: dict) -> str:
+    """``runs x steps`` of the scale-out figures."""
+    point = data["scale_out"][0]
+    return f"{point['runs']} runs x {point['steps']} steps" if "runs" in point else ""
 
 
 if __name__ == "__main__":
