@@ -81,7 +81,7 @@ def measure(
             "(id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now(), payload text)"
         )
         settings = {
-            name: conn.execute(f"SHOW {name}").fetchone()[0]  # type: ignore[index]
+            name: conn.execute(f"SHOW {name}").fetchone()[0]
             for name in ("fsync", "synchronous_commit", "wal_sync_method", "commit_delay")
         }
     try:

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -130,7 +131,7 @@ def cpu_seconds(pids: Iterable[int]) -> dict[int, float]:
     seconds = {}
     for pid in pids:
         try:
-            text = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 - one read, closed by GC
+            text = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         # Fields after the command name (which may hold spaces): state is index 0, utime 11.
