@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"scale-out {many[0]}x{many[1]}, {point.label}: engine {point.engine:,.0f} "
                 f"steps/s, bare {point.bare:,.0f} tasks/s; CPU ms/step worker "
                 f"{point.worker_cpu_ms:.2f}, Postgres {point.postgres_cpu_ms:.2f}, Redis "
-                f"{point.redis_cpu_ms:.2f} (load {point.load:.1f})",
+                f"{point.redis_cpu_ms:.2f}; cores busy: worker "
+                f"{point.engine * point.worker_cpu_ms / 1000:.2f}, Postgres "
+                f"{point.engine * point.postgres_cpu_ms / 1000:.2f} of {os.cpu_count()} "
+                f"(load {point.load:.1f})",
                 flush=True,
             )
     if args.counts != "none":
