@@ -28,6 +28,7 @@ What it leaves out is in docs/scale.md ("What the model leaves out").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -234,9 +235,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rtt-ms", type=float, default=0.0, help="round trip to Postgres per statement"
     )
+    parser.add_argument(
+        "--cores",
+        type=float,
+        help="cores the measured processes had (default: the machine's); on a machine shared "
+        "with other work, fewer",
+    )
     args = parser.parse_args(argv)
     data = json.loads(args.measurements.read_text())
     params, measured = from_measurements(data)
+    if args.cores is not None:
+        params = dataclasses.replace(params, cores=args.cores)
     print(
         report(params, measured, shape_of(data), utilisation=args.utilisation, rtt_ms=args.rtt_ms)
     )
