@@ -1,0 +1,324 @@
+"""``python -m bench.starts``: starts per second from concurrent clients (issue 17).
+
+``clients`` processes (4 by default; processes, so one interpreter's lock does not cap them)
+each start ``count / clients`` runs of a one-step no-op workflow (``bench_seq_1``) as fast as
+they can; the same number of processes send as many bare ``apply_async`` of a no-op task
+(``bench.noop``) on the same broker. Starts per second = total / wall time, from the moment
+every client is warmed up and told to go to the moment the last one is done.
+
+The engine is measured two ways:
+
+- **service**: each client calls ``runs.services.run_start`` as the API's view calls it, in
+  its own process (no HTTP);
+- **HTTP**: each client ``POST``s ``/api/v1/runs`` with a token (a user holding only the
+  ``starter`` role on the workflow) to the project's gunicorn
+  (``gunicorn -c python:config.gunicorn config.wsgi:application``, ``--web-workers`` sync
+  workers, 4 by default), one new connection per request as gunicorn's sync workers answer.
+  This is the figure issue 17's goal names.
+
+A ``celery -A config worker`` runs on the same services (it saves the workflow and its
+heartbeat is what the start's pre-flight asks for), but consumes nothing while a side is
+timed (``cancel_consumer``), as bare Celery's queued tasks are never run either: what is
+timed is the client and whatever answers it (gunicorn, Postgres, the broker), not the steps.
+The broker is purged after each side.
+
+Importable: ``measure(worker, count=..., clients=..., repeat=...)`` returns the rows
+``bench.run_all`` prints (``bench.common.Row``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+WORKFLOW = "bench_seq_1"
+USERNAME = "bench_starter"
+ENGINE_QUEUES = ("default", "engine")
+# Starts each client makes before it is timed: imports, connections and caches warmed.
+WARM_UP = 20
+
+
+# --- The clients (each in a process of its own, spawned: no Django state inherited) ---------
+
+
+def _setup_client() -> None:
+    """This process on the bench's services (the parent's environment, set by configure)."""
+    import django
+
+    django.setup()
+
+
+def _service_client(count: int) -> None:
+    from runs.services import run_start
+
+    for _ in range(count):
+        run_start(workflow=WORKFLOW, input={})
+
+
+def _bare_client(count: int) -> None:
+    from bench.bare_celery import noop
+
+    for _ in range(count):
+        noop.apply_async()
+
+
+def _http_sender(base_url: str, token: str) -> Callable[[int], None]:
+    import requests
+
+    session = requests.Session()
+    session.headers["Authorization"] = f"Token {token}"
+
+    def send(count: int) -> None:
+        for _ in range(count):
+            response = session.post(
+                f"{base_url}/api/v1/runs", json={"workflow": WORKFLOW, "input": {}}
+            )
+            if response.status_code != 201:
+                raise RuntimeError(f"POST /api/v1/runs: {response.status_code} {response.text}")
+
+    return send
+
+
+def _client(side: str, count: int, arg: Any, ready: Any, go: Any, results: Any) -> None:
+    """Warm up, say so, wait for the go, then ``count`` starts; report (began, ended)."""
+    try:
+        _setup_client()
+        if side == "http":
+            send = _http_sender(*arg)
+        elif side == "service":
+            send = _service_client
+        else:
+            send = _bare_client
+        send(WARM_UP)
+        ready.release()
+        go.wait()
+        began = time.time()
+        send(count)
+        results.put((began, time.time(), None))
+    except BaseException as error:  # reported to the parent, which raises it
+        ready.release()
+        results.put((0.0, 0.0, f"{type(error).__name__}: {error}"))
+
+
+def clients_rate(side: str, total: int, clients: int, arg: Any = None) -> float:
+    """Starts (or bare sends) per second of ``clients`` processes making ``total`` together."""
+    context = multiprocessing.get_context("spawn")
+    ready, go, results = context.Semaphore(0), context.Event(), context.Queue()
+    share = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
+    processes = [
+        context.Process(target=_client, args=(side, n, arg, ready, go, results)) for n in share
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for _ in processes:
+            if not ready.acquire(timeout=120):
+                raise TimeoutError(f"{side} clients not ready within 120 s")
+        go.set()
+        spans = [results.get(timeout=600) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    errors = [error for _, _, error in spans if error]
+    if errors:
+        raise RuntimeError(f"{side} client failed: {errors[0]}")
+    began = min(b for b, _, _ in spans)
+    ended = max(e for _, e, _ in spans)
+    return total / (ended - began)
+
+
+# --- The web server ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_gunicorn(workers: int) -> Iterator[str]:
+    """The project's gunicorn on the bench services; yields its base URL."""
+    from tests.processes import service_env, wait_for
+
+    port = _free_port()
+    env = service_env(
+        database_url=common.DATABASE_URL,
+        broker_url=common.REDIS_URL,
+        result_backend=common.REDIS_URL,
+        # The API's throttle still counts every request (in the deployment's default cache,
+        # the database), at a rate the bench does not reach.
+        extra={"DJFLOW_API_THROTTLE_USER": "100000000/min"},
+    )
+    root = Path(__file__).resolve().parent.parent
+    gunicorn = Path(sys.executable).parent / "gunicorn"
+    with tempfile.TemporaryDirectory(prefix="djflow-bench-web-") as workdir:
+        log = Path(workdir) / "gunicorn.log"
+        with log.open("wb") as out:
+            web = subprocess.Popen(
+                [
+                    str(gunicorn),
+                    "-c",
+                    "python:config.gunicorn",
+                    "config.wsgi:application",
+                    "--bind",
+                    f"127.0.0.1:{port}",
+                    "--workers",
+                    str(workers),
+                    "--log-level",
+                    "warning",
+                ],
+                cwd=root,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _answers(url) or web.poll() is not None, timeout=60, interval=0.2)
+            if web.poll() is not None:
+                raise RuntimeError(f"gunicorn exited: {log.read_text()[-3000:]}")
+            yield url
+        finally:
+            web.terminate()
+            try:
+                web.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                web.kill()
+
+
+def _answers(url: str) -> bool:
+    import requests
+
+    try:
+        requests.get(f"{url}/api/v1/runs", timeout=5)
+    except requests.RequestException:  # not listening yet, or still loading
+        return False
+    return True
+
+
+def _starter_token() -> str:
+    """A user who may start runs of the workflow and nothing more, and their API token."""
+    from django.contrib.auth import get_user_model
+    from rest_framework.authtoken.models import Token
+
+    from workflows import access
+
+    user, _ = get_user_model().objects.get_or_create(username=USERNAME)
+    access.grant(access.STARTER, WORKFLOW, user=user)
+    token, _ = Token.objects.get_or_create(user=user)
+    return str(token.key)
+
+
+# --- The figures ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _not_consuming(worker: Any) -> Iterator[None]:
+    """The worker consumes none of the queues the two sides send to while a side is timed;
+    what they queued is purged afterwards."""
+    from config.celery import app
+    from tests.processes import purge_broker
+
+    destination = [worker.hostname]
+    for queue in ENGINE_QUEUES:
+        app.control.cancel_consumer(queue, destination=destination, reply=True, timeout=5)
+    try:
+        yield
+    finally:
+        purge_broker()
+        for queue in ENGINE_QUEUES:
+            app.control.add_consumer(queue, destination=destination, reply=True, timeout=5)
+
+
+def _wait_until_served(timeout: float = 60) -> None:
+    """The worker saved the workflow and its heartbeat says it serves the step's handler."""
+    from tests.processes import wait_for
+    from workflows.heartbeats import unserved_steps
+    from workflows.models import WorkflowVersion
+
+    def served() -> bool:
+        version = WorkflowVersion.objects.filter(workflow_id=WORKFLOW).first()
+        return version is not None and not unserved_steps(document=version.document)
+
+    wait_for(served, timeout=timeout, interval=0.5, message=f"{WORKFLOW} served by the worker")
+
+
+def measure(
+    worker: Any,
+    *,
+    count: int = 2000,
+    clients: int = 4,
+    repeat: int = 3,
+    web_workers: int = 4,
+    log: Callable[[str], None] = print,
+) -> list[common.Row]:
+    """Median starts per second over ``repeat`` rounds, each side in turn in every round."""
+    _wait_until_served()
+    token = _starter_token()
+    rates: dict[str, list[float]] = {"bare": [], "service": [], "http": []}
+    with running_gunicorn(web_workers) as url, _not_consuming(worker):
+        sides: list[tuple[str, Any]] = [("bare", None), ("service", None), ("http", (url, token))]
+        for round_ in range(repeat):
+            for side, arg in sides:
+                rate = clients_rate(side, count, clients, arg)
+                rates[side].append(rate)
+                log(f"round {round_ + 1}: {side} {rate:,.0f}/s (load {_load()})")
+    bare = statistics.median(rates["bare"])
+    label = f"{clients} clients x {count // clients} starts"
+    return [
+        common.Row(
+            f"{label}: run_start vs apply_async", "starts/s", statistics.median(rates["service"]),
+            bare, False,
+        ),
+        common.Row(
+            f"{label}: POST /runs (gunicorn -w {web_workers}) vs apply_async", "starts/s",
+            statistics.median(rates["http"]), bare, False,
+        ),
+    ]
+
+
+def _load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.starts", description=__doc__)
+    parser.add_argument("--count", type=int, default=2000, help="starts per side and round")
+    parser.add_argument("--clients", type=int, default=4, help="client processes per side")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the median")
+    parser.add_argument("--web-workers", type=int, default=4, help="gunicorn's sync workers")
+    args = parser.parse_args(argv)
+
+    common.configure()
+    from bench import engine
+
+    with common.running_worker(workflow_modules=engine.WORKFLOW_MODULES) as worker:
+        rows = measure(
+            worker,
+            count=args.count,
+            clients=args.clients,
+            repeat=args.repeat,
+            web_workers=args.web_workers,
+        )
+    print(f"broker {common.REDIS_URL}; median of {args.repeat}; load {_load()}")
+    print(common.format_table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
