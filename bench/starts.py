@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
-import os
 import socket
 import statistics
 import subprocess
@@ -283,12 +282,18 @@ def measure(
     label = f"{clients} clients x {count // clients} starts"
     return [
         common.Row(
-            f"{label}: run_start vs apply_async", "starts/s", statistics.median(rates["service"]),
-            bare, False,
+            f"{label}: run_start vs apply_async",
+            "starts/s",
+            statistics.median(rates["service"]),
+            bare,
+            False,
         ),
         common.Row(
-            f"{label}: POST /runs (gunicorn -w {web_workers}) vs apply_async", "starts/s",
-            statistics.median(rates["http"]), bare, False,
+            f"{label}: POST /runs (gunicorn -w {web_workers}) vs apply_async",
+            "starts/s",
+            statistics.median(rates["http"]),
+            bare,
+            False,
         ),
     ]
 

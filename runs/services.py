@@ -3,6 +3,7 @@ call these; none of them changes a status without a lock on the run row."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ def run_start(
     correlation: str | None = None,
     account: str | None = None,
     user: AbstractBaseUser | None = None,
+    plan_now: bool = True,
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
 
@@ -50,9 +52,16 @@ def run_start(
     returns the run it started first (``created`` false), whatever the rest of the call says.
     An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no
     live worker serves (when ``START_CHECKS_WORKERS``), is refused, every problem named at
-    once. The run is created
-    and its first step planned in one transaction; the attempt is offered to a worker after
-    commit (and offered again by the reconciler should that message be lost).
+    once.
+
+    With ``plan_now`` the run is created and its first step planned in one transaction; the
+    attempt is offered to a worker after commit (and offered again by the reconciler should
+    that message be lost): the caller reads the first step at once. Without it (the API's
+    ``POST /runs``) the run is inserted ``pending`` and one ``runs.advance`` message sent on
+    commit: a worker plans the first step (and runs it, when it is a worker's step), so a
+    client waits for one insert, not for the planner, and a busy web tier does not plan
+    every start. Should that message be lost, the reconciler advances the pending run
+    (``reconcile.advance_stuck``).
     """
     access.require_start(user, workflow)
     access.require_account(user, account)
@@ -75,8 +84,13 @@ def run_start(
     # this request holds them until it ends, so its logs and error reports mask them.
     stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
     secrets.expose(secrets.plaintexts(registry))
+    # Planned in the request, the run and its first step commit together. Handed to a worker,
+    # the run is one INSERT, which needs no transaction of its own (two round trips fewer);
+    # inside a caller's transaction a savepoint keeps that usable should a concurrent start
+    # with the same key win the insert.
+    alone = not plan_now and not transaction.get_connection().in_atomic_block
     try:
-        with transaction.atomic():
+        with contextlib.nullcontext() if alone else transaction.atomic():
             run = Run.objects.create(
                 workflow_id=workflow,
                 version=pinned,
@@ -89,9 +103,12 @@ def run_start(
                 account=account or (person.get_username() if person is not None else ""),
                 created_by=person,
             )
-            # Plan the first step in the same transaction: a run costs no advance message
-            # to start, and its first attempt is offered on commit.
-            advance_locked(run)
+            if plan_now:
+                # Plan the first step in the same transaction: its first attempt is offered
+                # on commit.
+                advance_locked(run)
+            else:
+                dispatch.advance_on_commit(run.id)
     except IntegrityError:
         if idempotency_key is None:
             raise

@@ -15,9 +15,12 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from django.db import connection
 from django.forms.models import model_to_dict
+from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
+from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
 from runs.status import RunStatus, StepStatus
 
@@ -97,8 +100,8 @@ def _fields(response) -> list[str | None]:
 # --- start ------------------------------------------------------------------------------------
 
 
-def test_start_answers_201_with_the_run_and_offers_its_first_step(
-    api: APIClient, user, version, django_capture_on_commit_callbacks
+def test_start_answers_201_with_the_pending_run_and_a_worker_plans_its_first_step(
+    api: APIClient, user, version, advance_delay, django_capture_on_commit_callbacks
 ) -> None:
     body = {
         "workflow": "support_ticket",
@@ -108,6 +111,7 @@ def test_start_answers_201_with_the_run_and_offers_its_first_step(
     with (
         mock.patch("workers.tasks.execute_step.apply_async") as offer,
         django_capture_on_commit_callbacks(execute=True) as callbacks,
+        CaptureQueriesContext(connection) as queries,
     ):
         response = api.post("/api/v1/runs", body, format="json")
     assert response.status_code == 201, response.json()
@@ -115,21 +119,33 @@ def test_start_answers_201_with_the_run_and_offers_its_first_step(
     assert set(run) >= RUN_FIELDS
     assert run["workflow"] == "support_ticket"
     assert run["version"] == version.number == 1
-    # The run is started and its first step planned in the same transaction.
-    assert run["status"] == RunStatus.RUNNING
-    assert run["started_at"] is not None
+    # The request inserts the run; a worker plans its first step (one runs.advance message).
+    assert run["status"] == RunStatus.PENDING
+    assert run["started_at"] is None
     assert run["input"] == {"ticket": "Q: where is my parcel?"}
     assert run["correlation"] == "crm-42"
     assert (run["output"], run["error"], run["parent"]) == (None, None, None)
-    assert run["children"] == []
-    [first] = run["steps"]
-    assert (first["step_id"], first["attempt"], first["status"]) == ("classify", 1, "scheduled")
-    assert first["input"] == {"ticket": "Q: where is my parcel?"}
+    assert (run["children"], run["steps"], run["actions"], run["reason"]) == ([], [], [], None)
     assert run["cost_usd"] == 0.0 and isinstance(run["cost_usd"], float)
-    assert run["generation"] == 1
+    assert (run["generation"], run["attempts"]) == (1, 0)
+    # The response is the run as created: not read back (nor its journal, actions, children).
+    assert not [q for q in queries.captured_queries if "runs_steprun" in q["sql"]]
     stored = Run.objects.get(id=run["id"])
     assert stored.created_by == user
     assert len(callbacks) == 1
+    advance_delay.assert_called_once_with(run["id"])
+    offer.assert_not_called()
+    # What the worker's advance does with it: the first step, planned and offered.
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        run_advance(run_id=run["id"])
+    read = api.get(f"/api/v1/runs/{run['id']}").json()
+    assert read["status"] == RunStatus.RUNNING and read["started_at"] is not None
+    [first] = read["steps"]
+    assert (first["step_id"], first["attempt"], first["status"]) == ("classify", 1, "scheduled")
+    assert first["input"] == {"ticket": "Q: where is my parcel?"}
     offer.assert_called_once()
     assert offer.call_args.args[0] == (first["id"],)
     # Named after no step: the steps it runs show under their own names (workers.task_events).

@@ -34,21 +34,56 @@ def test_an_insert_failure_without_an_idempotency_key_is_not_hidden() -> None:
         services.run_start(workflow="support_ticket", input={"ticket": "Q"})
 
 
+BROKER_DOWN = ConnectionError("broker down")
+
+
 def test_a_broker_outage_does_not_fail_a_committed_start(
-    api: APIClient, django_capture_on_commit_callbacks
+    api: APIClient, django_capture_on_commit_callbacks, settings
 ) -> None:
+    """The API's start sends one runs.advance message; lost, the reconciler advances the
+    pending run once it has been quiet LOST_MESSAGE_SECONDS: the run is not lost."""
     WorkflowVersionFactory()
     with (
-        mock.patch(
-            "workers.tasks.execute_step.apply_async", side_effect=ConnectionError("broker down")
-        ),
+        mock.patch("runs.tasks.advance.apply_async", side_effect=BROKER_DOWN) as advance,
+        mock.patch("workers.tasks.execute_step.apply_async", side_effect=BROKER_DOWN),
         django_capture_on_commit_callbacks(execute=True),
     ):
         response = api.post(
             "/api/v1/runs", {"workflow": "support_ticket", "input": {"ticket": "Q"}}, format="json"
         )
     assert response.status_code == 201
+    advance.assert_called_once()
     run = Run.objects.get()
+    assert run.status == "pending" and not run.steps.exists()
+    # Not before the message counts as lost: a reconciler must not race a message in flight.
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile()
+    run.refresh_from_db()
+    assert run.status == "pending" and not run.steps.exists()
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        reconcile()
+    run.refresh_from_db()
+    assert run.status == "running"
+    attempt = run.steps.get()
+    assert (attempt.step_id, attempt.status) == ("classify", "scheduled")
+    offer.assert_called_once()
+    assert offer.call_args.args[0] == (attempt.id,)
+
+
+def test_a_broker_outage_does_not_fail_a_start_planned_in_the_caller(
+    django_capture_on_commit_callbacks,
+) -> None:
+    WorkflowVersionFactory()
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async", side_effect=BROKER_DOWN),
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        run = services.run_start(workflow="support_ticket", input={"ticket": "Q"}).run
+    run.refresh_from_db()
     # The attempt stays scheduled; the reconciler offers it again once its message counts as lost.
     assert run.status == "running"
     assert run.steps.get().status == "scheduled"
