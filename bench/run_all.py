@@ -52,6 +52,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the recipe step beside bare Celery's SDK call (bench.recipe, in this table)",
     )
     parser.add_argument("--recipe-steps", type=int, default=100, help="steps of the recipe run")
+    parser.add_argument(
+        "--starts",
+        choices=["all", "none"],
+        default="all",
+        help="starts per second from 4 clients beside bare apply_async (bench.starts)",
+    )
     args = parser.parse_args(argv)
 
     common.configure()
@@ -90,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
                 ),
                 common.Row(f"{runs}x{hops} vs {runs} relays", "steps/s", concurrent, relays, False),
             ]
+        if args.starts != "none":
+            from bench import starts
+
+            rows += starts.measure(worker, repeat=repeat)
 
     if args.recipe != "none":
         # A worker of its own: it needs the local model server's address in its environment.

@@ -13,7 +13,8 @@ The engine is measured two ways:
 - **HTTP**: each client ``POST``s ``/api/v1/runs`` with a token (a user holding only the
   ``starter`` role on the workflow) to the project's gunicorn
   (``gunicorn -c python:config.gunicorn config.wsgi:application``, ``--web-workers`` sync
-  workers, 4 by default), one new connection per request as gunicorn's sync workers answer.
+  workers, 4 by default), one new connection per request (gunicorn's sync workers close
+  each), closed by the client once it has read the answer.
   This is the figure issue 17's goal names.
 
 A ``celery -A config worker`` runs on the same services (it saves the workflow and its
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
+import json
 import multiprocessing
 import socket
 import statistics
@@ -40,6 +43,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import redis
 
 from bench import common
 
@@ -64,7 +70,8 @@ def _service_client(count: int) -> None:
     from runs.services import run_start
 
     for _ in range(count):
-        run_start(workflow=WORKFLOW, input={})
+        # As POST /runs calls it: a worker plans the first step.
+        run_start(workflow=WORKFLOW, input={}, plan_now=False)
 
 
 def _bare_client(count: int) -> None:
@@ -75,18 +82,26 @@ def _bare_client(count: int) -> None:
 
 
 def _http_sender(base_url: str, token: str) -> Callable[[int], None]:
-    import requests
-
-    session = requests.Session()
-    session.headers["Authorization"] = f"Token {token}"
+    """POST /api/v1/runs, one connection per request, closed by the client once it has read
+    the answer, as curl does. (A pooling client such as a ``requests.Session`` keeps the
+    socket after gunicorn's ``Connection: close``, and gunicorn 27's sync worker lingers on
+    close until the client closes, up to 2 s: measured here, that held the workers and gave
+    23 starts/s with the server mostly idle.)"""
+    parts = urlsplit(base_url)
+    body = json.dumps({"workflow": WORKFLOW, "input": {}})
+    headers = {"Authorization": f"Token {token}", "Content-Type": "application/json"}
 
     def send(count: int) -> None:
         for _ in range(count):
-            response = session.post(
-                f"{base_url}/api/v1/runs", json={"workflow": WORKFLOW, "input": {}}
-            )
-            if response.status_code != 201:
-                raise RuntimeError(f"POST /api/v1/runs: {response.status_code} {response.text}")
+            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+            try:
+                connection.request("POST", "/api/v1/runs", body, headers)
+                response = connection.getresponse()
+                answer = response.read()
+            finally:
+                connection.close()
+            if response.status != 201:
+                raise RuntimeError(f"POST /api/v1/runs: {response.status} {answer[:500]!r}")
 
     return send
 
@@ -112,13 +127,16 @@ def _client(side: str, count: int, arg: Any, ready: Any, go: Any, results: Any) 
         results.put((0.0, 0.0, f"{type(error).__name__}: {error}"))
 
 
-def clients_rate(side: str, total: int, clients: int, arg: Any = None) -> float:
-    """Starts (or bare sends) per second of ``clients`` processes making ``total`` together."""
+def clients_rate(side: str, total: int, clients: int, args: list[Any] | None = None) -> float:
+    """Starts (or bare sends) per second of ``clients`` processes making ``total`` together;
+    client ``i`` gets ``args[i]``."""
     context = multiprocessing.get_context("spawn")
     ready, go, results = context.Semaphore(0), context.Event(), context.Queue()
     share = [total // clients + (1 if i < total % clients else 0) for i in range(clients)]
+    args = args or [None] * clients
     processes = [
-        context.Process(target=_client, args=(side, n, arg, ready, go, results)) for n in share
+        context.Process(target=_client, args=(side, n, arg, ready, go, results))
+        for n, arg in zip(share, args, strict=True)
     ]
     for process in processes:
         process.start()
@@ -151,8 +169,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_gunicorn(workers: int) -> Iterator[str]:
-    """The project's gunicorn on the bench services; yields its base URL."""
+def running_gunicorn(workers: int, cache_url: str | None = None) -> Iterator[str]:
+    """The project's gunicorn on the bench services (``CACHE_URL``, where the API's throttle
+    counts, as given: the deployment's default, the database, when None); yields its base
+    URL."""
     from tests.processes import service_env, wait_for
 
     port = _free_port()
@@ -162,7 +182,10 @@ def running_gunicorn(workers: int) -> Iterator[str]:
         result_backend=common.REDIS_URL,
         # The API's throttle still counts every request (in the deployment's default cache,
         # the database), at a rate the bench does not reach.
-        extra={"DJFLOW_API_THROTTLE_USER": "100000000/min"},
+        extra={
+            "DJFLOW_API_THROTTLE_USER": "100000000/min",
+            **({"CACHE_URL": cache_url} if cache_url else {}),
+        },
     )
     root = Path(__file__).resolve().parent.parent
     gunicorn = Path(sys.executable).parent / "gunicorn"
@@ -211,17 +234,20 @@ def _answers(url: str) -> bool:
     return True
 
 
-def _starter_token() -> str:
-    """A user who may start runs of the workflow and nothing more, and their API token."""
+def starter_tokens(count: int) -> list[str]:
+    """API tokens of ``count`` users (one per client) who may start runs of the workflow and
+    do nothing more."""
     from django.contrib.auth import get_user_model
     from rest_framework.authtoken.models import Token
 
     from workflows import access
 
-    user, _ = get_user_model().objects.get_or_create(username=USERNAME)
-    access.grant(access.STARTER, WORKFLOW, user=user)
-    token, _ = Token.objects.get_or_create(user=user)
-    return str(token.key)
+    tokens = []
+    for number in range(count):
+        user, _ = get_user_model().objects.get_or_create(username=f"{USERNAME}_{number}")
+        access.grant(access.STARTER, WORKFLOW, user=user)
+        tokens.append(str(Token.objects.get_or_create(user=user)[0].key))
+    return tokens
 
 
 # --- The figures ------------------------------------------------------------------------------
@@ -265,37 +291,61 @@ def measure(
     clients: int = 4,
     repeat: int = 3,
     web_workers: int = 4,
+    cache_url: str | None = None,
     log: Callable[[str], None] = print,
 ) -> list[common.Row]:
-    """Median starts per second over ``repeat`` rounds, each side in turn in every round."""
+    """Median starts per second over ``repeat`` rounds, each side in turn in every round;
+    with ``cache_url``, POST /runs also to a second gunicorn whose throttle counts there."""
+
     _wait_until_served()
-    token = _starter_token()
-    rates: dict[str, list[float]] = {"bare": [], "service": [], "http": []}
-    with running_gunicorn(web_workers) as url, _not_consuming(worker):
-        sides: list[tuple[str, Any]] = [("bare", None), ("service", None), ("http", (url, token))]
+    tokens = starter_tokens(clients)
+    rates: dict[str, list[float]] = {}
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(running_gunicorn(web_workers))
+        sides: list[tuple[str, Any]] = [
+            ("bare", None),
+            ("service", None),
+            ("http", [(url, token) for token in tokens]),
+        ]
+        if cache_url:
+            other = stack.enter_context(running_gunicorn(web_workers, cache_url))
+            sides.append(("http_cache", [(other, token) for token in tokens]))
+        stack.enter_context(_not_consuming(worker))
         for round_ in range(repeat):
-            for side, arg in sides:
-                rate = clients_rate(side, count, clients, arg)
-                rates[side].append(rate)
+            for side, args in sides:
+                # Each round starts with the API's throttle counts empty, as after a quiet
+                # minute: DRF's throttle keeps every request time of the last minute, so
+                # rounds back to back would each pay for the ones before.
+                _clear_throttle_counts(cache_url)
+                rate = clients_rate(side.partition("_")[0], count, clients, args)
+                rates.setdefault(side, []).append(rate)
                 log(f"round {round_ + 1}: {side} {rate:,.0f}/s (load {_load()})")
     bare = statistics.median(rates["bare"])
     label = f"{clients} clients x {count // clients} starts"
-    return [
-        common.Row(
-            f"{label}: run_start vs apply_async",
-            "starts/s",
-            statistics.median(rates["service"]),
-            bare,
-            False,
-        ),
-        common.Row(
-            f"{label}: POST /runs (gunicorn -w {web_workers}) vs apply_async",
-            "starts/s",
-            statistics.median(rates["http"]),
-            bare,
-            False,
-        ),
+    http = f"{label}: POST /runs (gunicorn -w {web_workers}"
+    named = [
+        ("service", f"{label}: run_start vs apply_async"),
+        ("http", f"{http}) vs apply_async"),
+        ("http_cache", f"{http}, CACHE_URL={cache_url}) vs apply_async"),
     ]
+    return [
+        common.Row(name, "starts/s", statistics.median(rates[side]), bare, False)
+        for side, name in named
+        if side in rates
+    ]
+
+
+def _clear_throttle_counts(cache_url: str | None) -> None:
+    """Empty the caches the API's throttles count in (the bench's own: nothing else in the
+    database's; only the throttle's keys in Redis, ``cache_url``, a ``redis://`` URL)."""
+    from django.core.cache import cache
+
+    cache.clear()
+    if cache_url:
+        client = redis.Redis.from_url(cache_url)
+        keys = list(client.scan_iter(match="*throttle_*"))
+        if keys:
+            client.delete(*keys)
 
 
 def _load() -> str:
@@ -308,6 +358,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4, help="client processes per side")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the median")
     parser.add_argument("--web-workers", type=int, default=4, help="gunicorn's sync workers")
+    parser.add_argument(
+        "--cache-url",
+        help="also POST /runs to a gunicorn whose throttle counts in this redis:// cache",
+    )
     args = parser.parse_args(argv)
 
     common.configure()
@@ -320,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
             clients=args.clients,
             repeat=args.repeat,
             web_workers=args.web_workers,
+            cache_url=args.cache_url,
         )
     print(f"broker {common.REDIS_URL}; median of {args.repeat}; load {_load()}")
     print(common.format_table(rows), flush=True)

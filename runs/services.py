@@ -4,11 +4,13 @@ call these; none of them changes a status without a lock on the run row."""
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -34,6 +36,42 @@ class StartResult:
     created: bool
 
 
+class StartPacer:
+    """Whether a request may plan the run it starts (``run_start(plan_now=...)``): at most
+    ``START_INLINE_PER_SECOND`` a second in this process, a token bucket holding one second's
+    worth.
+
+    Planned in the request, the answer shows the first step and the run costs no advance
+    message; but each costs the web process the planner and a transaction of five statements.
+    When starts come faster than that, the requests would wait behind one another's planning:
+    past the rate a start inserts its run and a worker plans it (one ``runs.advance``), so a
+    burst of starts waits for one insert each, and the workers, sized for planning, plan.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.tokens: float | None = None
+        self.at = 0.0
+
+    def take(self) -> bool:
+        rate = float(settings.DJFLOW["START_INLINE_PER_SECOND"])
+        now = self.clock()
+        full = self.tokens is None or rate <= 0
+        tokens = rate if full else min(rate, (self.tokens or 0.0) + (now - self.at) * rate)
+        self.at = now
+        if tokens >= 1:
+            self.tokens = tokens - 1
+            return True
+        self.tokens = tokens
+        return False
+
+    def reset(self) -> None:
+        self.tokens = None
+
+
+inline_starts = StartPacer()
+
+
 def run_start(
     *,
     workflow: str,
@@ -54,14 +92,13 @@ def run_start(
     live worker serves (when ``START_CHECKS_WORKERS``), is refused, every problem named at
     once.
 
-    With ``plan_now`` the run is created and its first step planned in one transaction; the
-    attempt is offered to a worker after commit (and offered again by the reconciler should
-    that message be lost): the caller reads the first step at once. Without it (the API's
-    ``POST /runs``) the run is inserted ``pending`` and one ``runs.advance`` message sent on
-    commit: a worker plans the first step (and runs it, when it is a worker's step), so a
-    client waits for one insert, not for the planner, and a busy web tier does not plan
-    every start. Should that message be lost, the reconciler advances the pending run
-    (``reconcile.advance_stuck``).
+    With ``plan_now`` (the default) the run is created and its first step planned in one
+    transaction; the attempt is offered to a worker after commit (and offered again by the
+    reconciler should that message be lost): the caller reads the first step at once.
+    Without it (``POST /runs`` past :class:`StartPacer`'s pace) the run is inserted
+    ``pending`` and one ``runs.advance`` message sent on commit: a worker plans the first
+    step, and the client waits for one insert, not for the planner. Should that message be
+    lost, the reconciler advances the pending run (``reconcile.advance_stuck``).
     """
     access.require_start(user, workflow)
     access.require_account(user, account)

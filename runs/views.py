@@ -104,9 +104,11 @@ class RunListView(APIView):
     def post(self, request: Request) -> Response:
         body = RunStartSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        # A worker plans the first step: the client waits for the run's insert only.
-        result = services.run_start(**body.validated_data, user=request.user, plan_now=False)
-        if result.created:
+        # The first step is planned here while starts come slowly; past the pace a worker
+        # plans it and the client waits for the run's insert only (services.StartPacer).
+        plan_now = services.inline_starts.take()
+        result = services.run_start(**body.validated_data, user=request.user, plan_now=plan_now)
+        if result.created and not plan_now:
             # Its starter may read it; nothing else has been written for it in this request.
             run = selectors.run_as_started(result.run)
         else:

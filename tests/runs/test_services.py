@@ -34,14 +34,35 @@ def test_an_insert_failure_without_an_idempotency_key_is_not_hidden() -> None:
         services.run_start(workflow="support_ticket", input={"ticket": "Q"})
 
 
+def test_a_broker_outage_does_not_fail_a_committed_start(
+    api: APIClient, django_capture_on_commit_callbacks
+) -> None:
+    WorkflowVersionFactory()
+    with (
+        mock.patch(
+            "workers.tasks.execute_step.apply_async", side_effect=ConnectionError("broker down")
+        ),
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        response = api.post(
+            "/api/v1/runs", {"workflow": "support_ticket", "input": {"ticket": "Q"}}, format="json"
+        )
+    assert response.status_code == 201
+    run = Run.objects.get()
+    # The attempt stays scheduled; the reconciler offers it again once its message counts as lost.
+    assert run.status == "running"
+    assert run.steps.get().status == "scheduled"
+
+
 BROKER_DOWN = ConnectionError("broker down")
 
 
-def test_a_broker_outage_does_not_fail_a_committed_start(
+def test_a_start_handed_to_a_worker_survives_a_lost_advance_message(
     api: APIClient, django_capture_on_commit_callbacks, settings
 ) -> None:
-    """The API's start sends one runs.advance message; lost, the reconciler advances the
-    pending run once it has been quiet LOST_MESSAGE_SECONDS: the run is not lost."""
+    """Past the pace the API's start sends one runs.advance message; lost, the reconciler
+    advances the pending run once it has been quiet LOST_MESSAGE_SECONDS: the run is not lost."""
+    settings.DJFLOW = {**settings.DJFLOW, "START_INLINE_PER_SECOND": 0}
     WorkflowVersionFactory()
     with (
         mock.patch("runs.tasks.advance.apply_async", side_effect=BROKER_DOWN) as advance,
@@ -72,21 +93,6 @@ def test_a_broker_outage_does_not_fail_a_committed_start(
     assert (attempt.step_id, attempt.status) == ("classify", "scheduled")
     offer.assert_called_once()
     assert offer.call_args.args[0] == (attempt.id,)
-
-
-def test_a_broker_outage_does_not_fail_a_start_planned_in_the_caller(
-    django_capture_on_commit_callbacks,
-) -> None:
-    WorkflowVersionFactory()
-    with (
-        mock.patch("workers.tasks.execute_step.apply_async", side_effect=BROKER_DOWN),
-        django_capture_on_commit_callbacks(execute=True),
-    ):
-        run = services.run_start(workflow="support_ticket", input={"ticket": "Q"}).run
-    run.refresh_from_db()
-    # The attempt stays scheduled; the reconciler offers it again once its message counts as lost.
-    assert run.status == "running"
-    assert run.steps.get().status == "scheduled"
 
 
 def test_the_reconciler_offers_again_an_attempt_whose_message_was_lost(
