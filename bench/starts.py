@@ -34,6 +34,7 @@ import contextlib
 import http.client
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import subprocess
@@ -348,6 +349,68 @@ def _clear_throttle_counts(cache_url: str | None) -> None:
             client.delete(*keys)
 
 
+def profile(side: str, count: int, *, plan_now: bool) -> None:
+    """One process, no worker: ``count`` starts (``side`` "service": ``run_start``; "http":
+    ``POST /api/v1/runs`` through Django's test client, every middleware, no gunicorn), then
+    prints the statements of one start, the CPU and wall milliseconds per start, and
+    pyinstrument's profile. A heartbeat row stands in for the worker the pre-flight asks for.
+    ``plan_now`` false: the first step handed to a worker, as POST /runs does past its pace."""
+    from django.conf import settings
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+    from pyinstrument import Profiler
+
+    from runs.services import run_start
+    from workflows.heartbeats import heartbeat_record
+
+    # The heartbeat below stays live however long the profile takes.
+    settings.DJFLOW = {
+        **settings.DJFLOW,
+        "START_INLINE_PER_SECOND": 1e9 if plan_now else 0,
+        "WORKER_LIVE_BEATS": 10**6,
+    }
+    heartbeat_record(
+        hostname="bench-profile@here",
+        handlers=["bench.noop"],
+        queues=["default"],
+        pid=0,
+        started_at=timezone.now(),
+    )
+    client = Client(HTTP_AUTHORIZATION=f"Token {starter_tokens(1)[0]}")
+
+    def http() -> None:
+        answer = client.post(
+            "/api/v1/runs", {"workflow": WORKFLOW, "input": {}}, content_type="application/json"
+        )
+        if answer.status_code != 201:
+            raise RuntimeError(answer.content)
+
+    def service() -> None:
+        run_start(workflow=WORKFLOW, input={}, plan_now=plan_now)
+
+    start = http if side == "http" else service
+    for _ in range(WARM_UP):
+        start()
+    with CaptureQueriesContext(connection) as queries:
+        start()
+    print(f"{side}, plan_now={plan_now}: {len(queries.captured_queries)} statements per start")
+    for query in queries.captured_queries:
+        print("   ", " ".join(query["sql"].split())[:110])
+    began, cpu = time.perf_counter(), time.process_time()
+    for _ in range(count):
+        start()
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    print(f"{cpu * 1000 / count:.2f} ms CPU, {wall * 1000 / count:.2f} ms wall per start")
+    profiler = Profiler(interval=0.0005)
+    profiler.start()
+    for _ in range(count):
+        start()
+    profiler.stop()
+    print(profiler.output_text(unicode=False, color=False))
+
+
 def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -359,12 +422,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the median")
     parser.add_argument("--web-workers", type=int, default=4, help="gunicorn's sync workers")
     parser.add_argument(
+        "--profile",
+        choices=["service", "http", "service-inline", "http-inline"],
+        help="instead: profile starts in this process (no worker, no gunicorn)",
+    )
+    parser.add_argument(
         "--cache-url",
         help="also POST /runs to a gunicorn whose throttle counts in this redis:// cache",
     )
     args = parser.parse_args(argv)
 
+    if args.profile:
+        # Before the settings load: the API's throttle must not refuse the profile's starts.
+        os.environ.setdefault("DJFLOW_API_THROTTLE_USER", "100000000/min")
     common.configure()
+    if args.profile:
+        side, _, inline = args.profile.partition("-")
+        profile(side, args.count, plan_now=bool(inline))
+        return
     from bench import engine
 
     with common.running_worker(workflow_modules=engine.WORKFLOW_MODULES) as worker:
