@@ -19,8 +19,6 @@ it works; its figures are not the issue's.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -177,7 +175,7 @@ def goal_rows(
     )
     rows.append(
         _from_row(
-            "starts per second from 4 clients (bench.starts not present)",
+            "starts per second, POST /runs from 4 clients vs apply_async",
             "starts/s",
             sitting.starts[0] if sitting.starts else None,
             goals.Goal("ratio", 0.5, at_most=False),
@@ -244,18 +242,6 @@ def _sub_benchmark(module: str, part: str, scale: float) -> list[common.Row]:
         return common.read_rows(path)
 
 
-def _starts_rows() -> list[common.Row]:
-    # ---- HOOK (issue 17): starts per second from 4 concurrent clients. ---------------------
-    # bench/starts.py is another helper's (run_start vs apply_async from 4 API clients); it
-    # exposes a function returning bench.common.Rows, the first of which is the starts/s
-    # figure. The lead wires the call below to it at merge (its name and arguments).
-    if importlib.util.find_spec("bench.starts") is None:
-        return []
-    starts: Any = importlib.import_module("bench.starts")
-    return list(starts.measure())
-    # ---- end of the hook ----------------------------------------------------------------
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="hops of the sequential runs")
@@ -305,6 +291,12 @@ def main(argv: list[str] | None = None) -> None:
         "--quick",
         action="store_true",
         help="every part at a small scale, once: checks that it works (not the issue's figures)",
+    )
+    parser.add_argument(
+        "--starts",
+        choices=["all", "none"],
+        default="all",
+        help="starts per second from 4 clients beside bare apply_async (bench.starts)",
     )
     args = parser.parse_args(argv)
 
@@ -370,6 +362,14 @@ def main(argv: list[str] | None = None) -> None:
                 ),
                 common.Row(f"{runs}x{hops} vs {runs} relays", "steps/s", concurrent, relays, False),
             ]
+        if args.starts != "none":
+            from bench import starts
+
+            # Over HTTP first: the goal names API clients (bench.starts).
+            sitting.starts = sorted(
+                starts.measure(worker, repeat=repeat), key=lambda row: "POST" not in row.name
+            )
+            rows += sitting.starts
 
     if args.recipe != "none":
         # A worker of its own: it needs the local model server's address in its environment.
@@ -422,8 +422,6 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
         sitting.ceiling = pg_ceiling.measure(seconds=5 if args.quick else 10)
-
-    sitting.starts = _starts_rows()
 
     # Each in its own process: Django is configured once per process, on other services.
     if args.timers != "none":

@@ -3,11 +3,14 @@ call these; none of them changes a status without a lock on the run row."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -33,6 +36,42 @@ class StartResult:
     created: bool
 
 
+class StartPacer:
+    """Whether a request may plan the run it starts (``run_start(plan_now=...)``): at most
+    ``START_INLINE_PER_SECOND`` a second in this process, a token bucket holding one second's
+    worth.
+
+    Planned in the request, the answer shows the first step and the run costs no advance
+    message; but each costs the web process the planner and a transaction of five statements.
+    When starts come faster than that, the requests would wait behind one another's planning:
+    past the rate a start inserts its run and a worker plans it (one ``runs.advance``), so a
+    burst of starts waits for one insert each, and the workers, sized for planning, plan.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.tokens: float | None = None
+        self.at = 0.0
+
+    def take(self) -> bool:
+        rate = float(settings.DJFLOW["START_INLINE_PER_SECOND"])
+        now = self.clock()
+        full = self.tokens is None or rate <= 0
+        tokens = rate if full else min(rate, (self.tokens or 0.0) + (now - self.at) * rate)
+        self.at = now
+        if tokens >= 1:
+            self.tokens = tokens - 1
+            return True
+        self.tokens = tokens
+        return False
+
+    def reset(self) -> None:
+        self.tokens = None
+
+
+inline_starts = StartPacer()
+
+
 def run_start(
     *,
     workflow: str,
@@ -42,6 +81,7 @@ def run_start(
     correlation: str | None = None,
     account: str | None = None,
     user: AbstractBaseUser | None = None,
+    plan_now: bool = True,
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
 
@@ -50,9 +90,15 @@ def run_start(
     returns the run it started first (``created`` false), whatever the rest of the call says.
     An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no
     live worker serves (when ``START_CHECKS_WORKERS``), is refused, every problem named at
-    once. The run is created
-    and its first step planned in one transaction; the attempt is offered to a worker after
-    commit (and offered again by the reconciler should that message be lost).
+    once.
+
+    With ``plan_now`` (the default) the run is created and its first step planned in one
+    transaction; the attempt is offered to a worker after commit (and offered again by the
+    reconciler should that message be lost): the caller reads the first step at once.
+    Without it (``POST /runs`` past :class:`StartPacer`'s pace) the run is inserted
+    ``pending`` and one ``runs.advance`` message sent on commit: a worker plans the first
+    step, and the client waits for one insert, not for the planner. Should that message be
+    lost, the reconciler advances the pending run (``reconcile.advance_stuck``).
     """
     access.require_start(user, workflow)
     access.require_account(user, account)
@@ -75,8 +121,13 @@ def run_start(
     # this request holds them until it ends, so its logs and error reports mask them.
     stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
     secrets.expose(secrets.plaintexts(registry))
+    # Planned in the request, the run and its first step commit together. Handed to a worker,
+    # the run is one INSERT, which needs no transaction of its own (two round trips fewer);
+    # inside a caller's transaction a savepoint keeps that usable should a concurrent start
+    # with the same key win the insert.
+    alone = not plan_now and not transaction.get_connection().in_atomic_block
     try:
-        with transaction.atomic():
+        with contextlib.nullcontext() if alone else transaction.atomic():
             run = Run.objects.create(
                 workflow_id=workflow,
                 version=pinned,
@@ -89,9 +140,12 @@ def run_start(
                 account=account or (person.get_username() if person is not None else ""),
                 created_by=person,
             )
-            # Plan the first step in the same transaction: a run costs no advance message
-            # to start, and its first attempt is offered on commit.
-            advance_locked(run)
+            if plan_now:
+                # Plan the first step in the same transaction: its first attempt is offered
+                # on commit.
+                advance_locked(run)
+            else:
+                dispatch.advance_on_commit(run.id)
     except IntegrityError:
         if idempotency_key is None:
             raise

@@ -104,8 +104,15 @@ class RunListView(APIView):
     def post(self, request: Request) -> Response:
         body = RunStartSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        result = services.run_start(**body.validated_data, user=request.user)
-        run = selectors.run_get(run_id=result.run.id, user=request.user)
+        # The first step is planned here while starts come slowly; past the pace a worker
+        # plans it and the client waits for the run's insert only (services.StartPacer).
+        plan_now = services.inline_starts.take()
+        result = services.run_start(**body.validated_data, user=request.user, plan_now=plan_now)
+        if result.created and not plan_now:
+            # Its starter may read it; nothing else has been written for it in this request.
+            run = selectors.run_as_started(result.run)
+        else:
+            run = selectors.run_get(run_id=result.run.id, user=request.user)
         return Response(
             _render(request, run),
             status=status.HTTP_201_CREATED if result.created else status.HTTP_200_OK,

@@ -13,6 +13,7 @@ from rest_framework.test import APIClient
 
 from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker, xdist_services
+from workflows import heartbeats
 
 # With pytest-xdist (the README's `pytest` runs `-n 2`), each test process gets Redis
 # databases of its own for the broker and the results, as pytest-django gives it a test
@@ -73,6 +74,8 @@ def _start_checks_workers(request, settings) -> None:
     marker = request.node.get_closest_marker("start_checks_workers")
     checks = marker.args[0] if marker else "celery_processes" in request.fixturenames
     settings.DJFLOW = {**settings.DJFLOW, "START_CHECKS_WORKERS": checks}
+    # Heartbeats another test wrote (and rolled back) are not this one's live workers.
+    heartbeats.forget_live_read()
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ filtered here, since SQLite (the embedded default) has no JSON containment looku
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -147,23 +148,63 @@ def unserved_message(step: StepHandler, workers: list[WorkerHeartbeat]) -> str:
 
 
 def unserved_steps(
-    *, document: Mapping[str, Any], now: datetime | None = None
+    *,
+    document: Mapping[str, Any],
+    now: datetime | None = None,
+    workers: list[WorkerHeartbeat] | None = None,
 ) -> list[tuple[StepHandler, str]]:
-    """The steps of ``document`` no live worker serves, each with why (one query)."""
+    """The steps of ``document`` no live worker serves, each with why (one query, none when
+    ``workers``, the heartbeats to judge by, are given)."""
     wanted = step_handlers(document)
     if not wanted:
         return []
-    workers = workers_live(now=now)
+    now = now or timezone.now()
+    workers = workers_live(now=now) if workers is None else workers
     return [
         (step, unserved_message(step, workers))
         for step in wanted
-        if not any(serves(worker, step.handler, step.queue) for worker in workers)
+        if not any(
+            serves(worker, step.handler, step.queue) and is_live(worker, now) for worker in workers
+        )
     ]
 
 
+# The pre-flight of every start asked the table which workers are live: one query per start,
+# for rows that change once a beat. A process keeps what it read for LIVE_READ_SECONDS and
+# takes only a "served" from it: a worker that stopped (or went quiet) that recently still
+# counts, as it would have for a start made that much earlier; a step the rows kept do not
+# serve is asked of the table again, so a worker that has just started serves at once.
+LIVE_READ_SECONDS = 1.0
+_clock = time.monotonic
+_live_read: tuple[float, list[WorkerHeartbeat]] | None = None
+
+
+def forget_live_read() -> None:
+    """Drop the kept read (a heartbeat written or stopped in this process; tests)."""
+    global _live_read
+    _live_read = None
+
+
 def unserved_errors(*, document: Mapping[str, Any]) -> list[FieldError]:
-    """The same, in the contract's error shape: each names the step's ``handler`` field."""
-    return [FieldError(step.field, why) for step, why in unserved_steps(document=document)]
+    """The steps of ``document`` no live worker serves (as :func:`unserved_steps`), in the
+    contract's error shape: each names the step's ``handler`` field. The pre-flight's."""
+    global _live_read
+    if not step_handlers(document):
+        return []
+    now = timezone.now()
+    kept = _live_read
+    fresh = kept is not None and _clock() - kept[0] < LIVE_READ_SECONDS
+    if (
+        fresh
+        and kept is not None
+        and not unserved_steps(document=document, now=now, workers=kept[1])
+    ):
+        return []
+    read_at = _clock()
+    workers = workers_live(now=now)
+    _live_read = (read_at, workers)
+    found = unserved_steps(document=document, now=now, workers=workers)
+    return [FieldError(step.field, why) for step, why in found]
 
 
 # --- writes (the worker's main process, workers.heartbeat) -------------------------------
@@ -180,6 +221,7 @@ def heartbeat_record(
 ) -> None:
     """Say that ``hostname`` serves ``handlers`` on ``queues`` as of now. One statement,
     idempotent: a node started again under the same name takes its row over."""
+    forget_live_read()
     WorkerHeartbeat.objects.update_or_create(
         hostname=hostname,
         defaults={
@@ -197,6 +239,7 @@ def heartbeat_stop(*, hostname: str, now: datetime | None = None) -> None:
     """A clean shutdown: the worker serves nothing from now on. The row is kept (with its
     last ``last_seen``) so that the unservable window knows it served until then."""
     now = now or timezone.now()
+    forget_live_read()
     WorkerHeartbeat.objects.filter(hostname=hostname).update(last_seen=now, stopped_at=now)
 
 

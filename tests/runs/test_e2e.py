@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from decimal import Decimal
+from unittest import mock
 
 import pytest
 
@@ -79,6 +80,27 @@ def test_support_ticket_question_path(celery_worker, celery_processes) -> None:
     assert send.input == {"text": "an answer to a question"}
     assert send.worker and send.started_at and send.finished_at
     assert run.started_at and run.finished_at
+
+
+def test_a_start_handed_to_a_worker_runs_and_a_lost_advance_is_made_up(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    """Past its pace POST /runs inserts the run and sends one runs.advance: a worker plans and
+    runs it. Should that message be lost, the reconciler advances the pending run."""
+    lost = {**FAST, "DJFLOW_LOST_MESSAGE_SECONDS": "1"}
+    celery_worker(workflow_modules=["workflows.examples.support_ticket"], env=lost)
+    celery_beat(env=lost)
+    handed = start("support_ticket", {"ticket": "Q: where is my invoice?"}, plan_now=False)
+    assert handed.status == "pending"
+    # The message never leaves this process.
+    with mock.patch("runs.dispatch._advance_signature") as lost_message:
+        orphan = start("support_ticket", {"ticket": "Q: where is my parcel?"}, plan_now=False)
+    lost_message.assert_called_once()
+    assert not orphan.steps.exists()
+    for run in (handed, orphan):
+        ended = finished(run.id, timeout=60, logs=celery_processes.logs)
+        assert ended.status == "completed", ended.error
+        assert [step for step, _, _ in journal(ended)] == ["classify", "draft", "approval", "send"]
 
 
 def test_retryable_failure_is_retried_with_backoff_then_succeeds(

@@ -15,9 +15,13 @@ from typing import Any
 from unittest import mock
 
 import pytest
+from django.db import connection
 from django.forms.models import model_to_dict
+from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
 
+from runs import services
+from runs.engine.advance import run_advance
 from runs.models import Run, StepRun
 from runs.status import RunStatus, StepStatus
 
@@ -134,6 +138,85 @@ def test_start_answers_201_with_the_run_and_offers_its_first_step(
     assert offer.call_args.args[0] == (first["id"],)
     # Named after no step: the steps it runs show under their own names (workers.task_events).
     assert "shadow" not in offer.call_args.kwargs
+
+
+def test_past_the_pace_a_start_answers_201_with_the_pending_run_and_a_worker_plans_it(
+    api: APIClient, user, version, advance_delay, django_capture_on_commit_callbacks, settings
+) -> None:
+    """Past START_INLINE_PER_SECOND (0 here: every start) the request inserts the run and
+    sends one runs.advance; the worker's advance plans and offers the first step."""
+    settings.DJFLOW = {**settings.DJFLOW, "START_INLINE_PER_SECOND": 0}
+    body = {
+        "workflow": "support_ticket",
+        "input": {"ticket": "Q: where is my parcel?"},
+        "correlation": "crm-42",
+    }
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True) as callbacks,
+        CaptureQueriesContext(connection) as queries,
+    ):
+        response = api.post("/api/v1/runs", body, format="json")
+    assert response.status_code == 201, response.json()
+    run = response.json()
+    assert set(run) >= RUN_FIELDS
+    assert run["workflow"] == "support_ticket"
+    assert run["version"] == version.number == 1
+    # The request inserts the run; a worker plans its first step (one runs.advance message).
+    assert run["status"] == RunStatus.PENDING
+    assert run["started_at"] is None
+    assert run["input"] == {"ticket": "Q: where is my parcel?"}
+    assert run["correlation"] == "crm-42"
+    assert (run["output"], run["error"], run["parent"]) == (None, None, None)
+    assert (run["children"], run["steps"], run["actions"], run["reason"]) == ([], [], [], None)
+    assert run["cost_usd"] == 0.0 and isinstance(run["cost_usd"], float)
+    assert (run["generation"], run["attempts"]) == (1, 0)
+    # The response is the run as created: not read back (nor its journal, actions, children).
+    assert not [q for q in queries.captured_queries if "runs_steprun" in q["sql"]]
+    stored = Run.objects.get(id=run["id"])
+    assert stored.created_by == user
+    assert len(callbacks) == 1
+    advance_delay.assert_called_once_with(run["id"])
+    offer.assert_not_called()
+    # What the worker's advance does with it: the first step, planned and offered.
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        run_advance(run_id=run["id"])
+    read = api.get(f"/api/v1/runs/{run['id']}").json()
+    assert read["status"] == RunStatus.RUNNING and read["started_at"] is not None
+    [first] = read["steps"]
+    assert (first["step_id"], first["attempt"], first["status"]) == ("classify", 1, "scheduled")
+    assert first["input"] == {"ticket": "Q: where is my parcel?"}
+    offer.assert_called_once()
+    assert offer.call_args.args[0] == (first["id"],)
+    # Named after no step: the steps it runs show under their own names (workers.task_events).
+    assert "shadow" not in offer.call_args.kwargs
+
+
+def test_starts_are_planned_in_the_request_at_the_pace_then_handed_to_workers(
+    api: APIClient, version, settings, django_capture_on_commit_callbacks
+) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "START_INLINE_PER_SECOND": 2}
+    clock = mock.Mock(return_value=100.0)
+    pacer = services.StartPacer(clock=clock)
+    body = {"workflow": "support_ticket", "input": {"ticket": "Q"}}
+
+    def start() -> tuple[str, int]:
+        with (
+            mock.patch.object(services, "inline_starts", pacer),
+            mock.patch("workers.tasks.execute_step.apply_async"),
+            mock.patch("runs.tasks.advance.apply_async"),
+            django_capture_on_commit_callbacks(execute=True),
+        ):
+            answer = api.post("/api/v1/runs", body, format="json").json()
+        return answer["status"], len(answer["steps"])
+
+    # A second's worth planned in the request, then the worker's; half a second later, one more.
+    assert [start() for _ in range(3)] == [("running", 1), ("running", 1), ("pending", 0)]
+    clock.return_value = 100.5
+    assert [start() for _ in range(2)] == [("running", 1), ("pending", 0)]
 
 
 def test_the_same_idempotency_key_answers_200_with_the_same_run(

@@ -457,3 +457,17 @@ def test_djangos_error_reports_mask_the_secrets_in_hand(rf) -> None:
         assert KEY not in report
         assert MASK in report
     assert "sk-a&amp;b&lt;c&gt;" not in html and "sk-a&b<c>" not in text
+
+
+def test_a_start_handed_to_a_worker_answers_with_the_secrets_masked(
+    api, documents, offers, settings
+) -> None:
+    """Past its pace POST /runs answers with the run as created, not read back: masked alike."""
+    settings.DJFLOW = {**settings.DJFLOW, "START_INLINE_PER_SECOND": 0}
+    with mock.patch("runs.tasks.advance.apply_async"):
+        run, body = start(api)
+    assert (body["status"], body["steps"]) == ("pending", [])
+    assert_masked(json.dumps(body, ensure_ascii=False))
+    assert body["input"]["creds"]["api_key"] == MASK
+    # What a read of the run answers (no worker has planned it here).
+    assert body == api.get(f"/api/v1/runs/{run.id}").json()

@@ -54,6 +54,47 @@ def test_a_broker_outage_does_not_fail_a_committed_start(
     assert run.steps.get().status == "scheduled"
 
 
+BROKER_DOWN = ConnectionError("broker down")
+
+
+def test_a_start_handed_to_a_worker_survives_a_lost_advance_message(
+    api: APIClient, django_capture_on_commit_callbacks, settings
+) -> None:
+    """Past the pace the API's start sends one runs.advance message; lost, the reconciler
+    advances the pending run once it has been quiet LOST_MESSAGE_SECONDS: the run is not lost."""
+    settings.DJFLOW = {**settings.DJFLOW, "START_INLINE_PER_SECOND": 0}
+    WorkflowVersionFactory()
+    with (
+        mock.patch("runs.tasks.advance.apply_async", side_effect=BROKER_DOWN) as advance,
+        mock.patch("workers.tasks.execute_step.apply_async", side_effect=BROKER_DOWN),
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        response = api.post(
+            "/api/v1/runs", {"workflow": "support_ticket", "input": {"ticket": "Q"}}, format="json"
+        )
+    assert response.status_code == 201
+    advance.assert_called_once()
+    run = Run.objects.get()
+    assert run.status == "pending" and not run.steps.exists()
+    # Not before the message counts as lost: a reconciler must not race a message in flight.
+    with django_capture_on_commit_callbacks(execute=True):
+        reconcile()
+    run.refresh_from_db()
+    assert run.status == "pending" and not run.steps.exists()
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
+    with (
+        mock.patch("workers.tasks.execute_step.apply_async") as offer,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        reconcile()
+    run.refresh_from_db()
+    assert run.status == "running"
+    attempt = run.steps.get()
+    assert (attempt.step_id, attempt.status) == ("classify", "scheduled")
+    offer.assert_called_once()
+    assert offer.call_args.args[0] == (attempt.id,)
+
+
 def test_the_reconciler_offers_again_an_attempt_whose_message_was_lost(
     django_capture_on_commit_callbacks, settings
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.utils import timezone
@@ -194,3 +195,78 @@ def test_served_since_counts_a_worker_seen_then_stopped() -> None:
     assert heartbeats.handler_served(handler="hello.greet", queue="default", since=start)
     later = timezone.now() + timedelta(seconds=1)
     assert not heartbeats.handler_served(handler="hello.greet", queue="default", since=later)
+
+
+# --- The pre-flight's read, kept for LIVE_READ_SECONDS ---------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(heartbeats, "_clock", clock)
+    return clock
+
+
+def test_a_served_answer_is_kept_for_a_moment_then_read_again(
+    clock, django_assert_num_queries
+) -> None:
+    beat()
+    with django_assert_num_queries(1):
+        assert heartbeats.unserved_errors(document=HELLO) == []
+    # Another process stops the worker (no heartbeat written here): for LIVE_READ_SECONDS
+    # it still counts, as it would have for a start that much earlier.
+    WorkerHeartbeat.objects.filter(hostname="w1@test").update(stopped_at=timezone.now())
+    clock.now += heartbeats.LIVE_READ_SECONDS / 2
+    with django_assert_num_queries(0):
+        assert heartbeats.unserved_errors(document=HELLO) == []
+    clock.now += heartbeats.LIVE_READ_SECONDS
+    with django_assert_num_queries(1):
+        [error] = heartbeats.unserved_errors(document=HELLO)
+    assert error.field == "steps[0].handler"
+
+
+def test_an_unserved_answer_is_read_again_so_a_new_worker_serves_at_once(
+    clock, django_assert_num_queries
+) -> None:
+    assert [e.field for e in heartbeats.unserved_errors(document=HELLO)] == ["steps[0].handler"]
+    # A worker starts in another process, within the moment the read is kept.
+    now = timezone.now()
+    WorkerHeartbeat.objects.create(
+        hostname="w2@test",
+        handlers=["hello.greet"],
+        queues=["default"],
+        pid=2,
+        started_at=now,
+        last_seen=now,
+    )
+    with django_assert_num_queries(1):
+        assert heartbeats.unserved_errors(document=HELLO) == []
+
+
+def test_a_kept_worker_whose_beats_lapse_no_longer_serves(clock, settings) -> None:
+    beat(seconds_ago=settings.DJFLOW["WORKER_HEARTBEAT_SECONDS"] * 3 - 0.5)
+    assert heartbeats.unserved_errors(document=HELLO) == []
+    # Still within the kept moment, but its last beat is now too old: judged against now.
+    moment = 1.0
+    later = timezone.now() + timedelta(seconds=moment)
+    with mock.patch("workflows.heartbeats.timezone.now", return_value=later):
+        assert [e.field for e in heartbeats.unserved_errors(document=HELLO)] == ["steps[0].handler"]
+
+
+def test_a_heartbeat_written_or_stopped_here_is_seen_at_once(clock, api) -> None:
+    definition_save(document=HELLO)
+    beat()
+    assert (
+        api.post("/api/v1/runs", {"workflow": "hello", "input": {}}, format="json").status_code
+        == 201
+    )
+    heartbeats.heartbeat_stop(hostname="w1@test")
+    assert refused(api)[0]["field"] == "steps[0].handler"
