@@ -45,7 +45,8 @@ def noop_step(ctx: Any, input: Any, prior: Any) -> None:
     return None
 
 
-LIMITS = {"run_timeout_ms": 3_600_000}
+# max_steps counts every attempt (default 1,000): room for the items and the first step.
+LIMITS = {"run_timeout_ms": 3_600_000, "max_steps": MAX_ITEMS + 10}
 
 workflow("bench_fan", limits=LIMITS).foreach(
     "fan", items="${input.items}", max_items=MAX_ITEMS, do=task("item", handler=NOOP)
