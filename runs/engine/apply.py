@@ -191,10 +191,9 @@ class _Writer:
         elif len(inserted) == 1:
             dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
         elif inserted:
-            # Branches and items fanned out together go as one chord whose body is an
-            # advance: a notification only, since every attempt's completion advances the
-            # run itself.
-            dispatch.offer_chord_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
+            # Branches and items fanned out together: one message each, no chord (the
+            # completions themselves ask for the fan-in's advance).
+            dispatch.offer_fan_out_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
         if run_changes and not self.schedules:
             update_run(run.id, run_changes)
         return applied

@@ -32,7 +32,7 @@ def advances(monkeypatch) -> list[str]:
     asked: list[str] = []
     monkeypatch.setattr(dispatch, "advance_on_commit", lambda run_id: asked.append(str(run_id)))
     monkeypatch.setattr(dispatch, "offer_on_commit", lambda *a, **k: None)
-    monkeypatch.setattr(dispatch, "offer_chord_on_commit", lambda *a, **k: None)
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", lambda *a, **k: None)
     return asked
 
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.django_db
 def chords(monkeypatch) -> list[list[Any]]:
     offered: list[list[Any]] = []
     monkeypatch.setattr(
-        dispatch, "offer_chord_on_commit", lambda rows, **_: offered.append(list(rows))
+        dispatch, "offer_fan_out_on_commit", lambda rows, **_: offered.append(list(rows))
     )
     monkeypatch.setattr(dispatch, "offer_on_commit", lambda *a, **k: None)
     monkeypatch.setattr(dispatch, "advance_on_commit", lambda *a, **k: None)
