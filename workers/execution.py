@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -66,47 +67,59 @@ def execute(
     Each step's ``timeout_ms`` is enforced here by SIGALRM (main thread only); Celery's soft
     time limit, set ``INLINE_SECONDS`` later, is the backstop.
     """
-    started = time.monotonic()
     alarm = threading.current_thread() is threading.main_thread()
+    chain = _Chain(worker, time.monotonic(), soft_limit, queue)
     # Each attempt shows in Flower as a task of its own (when the worker sends task events).
     shown = task_events.StepEvents.for_current_task()
     outcome, held = shown.around(
-        step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
+        step_run_id, None, partial(_execute_one, step_run_id, chain, own_alarm=alarm)
     )
     if outcome == HANDED_BACK:
         raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
     if outcome == DEFERRED:
         raise HandedBack(f"attempt {step_run_id} handed back: it waits for a model slot")
-    chained = 0
     while held is not None:
-        step_run, workflow_id = held
-        if not _may_continue(step_run, started, chained, soft_limit, queue):
+        step_run, workflow_id, claimed = held
+        if claimed is None:
             # The step is recorded: a broker outage must not fail its task (see offer_now).
             dispatch.offer_now(step_run, workflow_id=workflow_id)
             break
-        chained += 1
+        chain.chained += 1
         outcome, held = shown.around(
-            step_run.id, held, partial(_execute_one, step_run.id, worker, own_alarm=True)
+            step_run.id,
+            (step_run, workflow_id),
+            partial(_execute_one, step_run.id, chain, own_alarm=True, claimed=claimed),
         )
     return outcome
 
 
-def _may_continue(
-    step_run: StepRun, started: float, chained: int, soft_limit: float | None, queue: str | None
-) -> bool:
-    inline = settings.DJFLOW
-    elapsed = time.monotonic() - started
-    return (
-        threading.current_thread() is threading.main_thread()
-        and chained < inline["INLINE_MAX_STEPS"]
-        and elapsed < inline["INLINE_SECONDS"]
-        and (queue is None or step_run.queue == queue)
-        # Celery's own soft limit for this task must not fire inside the next step's time.
-        and (soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= soft_limit)
-    )
+@dataclass
+class _Chain:
+    """The task running a run's steps one after another (see execute)."""
+
+    worker: str
+    started: float
+    soft_limit: float | None
+    queue: str | None
+    chained: int = 0
+
+    def goes_on_with(self, step_run: StepRun) -> bool:
+        """Whether this task runs ``step_run`` (the run's next attempt) itself."""
+        inline = settings.DJFLOW
+        elapsed = time.monotonic() - self.started
+        return (
+            threading.current_thread() is threading.main_thread()
+            and self.chained < inline["INLINE_MAX_STEPS"]
+            and elapsed < inline["INLINE_SECONDS"]
+            and (self.queue is None or step_run.queue == self.queue)
+            # Celery's own soft limit for this task must not fire inside the next step's time.
+            and (self.soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= self.soft_limit)
+        )
 
 
-Held = tuple[StepRun, str]
+# The run's next attempt, written by the transaction that recorded this one, with its
+# workflow, and its claim when this task goes on with it (else it is offered).
+Held = tuple[StepRun, str, Claimed | None]
 HANDED_BACK = "unservable"
 # The body could not go on now (every model slot of the account taken): offered again soon.
 DEFERRED = "deferred"
@@ -118,8 +131,15 @@ class HandedBack(Exception):
     the reconciler). ``execute_step`` ends as RETRY, not SUCCESS (see there)."""
 
 
-def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str, Held | None]:
-    row = _reconnecting(lambda: claim_attempt(step_run_id, worker=worker, now=timezone.now()))
+def _execute_one(
+    step_run_id: int, chain: _Chain, *, own_alarm: bool, claimed: Claimed | None = None
+) -> tuple[str, Held | None]:
+    """Claim the attempt (unless the transaction that wrote it claimed it for this task),
+    run its body, record it."""
+    worker = chain.worker
+    row = claimed or _reconnecting(
+        lambda: claim_attempt(step_run_id, worker=worker, now=timezone.now())
+    )
     if row is None:
         return "not-scheduled", None
     claim, deadline = row.claim, row.deadline_at
@@ -138,7 +158,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         run_tracing.running(row.run_id, row.root_run_id, row.step_id, row.attempt),
         tracing.attempt_span(row, worker) as span,
     ):
-        return _run_claimed(row, claim, deadline, handler, span, own_alarm=own_alarm)
+        return _run_claimed(row, claim, deadline, handler, span, chain, own_alarm=own_alarm)
 
 
 def _run_claimed(
@@ -147,6 +167,7 @@ def _run_claimed(
     deadline: Any,
     handler: Callable[..., Any],
     span: Any,
+    chain: _Chain,
     *,
     own_alarm: bool,
 ) -> tuple[str, Held | None]:
@@ -168,12 +189,14 @@ def _run_claimed(
         # The wrong key: the handler must not run on tokens as if they were the values.
         logger.error("attempt %s not run: %s", row.id, unreadable)
         error = {"class": "fatal", "message": str(unreadable)}
-        return _record(row, claim, StepStatus.FAILED, None, error, ctx, {})
+        return _record(row, claim, StepStatus.FAILED, None, error, ctx, {}, chain)
     ctx.conceal = partial(secrets.conceal, registry=run_secrets)
     # The handler gets the secrets (the stored input holds tokens); while it runs and its
     # result is recorded, logs and error reports of this process mask them.
     with secrets.exposing(secrets.plaintexts(run_secrets)):
-        return _run_handler(row, claim, deadline, handler, ctx, run_secrets, own_alarm=own_alarm)
+        return _run_handler(
+            row, claim, deadline, handler, ctx, run_secrets, chain, own_alarm=own_alarm
+        )
 
 
 def _run_handler(
@@ -183,6 +206,7 @@ def _run_handler(
     handler: Callable[..., Any],
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain,
     *,
     own_alarm: bool,
 ) -> tuple[str, Held | None]:
@@ -226,7 +250,7 @@ def _run_handler(
         except (TypeError, ValueError) as exc:
             status, output = StepStatus.FAILED, None
             error = {"class": "fatal", "message": f"the handler's output is not JSON: {exc}"}
-    return _record(row, claim, status, output, error, ctx, run_secrets)
+    return _record(row, claim, status, output, error, ctx, run_secrets, chain)
 
 
 @contextlib.contextmanager
@@ -257,6 +281,7 @@ def _record(
     error: dict[str, Any] | None,
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
     database restart, keep trying (the body must not be lost, nor run again)."""
@@ -266,7 +291,7 @@ def _record(
     pause = 0.1
     while True:
         try:
-            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets)
+            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets, chain)
         except (OperationalError, InterfaceError):
             if time.monotonic() + pause > give_up:
                 raise
@@ -295,6 +320,7 @@ def _record_once(
     error: dict[str, Any] | None,
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     # The run is charged what was not charged during the attempt (a recipe's model calls
     # are, as each is settled); the attempt shows all it cost.
@@ -337,7 +363,14 @@ def _record_once(
             budget = Budget(ADVANCE_ACTIONS)
             _, next_attempt = advance_locked(run, hold=True, budget=budget)
             if next_attempt is not None:
-                held = (next_attempt, run.workflow_id)
+                claimed = None
+                if chain is not None and chain.goes_on_with(next_attempt):
+                    # Claimed in this transaction, which commits before its body runs: the
+                    # next step's claim costs no commit of its own.
+                    claimed = claim_attempt(
+                        next_attempt.id, worker=chain.worker, now=timezone.now()
+                    )
+                held = (next_attempt, run.workflow_id, claimed)
     return status, held
 
 
