@@ -3,12 +3,12 @@
 
 - ``bench_fan``: one ``foreach`` over ``${input.items}`` (up to 10,000) whose body is a no-op
   ``task``; the run's output is the list of the items' outputs. ``run_start`` plans the
-  fan-out: the process starting the run writes the items and sends the chord.
+  first items, and ``runs.advance`` tasks in the worker the rest.
 - ``bench_fan_later``: a no-op ``task``, then the same ``foreach``: the fan-out is planned
   by the worker that records the first step, and sent from its pool process.
-- ``bench.fan.noop``: the bare chord's header task (it keeps a result, as the engine's
-  header tasks do: a chord counts them); ``bench.fan.done``: the chord's body, a no-op that
-  stamps when it ran; ``bench.fan.send``: a task sending such a chord from the worker.
+- ``bench.fan.noop``: the bare chord's header task (it keeps a result: a chord counts
+  them); ``bench.fan.done``: the chord's body, a no-op that stamps when it ran;
+  ``bench.fan.send``: a task sending such a chord from the worker.
 
 The worker also notes, through Celery's ``task_prerun``/``task_postrun`` signals, how long
 each ``runs.advance`` took (one Redis write per advance: the benchmark shows how many
@@ -45,7 +45,8 @@ def noop_step(ctx: Any, input: Any, prior: Any) -> None:
     return None
 
 
-LIMITS = {"run_timeout_ms": 3_600_000}
+# max_steps counts every attempt (default 1,000): room for the items and the first step.
+LIMITS = {"run_timeout_ms": 3_600_000, "max_steps": MAX_ITEMS + 10}
 
 workflow("bench_fan", limits=LIMITS).foreach(
     "fan", items="${input.items}", max_items=MAX_ITEMS, do=task("item", handler=NOOP)

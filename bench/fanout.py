@@ -14,10 +14,12 @@ Two parts, each runnable on its own (``--part one|many``, default all):
 - ``many``: 100 runs of 100 items against 100 chords of 100 tasks, started one after the
   other by one process: seconds from the first start to the last run completed / body ran.
 
-The engine's run is started as the API starts one: ``run_start`` writes the run and its
-10,000 attempts in one transaction and sends them on commit as one chord whose body is
-``runs.advance``; each item's completion records its result and asks for an advance unless
-one is pending (``workers.execution._record_inside``).
+The engine's run is started as the API starts one: ``run_start`` writes the run and plans
+its first actions (``advance.REQUEST_ACTIONS``), then hands the rest of the fan-out to
+``runs.advance`` tasks in the worker (rounds of ``advance.ADVANCE_ACTIONS`` attempts, inserted
+in multi-row statements and sent on commit as plain messages through one publish batch). An
+item's success asks for an advance only when nothing else of the run is in flight after its
+commit (``workers.execution._record_inside``).
 
 Each side of each part gets a fresh broker and one ``celery -A config worker -P prefork -c 2
 -l warning`` with the project's settings (no beat: nothing here waits on time), started with

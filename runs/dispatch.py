@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from celery import chord, current_app
+from celery import current_app
 from django.conf import settings
 from django.db import transaction
 
@@ -96,18 +96,26 @@ def _execute_signature(step_run: Any, **options: Any) -> Any:
     )
 
 
-def offer_chord_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
-    """Offer attempts fanned out together (parallel branches, foreach items) as one Celery
-    chord whose body is ``advance``, once the transaction commits.
+def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
+    """Offer attempts fanned out together (parallel branches, foreach items) once the
+    transaction commits: one message each, through one producer in one batch, keeping no
+    result.
 
-    The chord is a notification, never the fan-in: each attempt's completion advances the
-    run from the journal, so a body that never fires, fires twice, or fires while a retried
-    attempt is pending changes nothing. Header tasks keep a result (a chord counts them).
+    No chord: the fan-in is the journal's. A success inside a fan-out asks for an advance
+    when, after its commit, nothing else of the run is in flight, and a failure asks at once
+    (``workers.execution._record_inside``); should that ask be lost with its worker, the
+    reconciler advances a run left with nothing in flight. A chord's header tasks each
+    stored a result and counted themselves in the result backend (three Redis round trips
+    an item), and each chord's body was one more advance planning the whole journal.
     """
 
     def send() -> None:
-        header = [_execute_signature(s, ignore_result=False) for s in step_runs]
-        chord(header)(_advance_signature(run_id, immutable=True))
+        # One producer, and on Redis one pipeline per thousand messages (kombu's publish
+        # batch; other transports publish each at once): sending is one round trip per
+        # message otherwise, and the fan-out is sent by a pool process that has items to run.
+        with current_app.producer_or_acquire() as producer, producer.batch():
+            for step_run in step_runs:
+                _execute_signature(step_run).apply_async(producer=producer)
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler
     # offers them again one by one.

@@ -34,7 +34,7 @@ from runs import tracing as run_tracing
 from runs.engine import calls, journal, unservable
 from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
 from runs.engine.plan import MAX_VALUE_BYTES
-from runs.engine.store import record_result, request_advance
+from runs.engine.store import attempts_in_flight, record_result, request_advance
 from runs.models import Run, StepRun
 from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
@@ -402,25 +402,38 @@ def _record_inside(
     A fan-out's completions must not each plan the whole journal (quadratic in the number of
     items). A success changes nothing the planner acts on while other attempts of the run
     are still in flight, unless a ``concurrency`` window is waiting for the slot it frees;
-    so only a failure (a retry or on_error to decide), a success in a capped fan-out, or the
-    last success of the run asks. Completions of one run take turns on an advisory lock
-    while they decide, so of the last two, the second sees the first committed. An advance
-    already pending sees this one's writes (see ``request_advance``).
+    so a failure (a retry or on_error to decide) or a success in a capped fan-out asks in
+    the transaction that records it (``_may_change_the_plan``), and any other success asks
+    only when, once it has committed, nothing else of the run is in flight
+    (``_nothing_else_in_flight``). Looking after the commit is what makes the last one ask:
+    of two completions committing at once, the one that commits second sees the first, so
+    at least one of them asks (both may: the request is made once). Completions no longer
+    take turns on a lock. An advance already pending sees this one's writes (see
+    ``request_advance``); a worker lost between the commit and the look leaves a run with
+    nothing in flight, which the reconciler advances (``reconcile.advance_stuck``).
     """
-    with transaction.atomic():
-        _one_at_a_time(row.run_id)
-        if cost:
-            # The run row before the step run: the order every advance locks them in.
-            Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
-        calls.calls_record(ctx.model_calls if ctx is not None else [])
-        calls.tool_calls_record(ctx.tool_calls if ctx is not None else [])
-        if not record_result(row.id, claim, result):
-            logger.info("attempt %s finished after it was given up; result dropped", row.id)
-            return "dropped", None
-        if cost:
-            _charge_attempt(row.id, cost)
-        if _may_change_the_plan(row, result["status"]) and request_advance(row.run_id):
-            dispatch.advance_on_commit(row.run_id)
+    asks = _may_change_the_plan(row, result["status"])
+    calls_made = ctx is not None and bool(ctx.model_calls or ctx.tool_calls)
+    if cost or calls_made or asks:
+        with transaction.atomic():
+            if cost:
+                # The run row before the step run: the order every advance locks them in.
+                Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
+            calls.calls_record(ctx.model_calls if ctx is not None else [])
+            calls.tool_calls_record(ctx.tool_calls if ctx is not None else [])
+            if not record_result(row.id, claim, result):
+                logger.info("attempt %s finished after it was given up; result dropped", row.id)
+                return "dropped", None
+            if cost:
+                _charge_attempt(row.id, cost)
+            if asks and request_advance(row.run_id):
+                dispatch.advance_on_commit(row.run_id)
+    # Nothing but the result to write (a plain item's success): one statement, autocommit.
+    elif not record_result(row.id, claim, result):
+        logger.info("attempt %s finished after it was given up; result dropped", row.id)
+        return "dropped", None
+    if not asks:
+        _ask_if_last(row)
     return result["status"], None
 
 
@@ -439,35 +452,40 @@ def _release(claim: uuid.UUID) -> None:
                 dispatch.offer_on_commit(step_run, workflow_id=step_run.run.workflow_id)
 
 
+def _ask_if_last(row: Claimed) -> None:
+    """After the commit of a success inside a composite: ask for an advance if nothing else
+    of the run is in flight. The result is committed either way, so a database error here
+    is logged, not raised: the reconciler advances a run left with nothing in flight."""
+    try:
+        if _nothing_else_in_flight(row) and request_advance(row.run_id):
+            dispatch.advance_on_commit(row.run_id)
+    except (OperationalError, InterfaceError):
+        logger.warning("attempt %s recorded; could not ask for an advance", row.id, exc_info=True)
+
+
 def _charge_attempt(step_run_id: int, cost: Any) -> None:
     """Add what recording charges to the attempt's cost: added, never set, since its model
     calls were charged to it as each was settled (runs.engine.costs)."""
     StepRun.objects.filter(id=step_run_id).update(cost_usd=F("cost_usd") + cost)
 
 
-def _one_at_a_time(run_id: Any) -> None:
-    if connection.vendor != "postgresql":
-        return  # SQLite: one writer at a time already
-    with connection.cursor() as cursor:
-        # 63 bits of the run's UUID: a signed bigint (a collision only serialises two runs).
-        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [uuid.UUID(str(run_id)).int >> 65])
-
-
 def _may_change_the_plan(row: Claimed, status: str) -> bool:
+    """Whether this completion asks for an advance in the transaction that records it: a
+    failure (a retry or on_error to decide), or a success inside a capped fan-out (the slot
+    it frees lets the next item start). Any other success asks only if it was the last one
+    in flight (``_ask_if_last``)."""
     if status != StepStatus.SUCCEEDED:
         return True
     steps = journal.steps_of(row.version_id)
-    capped = any(
+    return any(
         steps.get(part.split("[", 1)[0], {}).get("concurrency") is not None
         for part in row.path.split("/")
         if part
     )
-    if capped:
-        return True
-    others = StepRun.objects.filter(
-        run_id=row.run_id, status__in=[StepStatus.SCHEDULED, StepStatus.RUNNING]
-    ).exclude(id=row.id)
-    return not others.filter(kind__in=kinds.names(kinds.Role.WORKER)).exists()
+
+
+def _nothing_else_in_flight(row: Claimed) -> bool:
+    return not attempts_in_flight(row.run_id, kinds.names(kinds.Role.WORKER), besides=row.id)
 
 
 def _reconnecting(operation: Callable[[], T]) -> T:

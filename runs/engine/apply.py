@@ -28,7 +28,7 @@ from ..moves import move_steps
 from ..status import RunStatus, StepStatus, check_run_move
 from . import ending
 from . import plan as p
-from .store import insert_attempt, request_advance, update_run
+from .store import insert_attempts, request_advance, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
@@ -183,20 +183,17 @@ class _Writer:
         if run_changes:
             run.updated_at = now
             run_changes["updated_at"] = now
-        inserted = []
-        for index, action in enumerate(self.schedules):
-            # The run's own changes ride on the last insert (one statement on Postgres).
-            last = index == len(self.schedules) - 1
-            inserted.append(_schedule(run, action, now, run_changes if last else None))
+        # The run's own changes ride on the inserts (one statement for a lone attempt, one
+        # per batch of a fan-out, on Postgres).
+        inserted = _schedule_all(run, self.schedules, now, run_changes)
         if hold and len(inserted) == 1:
             applied.held = inserted[0]
         elif len(inserted) == 1:
             dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
         elif inserted:
-            # Branches and items fanned out together go as one chord whose body is an
-            # advance: a notification only, since every attempt's completion advances the
-            # run itself.
-            dispatch.offer_chord_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
+            # Branches and items fanned out together: one message each, no chord (the
+            # completions themselves ask for the fan-in's advance).
+            dispatch.offer_fan_out_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
         if run_changes and not self.schedules:
             update_run(run.id, run_changes)
         return applied
@@ -372,10 +369,28 @@ def _open(run: Run, action: p.Open, now: datetime) -> StepRun:
     )
 
 
-def _schedule(
-    run: Run, action: p.Schedule, now: datetime, run_changes: dict[str, Any] | None
-) -> StepRun:
-    step_run = StepRun(
+def _schedule_all(
+    run: Run, actions: list[p.Schedule], now: datetime, run_changes: dict[str, Any]
+) -> list[StepRun]:
+    """Insert the new attempts a plan schedules, with the run's ``run_changes``: a fan-out's
+    items in multi-row statements (``store.insert_attempts``), not one statement each."""
+    step_runs = [_attempt(run, action, now) for action in actions]
+    rows = [
+        {
+            field.name: getattr(step_run, field.attname)
+            for field in StepRun._meta.concrete_fields
+            if not field.primary_key
+        }
+        for step_run in step_runs
+    ]
+    ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None)
+    for step_run, step_run_id in zip(step_runs, ids, strict=True):
+        step_run.id = step_run_id
+    return step_runs
+
+
+def _attempt(run: Run, action: p.Schedule, now: datetime) -> StepRun:
+    return StepRun(
         run=run,
         step_id=action.step_id,
         path=action.path,
@@ -392,16 +407,6 @@ def _schedule(
         celery_task_id=str(uuid.uuid4()),
         scheduled_at=now,
     )
-    step_run.id = insert_attempt(
-        {
-            field.name: getattr(step_run, field.attname)
-            for field in StepRun._meta.concrete_fields
-            if not field.primary_key
-        },
-        run_id=run.id,
-        run_changes=run_changes,
-    )
-    return step_run
 
 
 def _finish(run: Run, action: p.Finish, now: datetime) -> None:

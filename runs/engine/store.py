@@ -99,6 +99,49 @@ def insert_attempt(
         return int(cursor.fetchone()[0])
 
 
+# Rows per multi-row INSERT of a fan-out: well under Postgres's 65,535 parameters a statement
+# (an attempt has about 30 columns), and a few hundred kilobytes of SQL.
+INSERT_BATCH = 500
+
+
+def insert_attempts(
+    rows: list[dict[str, Any]], *, run_id: Any = None, run_changes: dict[str, Any] | None = None
+) -> list[int]:
+    """INSERT many step runs (a fan-out's items or branches) and return their ids in order:
+    one multi-row statement per ``INSERT_BATCH`` rows on Postgres instead of one per row.
+    ``run_changes`` are written first (one UPDATE for the whole fan-out). Every row has the
+    same fields. Elsewhere (SQLite without RETURNING), one row at a time."""
+    if connection.vendor != "postgresql" or len(rows) < 2:
+        return [
+            insert_attempt(
+                values, run_id=run_id, run_changes=run_changes if i == len(rows) - 1 else None
+            )
+            for i, values in enumerate(rows)
+        ]
+    names = list(rows[0])
+    columns = ", ".join(_column(name) for name in names)
+    one = f"({', '.join(['%s'] * len(names))})"
+    fields = [_field(name) for name in names]
+    if run_changes:
+        update_run(run_id, run_changes)
+    ids: list[int] = []
+    with connection.cursor() as cursor:
+        for start in range(0, len(rows), INSERT_BATCH):
+            batch = rows[start : start + INSERT_BATCH]
+            params = [
+                field.get_db_prep_save(values[name], connection)
+                for values in batch
+                for name, field in zip(names, fields, strict=True)
+            ]
+            insert = f"INSERT INTO {_TABLE} ({columns}) VALUES {', '.join([one] * len(batch))}"
+            cursor.execute(f"{insert} RETURNING id", params)
+            fetched = cursor.fetchall()
+            # Postgres returns the rows of one INSERT ... VALUES in the order given (Django's
+            # bulk_create counts on it too).
+            ids += [int(found[0]) for found in fetched]
+    return ids
+
+
 def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     """Record a running attempt's result, if the claim still holds; True when it did.
 
@@ -132,6 +175,23 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
             return False
         cursor.execute(drop, drop_params)
         return True
+
+
+def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> bool:
+    """Whether the run has an attempt of one of ``kinds`` scheduled or running, other than
+    ``besides``: one index probe (the partial index of in-flight attempts by run), however
+    long the journal. A fan-out's completion asks it once, after its commit."""
+    if not kinds:
+        return False
+    names = sorted(kinds)
+    sql = (
+        f"SELECT 1 FROM {_TABLE} WHERE run_id = %s AND status IN (%s, %s)"
+        f" AND kind IN ({', '.join(['%s'] * len(names))}) AND id <> %s LIMIT 1"
+    )
+    params = [_prep("id", run_id, Run), str(StepStatus.SCHEDULED), str(StepStatus.RUNNING)]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [*params, *names, besides])
+        return cursor.fetchone() is not None
 
 
 def request_advance(run_id: Any) -> bool:

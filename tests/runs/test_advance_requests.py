@@ -32,7 +32,7 @@ def advances(monkeypatch) -> list[str]:
     asked: list[str] = []
     monkeypatch.setattr(dispatch, "advance_on_commit", lambda run_id: asked.append(str(run_id)))
     monkeypatch.setattr(dispatch, "offer_on_commit", lambda *a, **k: None)
-    monkeypatch.setattr(dispatch, "offer_chord_on_commit", lambda *a, **k: None)
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", lambda *a, **k: None)
     return asked
 
 
@@ -141,3 +141,56 @@ def test_a_success_in_a_capped_fan_out_asks_at_once(advances) -> None:
     claim_attempt(rows[1].id, worker="w", now=timezone.now())
     execution._record_inside(first, first.claim, _recorded("a"), 0)
     assert advances == [str(run.id)]  # a slot is free: the third item may start
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_the_last_two_successes_committing_at_once_ask_at_least_once(advances, monkeypatch) -> None:
+    """Completions take no lock: each looks for others in flight after its commit. Both of
+    the last two look only once both have committed (a barrier): had either looked before
+    its commit, it would see the other running, and nobody would ask."""
+    run, first, second = _pair()
+    both_committed = threading.Barrier(2, timeout=10)
+    real_look = execution._nothing_else_in_flight
+
+    def look_once_both_committed(row: Claimed) -> bool:
+        both_committed.wait()
+        return real_look(row)
+
+    monkeypatch.setattr(execution, "_nothing_else_in_flight", look_once_both_committed)
+
+    def complete(row: Claimed, output: str) -> None:
+        try:
+            execution._record_inside(row, row.claim, _recorded(output), 0)
+        finally:
+            connection.close()
+
+    threads = [
+        threading.Thread(target=complete, args=pair) for pair in ((first, "a"), (second, "b"))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(15)
+    assert not any(thread.is_alive() for thread in threads)
+    # Both saw nothing else in flight; the request is made once, the message sent once.
+    assert advances == [str(run.id)]
+    run_advance(run_id=run.id)
+    run.refresh_from_db()
+    assert (run.status, run.output) == ("completed", ["a", "b"])
+
+
+def test_a_success_whose_look_fails_leaves_the_run_to_the_reconciler(advances, monkeypatch) -> None:
+    """The result is committed before the look: a database error there is not the
+    attempt's, and must not make the worker record it again (it would find it dropped)."""
+    from django.db import OperationalError
+
+    _, first, second = _pair()
+    execution._record_inside(first, first.claim, _recorded("a"), 0)
+
+    def broken(row: Claimed) -> bool:
+        raise OperationalError("the server closed the connection")
+
+    monkeypatch.setattr(execution, "_nothing_else_in_flight", broken)
+    assert execution._record_inside(second, second.claim, _recorded("b"), 0) == ("succeeded", None)
+    assert advances == []
+    assert StepRun.objects.get(id=second.id).status == "succeeded"

@@ -6,6 +6,7 @@ Celery sends with ``send_task``, which knows none of a task's declared options."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -88,14 +89,23 @@ def test_an_attempt_goes_to_its_queue_with_its_task_id_and_limits(sent) -> None:
     ]
 
 
-def test_a_fan_out_is_a_chord_of_attempts_that_keep_a_result_then_advance(sent) -> None:
-    dispatch.offer_chord_on_commit([attempt(3), attempt(4)], run_id="r5", workflow_id="w")
-    assert [(m["task"], m["args"], m["id"], m["ignore_result"], m["queue"]) for m in sent] == [
-        ("workers.execute_step", [3], "task-3", False, "gpu"),
-        ("workers.execute_step", [4], "task-4", False, "gpu"),
+def test_a_fan_out_is_one_message_per_attempt_keeping_no_result_and_no_chord(sent) -> None:
+    # The fan-in is the journal's (each completion asks for the advance it needs): no chord
+    # body, and no result a chord would count.
+    dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r5", workflow_id="w")
+    soft = 5 + settings.DJFLOW["INLINE_SECONDS"]
+    assert sent == [
+        {
+            "task": "workers.execute_step",
+            "args": [n],
+            "id": f"task-{n}",
+            "ignore_result": True,
+            "timelimit": (soft + 10, soft),
+            "queue": "gpu",
+            "chord": None,
+        }
+        for n in (3, 4)
     ]
-    body = sent[0]["chord"]
-    assert (body["task"], list(body["args"]), body["immutable"]) == ("runs.advance", ["r5"], True)
 
 
 def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
@@ -104,3 +114,40 @@ def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
         ("approvals.send_mail", [7], "mail", True),
         ("approvals.send_mail", [8], "mail", True),
     ]
+
+
+def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
+    """Against the real broker: every attempt's message is on its queue, and on Redis they
+    went as one pipeline, not one LPUSH round trip each."""
+    import uuid
+
+    import redis
+
+    if app.connection_for_write().transport.driver_type != "redis":
+        pytest.skip("kombu batches publishes on Redis only")
+    import workers.tasks  # noqa: F401
+
+    queue = f"fan-{uuid.uuid4().hex}"
+    attempts = [
+        SimpleNamespace(id=n, celery_task_id=f"fan-task-{n}", queue=queue, timeout_ms=5000)
+        for n in range(5)
+    ]
+    direct: list[Any] = []
+    real_execute = redis.Redis.execute_command
+
+    def execute_command(client: Any, *args: Any, **options: Any) -> Any:
+        direct.append(args[0])
+        return real_execute(client, *args, **options)
+
+    monkeypatch.setattr(redis.Redis, "execute_command", execute_command)
+    with mock.patch("django.db.transaction.on_commit", side_effect=lambda f, robust=False: f()):
+        dispatch.offer_fan_out_on_commit(attempts, run_id="r6", workflow_id="w")
+    monkeypatch.setattr(redis.Redis, "execute_command", real_execute)
+    assert "LPUSH" not in direct
+    with app.connection_for_write() as conn:
+        client = conn.default_channel.client
+        try:
+            waiting = [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+        finally:
+            client.delete(queue)
+    assert sorted(waiting) == [f"fan-task-{n}" for n in range(5)]

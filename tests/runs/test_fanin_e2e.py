@@ -1,14 +1,15 @@
-"""Fan-in end to end: the chord is a notification, the journal is the fan-in.
+"""Fan-in end to end: the journal is the fan-in, whatever notifications come or not.
 
-Real Postgres, Redis, ``celery worker`` and ``celery beat`` processes. The chord that offers
-a fan-out is forced to misbehave (its body never fires, fires twice, fires while a retried
-item is still pending), a worker is killed in the middle of a 200-item fan-out, and a run
-with running children and grandchildren is cancelled; every time the run's result is what
-the journal says, each body ran as often as its attempts say (the side table of
+Real Postgres, Redis, ``celery worker`` and ``celery beat`` processes. The engine offers a
+fan-out as plain messages (no chord); here it is offered in a chord forced to misbehave (its
+body never fires, fires twice, fires while a retried item is still pending), a worker is
+killed in the middle of a 200-item fan-out, and a run with running children and
+grandchildren is cancelled; every time the run's result is what the journal says, each body
+ran as often as its attempts say (the side table of
 ``tests.runs.flows`` counts real executions), and nothing starts after a cancel.
 
 The first fan-out of a run is planned by ``run_start`` in this process, so patching
-``runs.dispatch.offer_chord_on_commit`` here changes the chord its items are offered in.
+``runs.dispatch.offer_fan_out_on_commit`` here changes how its items are offered.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ def chord_bodies(run_id: Any) -> list[float]:
 
 
 class FanOuts:
-    """A stand-in for ``dispatch.offer_chord_on_commit``: the header exactly as the engine
-    builds it, the body (built by ``body`` from the run id, None: no body at all) of the
-    test's choosing. Counts the fan-outs it offered."""
+    """A stand-in for ``dispatch.offer_fan_out_on_commit``: the attempts' messages as the
+    engine builds them, as a chord's header (keeping results, as a chord needs), the body
+    (built by ``body`` from the run id, None: no body at all) of the test's choosing.
+    Counts the fan-outs it offered."""
 
     def __init__(self, body: Callable[[str], Any] | None) -> None:
         self.body = body
@@ -133,7 +135,7 @@ def test_a_chord_body_that_never_fires_changes_nothing(
     # No beat: nothing but the items' own completions can advance the run.
     celery_worker(workflow_modules=FLOWS, concurrency=4)
     fanouts = FanOuts(body=None)
-    monkeypatch.setattr(dispatch, "offer_chord_on_commit", fanouts)
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
     run = start("chorded", {"items": ITEMS})
     assert fanouts.offered == [len(ITEMS)]
     run = finished(run.id, timeout=30, logs=celery_processes.logs)
@@ -146,7 +148,7 @@ def test_a_chord_body_that_fires_twice_amid_stray_advances_changes_nothing(
 ) -> None:
     celery_worker(workflow_modules=FLOWS, concurrency=4)
     fanouts = FanOuts(body=lambda run_id: group(marked_advance(run_id), marked_advance(run_id)))
-    monkeypatch.setattr(dispatch, "offer_chord_on_commit", fanouts)
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
     run = start("chorded", {"items": ITEMS})
     assert fanouts.offered == [len(ITEMS)]
     # And advances nobody asked for, all through the fan-out, racing the completions.
@@ -168,7 +170,7 @@ def test_a_chord_body_firing_while_a_retry_is_pending_does_not_end_the_fan_out(
     celery_worker(workflow_modules=FLOWS, concurrency=4)
     celery_beat()  # the retry's back-off is a timer
     fanouts = FanOuts(body=marked_advance)
-    monkeypatch.setattr(dispatch, "offer_chord_on_commit", fanouts)
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
     items = ["a", "b", "flaky", "c", "d"]
     run = start("chorded", {"items": items})
     run = finished(run.id, timeout=30, logs=celery_processes.logs)
