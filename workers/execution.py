@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from functools import partial
 from typing import Any, TypeVar
 
@@ -31,7 +31,13 @@ from django.utils import timezone
 from runs import dispatch, metrics, vault
 from runs import tracing as run_tracing
 from runs.engine import calls, journal, unservable
-from runs.engine.advance import ADVANCE_ACTIONS, Budget, advance_locked, lock_run
+from runs.engine.advance import (
+    ADVANCE_ACTIONS,
+    Budget,
+    advance_locked,
+    lock_run,
+    run_advance_holding,
+)
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import record_result, request_advance
 from runs.models import Run, StepRun
@@ -91,18 +97,79 @@ def execute(
     return outcome
 
 
+def advance_and_execute(
+    run_ids: list[str],
+    *,
+    worker: str,
+    queues: Collection[str],
+    soft_limit: float | None = None,
+) -> int:
+    """Advance each run (a fired timer's), and run the lone next attempt an advance leaves
+    here, inline, as :func:`execute` runs a run's next step; returns the attempts run.
+
+    A resumed run then costs no ``execute_step`` message. An attempt is run here only when
+    it is for a queue this worker consumes (``queues``), this worker has its handler, and
+    the task's time allows (:func:`_may_continue`, counted over the whole batch); otherwise
+    it is offered through the broker as an advance offers it. Each advance is one bounded
+    round (a run with more to plan asks for another advance). A run that fails to advance
+    is left to the reconciler (its timer fired, nothing in flight), the batch goes on.
+    """
+    started = time.monotonic()
+    shown = task_events.StepEvents.for_current_task()
+    chained = 0
+    for run_id in run_ids:
+        try:
+            # Past the task's time nothing more is held: the advance offers its attempts.
+            hold = _may_continue(None, started, chained, soft_limit, None)
+            held = run_advance_holding(run_id=run_id, seconds=0, hold=hold)[1]
+            while held is not None:
+                step_run, workflow_id = held
+                if not (
+                    _may_continue(step_run, started, chained, soft_limit, None)
+                    and step_run.queue in queues
+                    and _serves(step_run, workflow_id)
+                ):
+                    dispatch.offer_now(step_run, workflow_id=workflow_id)
+                    break
+                chained += 1
+                _, held = shown.around(
+                    step_run.id, held, partial(_execute_one, step_run.id, worker, own_alarm=True)
+                )
+        except Exception:
+            # The other runs of the batch must not wait for the reconciler too.
+            logger.exception("advance_runs: run %s failed; the reconciler takes it", run_id)
+    return chained
+
+
+def _serves(step_run: StepRun, workflow_id: str) -> bool:
+    """Whether this worker has the attempt's body (a worker without it offers the attempt
+    instead of claiming it only to hand it back)."""
+    # The run as the advance locked it (no query: the attempt was written with it).
+    step = journal.steps_of(step_run.run.version_id).get(step_run.step_id)
+    kind = kinds.get(step_run.kind)
+    return bool(step is not None and kind and kind.body and kind.body(step, workflow_id))
+
+
 def _may_continue(
-    step_run: StepRun, started: float, chained: int, soft_limit: float | None, queue: str | None
+    step_run: StepRun | None,
+    started: float,
+    chained: int,
+    soft_limit: float | None,
+    queue: str | None,
 ) -> bool:
+    """Whether the task may run ``step_run`` inline (None: any step yet, by its time)."""
     inline = settings.DJFLOW
     elapsed = time.monotonic() - started
     return (
         threading.current_thread() is threading.main_thread()
         and chained < inline["INLINE_MAX_STEPS"]
         and elapsed < inline["INLINE_SECONDS"]
-        and (queue is None or step_run.queue == queue)
+        and (queue is None or step_run is None or step_run.queue == queue)
         # Celery's own soft limit for this task must not fire inside the next step's time.
-        and (soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= soft_limit)
+        and (
+            soft_limit is None
+            or elapsed + (step_run.timeout_ms / 1000 if step_run else 0) <= soft_limit
+        )
     )
 
 
