@@ -535,7 +535,7 @@ def part_precision(
         bare_late = [(started - due) * 1000 for due, started in bare_stamps(run)]
 
         # The engine: due 10 ms apart from when the last run will have started on.
-        lead = 2 + 1.5 * per_start * total
+        lead = 2 + 2.0 * per_start * total  # see part_burst
         first = datetime.now(UTC) + timedelta(seconds=lead)
         inputs = [
             {"at": epoch_ms(first + timedelta(seconds=n * spread / total))} for n in range(total)

@@ -46,6 +46,8 @@ def sent(monkeypatch) -> dict[str, list[Any]]:
     """What the engine would send: attempts offered (by the advance's commit or by the
     worker), advance requests, batches of runs."""
     ran.clear()
+    # However slow this machine: each test's batch is one task unless it says otherwise.
+    monkeypatch.setattr(execution, "ADVANCE_RUNS_SECONDS", 60.0)
     messages: dict[str, list[Any]] = {"offered": [], "advance": [], "batches": []}
 
     def offered(step_run: Any, **_: Any) -> None:
@@ -154,6 +156,23 @@ def test_past_the_tasks_time_the_rest_of_the_batch_is_offered(sent, settings) ->
     assert len(sent["offered"]) == 2
     assert statuses(run_ids) == {"completed", "running"}
     assert StepRun.objects.filter(run_id__in=run_ids, step_id="after").count() == 3
+
+
+def test_past_the_batchs_time_the_runs_left_go_back_to_the_queue_in_one_message(
+    sent, monkeypatch
+) -> None:
+    monkeypatch.setattr(execution, "ADVANCE_RUNS_SECONDS", 0)
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 1
+    # The first advanced and its next step run; the two others sent on, not advanced here.
+    assert ran == [run_ids[0]]
+    assert sent["batches"] == [(run_ids[1:], 2)]
+    assert [Run.objects.get(id=run_id).status for run_id in run_ids] == [
+        "completed",
+        "waiting",
+        "waiting",
+    ]
+    assert sent["offered"] == []
 
 
 def test_a_run_that_fails_to_advance_does_not_stop_the_batch(sent, monkeypatch) -> None:
