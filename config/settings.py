@@ -564,6 +564,9 @@ DJFLOW = {
     # most this many steps and seconds in one task, then offers it through the broker.
     "INLINE_MAX_STEPS": env.int("DJFLOW_INLINE_MAX_STEPS", default=50),
     "INLINE_SECONDS": env.float("DJFLOW_INLINE_SECONDS", default=2.0),
+    # For the engine's own tests: every plan made from a run's settled prefix (the rows after
+    # it only) is made again from the whole journal, and a difference raises.
+    "CHECK_PREFIX": env.bool("DJFLOW_CHECK_PREFIX", default=False),
     # How long a worker keeps trying to record a finished attempt while the database is
     # unreachable (a restart, a fail-over) before it gives up and leaves it to the lease.
     "RECORD_RETRY_SECONDS": env.float("DJFLOW_RECORD_RETRY_SECONDS", default=60.0),

@@ -151,7 +151,8 @@ class Run(models.Model):
 class StepRun(models.Model):
     """One attempt of one step of a run."""
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    # Indexed by step_run_journal, which leads with it.
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps", db_index=False)
     step_id = models.CharField(max_length=100)
     # Where the step sits when it runs more than once in a run (a foreach item, a loop
     # iteration); empty for a step of the top-level list or a condition's branch.
@@ -220,6 +221,9 @@ class StepRun(models.Model):
             ),
         ]
         indexes = [
+            # A run's journal in order, and its rows after a settled prefix (journal_of(after=)):
+            # on the run alone, reading a 2,000-step run's last rows visited all 2,000.
+            models.Index(fields=["run", "id"], name="step_run_journal"),
             models.Index(
                 fields=["lease_expires_at"],
                 name="step_run_lease",

@@ -91,9 +91,12 @@ SELECT * FROM claimed
 """
 
 
-def claim_attempt(step_run_id: int, *, worker: str, now: datetime) -> Claimed | None:
-    """Claim a scheduled attempt for ``worker``; None when it is not (or no longer) ours."""
-    claim = uuid.uuid4()
+def claim_attempt(
+    step_run_id: int, *, worker: str, now: datetime, claim: uuid.UUID | None = None
+) -> Claimed | None:
+    """Claim a scheduled attempt for ``worker`` (with ``claim`` as its fencing token, a new
+    one unless given); None when it is not (or no longer) ours."""
+    claim = claim or uuid.uuid4()
     if connection.vendor == "postgresql":
         return _claim_postgres(step_run_id, worker, now, claim)
     return _claim_portable(step_run_id, worker, now, claim)

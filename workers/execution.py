@@ -19,6 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -72,29 +73,54 @@ def execute(
     Each step's ``timeout_ms`` is enforced here by SIGALRM (main thread only); Celery's soft
     time limit, set ``INLINE_SECONDS`` later, is the backstop.
     """
-    started = time.monotonic()
     alarm = threading.current_thread() is threading.main_thread()
+    chain = _Chain(worker, time.monotonic(), soft_limit, queue)
     # Each attempt shows in Flower as a task of its own (when the worker sends task events).
     shown = task_events.StepEvents.for_current_task()
     outcome, held = shown.around(
-        step_run_id, None, partial(_execute_one, step_run_id, worker, own_alarm=alarm)
+        step_run_id, None, partial(_execute_one, step_run_id, chain, own_alarm=alarm)
     )
     if outcome == HANDED_BACK:
         raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
     if outcome == DEFERRED:
         raise HandedBack(f"attempt {step_run_id} handed back: it waits for a model slot")
-    chained = 0
     while held is not None:
-        step_run, workflow_id = held
-        if not _may_continue(step_run, started, chained, soft_limit, queue):
+        step_run, workflow_id, claimed = held
+        if claimed is None:
             # The step is recorded: a broker outage must not fail its task (see offer_now).
             dispatch.offer_now(step_run, workflow_id=workflow_id)
             break
-        chained += 1
+        chain.chained += 1
         outcome, held = shown.around(
-            step_run.id, held, partial(_execute_one, step_run.id, worker, own_alarm=True)
+            step_run.id,
+            (step_run, workflow_id),
+            partial(_execute_one, step_run.id, chain, own_alarm=True, claimed=claimed),
         )
     return outcome
+
+
+@dataclass
+class _Chain:
+    """The task running a run's steps one after another (see execute)."""
+
+    worker: str
+    started: float
+    soft_limit: float | None
+    queue: str | None
+    chained: int = 0
+
+    def goes_on_with(self, step_run: StepRun) -> bool:
+        """Whether this task runs ``step_run`` (the run's next attempt) itself."""
+        inline = settings.DJFLOW
+        elapsed = time.monotonic() - self.started
+        return (
+            threading.current_thread() is threading.main_thread()
+            and self.chained < inline["INLINE_MAX_STEPS"]
+            and elapsed < inline["INLINE_SECONDS"]
+            and (self.queue is None or step_run.queue == self.queue)
+            # Celery's own soft limit for this task must not fire inside the next step's time.
+            and (self.soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= self.soft_limit)
+        )
 
 
 # How long one batch of fired runs (workers.advance_runs) holds its pool process before it
@@ -117,10 +143,11 @@ def advance_and_execute(
 
     A resumed run then costs no ``execute_step`` message. An attempt is run here only when
     it is for a queue this worker consumes (``queues``), this worker has its handler, and
-    the task's time allows (:func:`_may_continue`, counted over the whole batch); otherwise
-    it is offered through the broker as an advance offers it. Each advance is one bounded
-    round (a run with more to plan asks for another advance). A run that fails to advance
-    is left to the reconciler (its timer fired, nothing in flight), the batch goes on.
+    the task's time allows (``_Chain.goes_on_with``, counted over the whole batch);
+    otherwise it is offered through the broker as an advance offers it. Each advance is one
+    bounded round (a run with more to plan asks for another advance). A run that fails to
+    advance is left to the reconciler (its timer fired, nothing in flight), the batch goes
+    on.
 
     After ``ADVANCE_RUNS_SECONDS`` the runs not yet advanced go back to the engine's queue as
     one message: the pool process is free again for the clock's tick and the messages
@@ -136,26 +163,41 @@ def advance_and_execute(
             dispatch.advance_in_batches(rest, size=len(rest))
             break
         try:
-            # Past the task's time nothing more is held: the advance offers its attempts.
-            hold = _may_continue(None, started, chained, soft_limit, None)
-            held = run_advance_holding(run_id=run_id, seconds=0, hold=hold)[1]
-            while held is not None:
-                step_run, workflow_id = held
-                if not (
-                    _may_continue(step_run, started, chained, soft_limit, None)
-                    and step_run.queue in queues
-                    and _serves(step_run, workflow_id)
-                ):
-                    dispatch.offer_now(step_run, workflow_id=workflow_id)
-                    break
-                chained += 1
-                _, held = shown.around(
-                    step_run.id, held, partial(_execute_one, step_run.id, worker, own_alarm=True)
-                )
+            fired = run_advance_holding(run_id=run_id, seconds=0)[1]
+            if fired is None:
+                continue
+            step_run, workflow_id = fired
+            # The run's steps after this one stay on its queue, as in execute().
+            chain = _Chain(worker, started, soft_limit, step_run.queue, chained)
+            if not (
+                chain.goes_on_with(step_run)
+                and step_run.queue in queues
+                and _serves(step_run, workflow_id)
+            ):
+                dispatch.offer_now(step_run, workflow_id=workflow_id)
+                continue
+            chained = _run_chain(chain, shown, (step_run, workflow_id, None))
         except Exception:
             # The other runs of the batch must not wait for the reconciler too.
             logger.exception("advance_runs: run %s failed; the reconciler takes it", run_id)
     return chained
+
+
+def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:
+    """Run a fired run's next attempt (claimed here) and the steps its chain goes on with
+    (claimed by the transactions that recorded the step before); returns the chain's count."""
+    while held is not None:
+        step_run, workflow_id, claimed = held
+        chain.chained += 1
+        _, held = shown.around(
+            step_run.id,
+            (step_run, workflow_id),
+            partial(_execute_one, step_run.id, chain, own_alarm=True, claimed=claimed),
+        )
+        if held is not None and held[2] is None:
+            dispatch.offer_now(held[0], workflow_id=held[1])
+            break
+    return chain.chained
 
 
 def _serves(step_run: StepRun, workflow_id: str) -> bool:
@@ -167,30 +209,9 @@ def _serves(step_run: StepRun, workflow_id: str) -> bool:
     return bool(step is not None and kind and kind.body and kind.body(step, workflow_id))
 
 
-def _may_continue(
-    step_run: StepRun | None,
-    started: float,
-    chained: int,
-    soft_limit: float | None,
-    queue: str | None,
-) -> bool:
-    """Whether the task may run ``step_run`` inline (None: any step yet, by its time)."""
-    inline = settings.DJFLOW
-    elapsed = time.monotonic() - started
-    return (
-        threading.current_thread() is threading.main_thread()
-        and chained < inline["INLINE_MAX_STEPS"]
-        and elapsed < inline["INLINE_SECONDS"]
-        and (queue is None or step_run is None or step_run.queue == queue)
-        # Celery's own soft limit for this task must not fire inside the next step's time.
-        and (
-            soft_limit is None
-            or elapsed + (step_run.timeout_ms / 1000 if step_run else 0) <= soft_limit
-        )
-    )
-
-
-Held = tuple[StepRun, str]
+# The run's next attempt, written by the transaction that recorded this one, with its
+# workflow, and its claim when this task goes on with it (else it is offered).
+Held = tuple[StepRun, str, Claimed | None]
 HANDED_BACK = "unservable"
 # The body could not go on now (every model slot of the account taken): offered again soon.
 DEFERRED = "deferred"
@@ -202,8 +223,15 @@ class HandedBack(Exception):
     the reconciler). ``execute_step`` ends as RETRY, not SUCCESS (see there)."""
 
 
-def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str, Held | None]:
-    row = _reconnecting(lambda: claim_attempt(step_run_id, worker=worker, now=timezone.now()))
+def _execute_one(
+    step_run_id: int, chain: _Chain, *, own_alarm: bool, claimed: Claimed | None = None
+) -> tuple[str, Held | None]:
+    """Claim the attempt (unless the transaction that wrote it claimed it for this task),
+    run its body, record it."""
+    worker = chain.worker
+    row = claimed or _reconnecting(
+        lambda: claim_attempt(step_run_id, worker=worker, now=timezone.now())
+    )
     if row is None:
         return "not-scheduled", None
     claim, deadline = row.claim, row.deadline_at
@@ -222,7 +250,7 @@ def _execute_one(step_run_id: int, worker: str, *, own_alarm: bool) -> tuple[str
         run_tracing.running(row.run_id, row.root_run_id, row.step_id, row.attempt),
         tracing.attempt_span(row, worker) as span,
     ):
-        return _run_claimed(row, claim, deadline, handler, span, own_alarm=own_alarm)
+        return _run_claimed(row, claim, deadline, handler, span, chain, own_alarm=own_alarm)
 
 
 def _run_claimed(
@@ -231,6 +259,7 @@ def _run_claimed(
     deadline: Any,
     handler: Callable[..., Any],
     span: Any,
+    chain: _Chain,
     *,
     own_alarm: bool,
 ) -> tuple[str, Held | None]:
@@ -252,12 +281,14 @@ def _run_claimed(
         # The wrong key: the handler must not run on tokens as if they were the values.
         logger.error("attempt %s not run: %s", row.id, unreadable)
         error = {"class": "fatal", "message": str(unreadable)}
-        return _record(row, claim, StepStatus.FAILED, None, error, ctx, {})
+        return _record(row, claim, StepStatus.FAILED, None, error, ctx, {}, chain)
     ctx.conceal = partial(secrets.conceal, registry=run_secrets)
     # The handler gets the secrets (the stored input holds tokens); while it runs and its
     # result is recorded, logs and error reports of this process mask them.
     with secrets.exposing(secrets.plaintexts(run_secrets)):
-        return _run_handler(row, claim, deadline, handler, ctx, run_secrets, own_alarm=own_alarm)
+        return _run_handler(
+            row, claim, deadline, handler, ctx, run_secrets, chain, own_alarm=own_alarm
+        )
 
 
 def _run_handler(
@@ -267,6 +298,7 @@ def _run_handler(
     handler: Callable[..., Any],
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain,
     *,
     own_alarm: bool,
 ) -> tuple[str, Held | None]:
@@ -310,7 +342,7 @@ def _run_handler(
         except (TypeError, ValueError) as exc:
             status, output = StepStatus.FAILED, None
             error = {"class": "fatal", "message": f"the handler's output is not JSON: {exc}"}
-    return _record(row, claim, status, output, error, ctx, run_secrets)
+    return _record(row, claim, status, output, error, ctx, run_secrets, chain)
 
 
 @contextlib.contextmanager
@@ -341,6 +373,7 @@ def _record(
     error: dict[str, Any] | None,
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
     database restart, keep trying (the body must not be lost, nor run again)."""
@@ -350,7 +383,7 @@ def _record(
     pause = 0.1
     while True:
         try:
-            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets)
+            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets, chain)
         except (OperationalError, InterfaceError):
             if time.monotonic() + pause > give_up:
                 raise
@@ -379,6 +412,7 @@ def _record_once(
     error: dict[str, Any] | None,
     ctx: StepContext,
     run_secrets: dict[str, Any],
+    chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     # The run is charged what was not charged during the attempt (a recipe's model calls
     # are, as each is settled); the attempt shows all it cost.
@@ -421,7 +455,14 @@ def _record_once(
             budget = Budget(ADVANCE_ACTIONS)
             _, next_attempt = advance_locked(run, hold=True, budget=budget)
             if next_attempt is not None:
-                held = (next_attempt, run.workflow_id)
+                claimed = None
+                if chain is not None and chain.goes_on_with(next_attempt):
+                    # Claimed in this transaction, which commits before its body runs: the
+                    # next step's claim costs no commit of its own.
+                    claimed = claim_attempt(
+                        next_attempt.id, worker=chain.worker, now=timezone.now()
+                    )
+                held = (next_attempt, run.workflow_id, claimed)
     return status, held
 
 

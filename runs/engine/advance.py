@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -136,17 +137,38 @@ def advance_locked(
     # An attempt held back in one round (not offered) is the caller's even when a later
     # round, planned again after a hand-off or a taken event, holds nothing.
     held: StepRun | None = None
+    # The run's settled beginning (plan.Prefix): this process's from an earlier plan, then
+    # the one each round cuts (its rows, this transaction's writes among them, are seen here).
+    prefix = journal.prefix_for(run)
     for _ in range(MAX_ROUNDS):
         now = timezone.now()
-        attempts = journal.journal_of(run.id)
+        prefix = journal.prefix_for(run, prefix) if prefix is not None else None
+        checked = prefix is not None and settings.DJFLOW["CHECK_PREFIX"]
+        if checked:
+            # The check plans from the same read of the whole journal: a completion committed
+            # between two reads (inside a composite step, recorded without the run's lock)
+            # would be a difference that is not the prefix's.
+            whole = journal.journal_of(run.id)
+            attempts = [a for a in whole if prefix is not None and a.id > prefix.through_id]
+        else:
+            attempts = journal.journal_of(run.id, after=prefix.through_id if prefix else 0)
+        document = journal.document_for(run)
+        view = journal.run_view(run, attempts, prefix)
         planned = plan(
-            journal.document_for(run),
-            journal.run_view(run, attempts),
+            document,
+            view,
             attempts,
             now,
             journal.planner_settings(),
             max_actions=budget.actions,
+            prefix=prefix,
+            positions=journal.positions_for(run),
         )
+        if checked:
+            _check_prefix(run, planned, whole, view, now, budget.actions)
+        if planned.prefix is not None:
+            prefix = planned.prefix
+            journal.keep_prefix(run, prefix)
         budget.actions -= len(planned.actions)
         applied = apply_plan(run, planned, now, hold=hold and held is None)
         held = held or applied.held
@@ -169,3 +191,23 @@ def advance_locked(
             return planned, held
     logger.warning("advance: run %s planned %d rounds in a row; stopping", run.id, MAX_ROUNDS)
     return planned, held
+
+
+def _check_prefix(
+    run: Run, planned: Plan, attempts: list[Any], view: Any, now: Any, max_actions: int
+) -> None:
+    """The engine's own tests (DJFLOW_CHECK_PREFIX): a plan from a prefix must be the plan
+    the whole journal (``attempts``, the same read) gives, or the prefix stood for rows it
+    should not have. The run's view is the same too (its tree's count is read unlocked)."""
+    whole = plan(
+        journal.document_for(run),
+        view,
+        attempts,
+        now,
+        journal.planner_settings(),
+        max_actions=max_actions,
+    )
+    mine = (planned.actions, planned.waiting, planned.approval, planned.more)
+    theirs = (whole.actions, whole.waiting, whole.approval, whole.more)
+    if mine != theirs:
+        raise AssertionError(f"run {run.id}: from a prefix {mine}, from the journal {theirs}")

@@ -6,19 +6,31 @@ Documents are immutable per version, so each process keeps the parsed ones it ha
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.db import connection, transaction
 from django.utils.dateparse import parse_datetime
 
 from workflows import kinds
 from workflows.models import WorkflowVersion
 
 from ..models import Run, StepRun
-from .plan import DEFAULT_MAX_STEPS, HOLDERS, AttemptView, RunView, Settings
+from .plan import (
+    DEFAULT_MAX_STEPS,
+    HOLDERS,
+    AttemptView,
+    Prefix,
+    RunView,
+    Settings,
+    positions_of,
+    prefix_applies,
+)
 
 
 @lru_cache(maxsize=512)
@@ -47,12 +59,15 @@ def body_document(version_id: int, body: str) -> dict[str, Any]:
     return {"id": f"{step_id}-body", "steps": steps, "limits": limits}
 
 
-def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
-    """The planner's view of ``run``; given its journal (``attempts``), a root run that never
-    started a child costs no query for its tree's count."""
+def run_view(
+    run: Run, attempts: list[AttemptView] | None = None, prefix: Prefix | None = None
+) -> RunView:
+    """The planner's view of ``run``; given its journal (``attempts``, after ``prefix``), a
+    root run that never started a child costs no query for its tree's count."""
     alone = (
         run.root_run_id is None
         and attempts is not None
+        and not (prefix is not None and prefix.children)
         and not any(kinds.role_of(a.kind) is kinds.Role.CHILD for a in attempts)
     )
     tree_used, tree_limit = (0, None) if alone else tree_budget(run)
@@ -68,8 +83,12 @@ def run_view(run: Run, attempts: list[AttemptView] | None = None) -> RunView:
         depth=run.depth,
         tree_used=tree_used,
         tree_limit=tree_limit,
-        reruns=tuple((int(r["generation"]), str(r["from_step"])) for r in run.reruns or ()),
+        reruns=reruns_of(run),
     )
+
+
+def reruns_of(run: Run) -> tuple[tuple[int, str], ...]:
+    return tuple((int(r["generation"]), str(r["from_step"])) for r in run.reruns or ())
 
 
 # Attempts as max_steps counts them (plan._counts_as_attempt), in each run's own generation,
@@ -127,18 +146,20 @@ SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.bra
   FROM {table} AS s
   LEFT JOIN {runs} AS c
     ON s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
- WHERE s.run_id = %s
+ WHERE s.run_id = %s AND s.id > %s
  ORDER BY s.id
 """
 
 
-def journal_of(run_id: Any) -> list[AttemptView]:
-    """Every attempt of a run, oldest first. Raw SQL: this runs once per step, and the
+def journal_of(run_id: Any, *, after: int = 0) -> list[AttemptView]:
+    """Every attempt of a run, oldest first; with ``after``, those with a greater id (the
+    rows after a settled prefix, see plan.Prefix). Raw SQL: this runs once per step, and the
     ORM's per-row overhead was most of a step's cost on long runs."""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
     with connection.cursor() as cursor:
         cursor.execute(
-            _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table), [pk]
+            _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table),
+            [pk, after],
         )
         rows = cursor.fetchall()
     return [
@@ -160,9 +181,92 @@ def journal_of(run_id: Any) -> list[AttemptView]:
             not_before=from_timestamp(row[14]),
             cost_usd=float(row[15] or 0),
             child=_child(row[16:20]),
+            size=_size(row[8]) + _size(row[9]),
         )
         for row in rows
     ]
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, str | bytes) else 0
+
+
+# --- settled prefixes (plan.Prefix) ---------------------------------------------------------
+#
+# Each process keeps the settled beginnings of the runs it planned lately, so that the next
+# step of a run it planned reads and walks only the rows after it. A prefix is kept only once
+# the transaction that cut it committed (it may have been cut from that transaction's own
+# writes), and holds the outputs of its steps: the cache is bounded by their stored bytes and
+# by a count of runs, least recently used first out. Another process's plans need no telling:
+# a prefix only covers rows that never change, and a stale one is merely shorter.
+
+PREFIX_CACHE_RUNS = 2048
+# Stored JSON bytes: parsed into Python objects they take about five to six times as much
+# (measured), so this is about 50 MB of each worker process at most.
+PREFIX_CACHE_BYTES = 8 * 1024 * 1024
+_prefixes: OrderedDict[Any, tuple[int, str, Prefix]] = OrderedDict()
+_prefix_bytes = 0
+_prefix_lock = threading.Lock()
+
+
+def prefix_for(run: Run, prefix: Prefix | None = None) -> Prefix | None:
+    """The settled prefix to plan ``run`` from: ``prefix`` (one this transaction cut) or the
+    one this process kept, if it still applies to the run; else None (plan from the whole
+    journal)."""
+    if prefix is None:
+        with _prefix_lock:
+            kept = _prefixes.get(run.id)
+            if kept is None:
+                return None
+            _prefixes.move_to_end(run.id)
+        version_id, body, prefix = kept
+        if version_id != run.version_id or body != run.body:
+            return None
+    if not prefix_applies(document_for(run), run.generation, reruns_of(run), prefix):
+        return None
+    return prefix
+
+
+def keep_prefix(run: Run, prefix: Prefix) -> None:
+    """Keep ``prefix`` for this process's later plans of ``run`` once the transaction commits
+    (a rolled back one keeps nothing)."""
+    transaction.on_commit(lambda: _keep(run.id, run.version_id, run.body, prefix))
+
+
+def _keep(run_id: Any, version_id: int, body: str, prefix: Prefix) -> None:
+    global _prefix_bytes
+    if prefix.size > PREFIX_CACHE_BYTES // 4:
+        return
+    with _prefix_lock:
+        old = _prefixes.pop(run_id, None)
+        if old is not None:
+            _prefix_bytes -= old[2].size
+            if old[2].generation == prefix.generation and old[2].steps > prefix.steps:
+                prefix = old[2]  # another plan of this process got further
+        _prefixes[run_id] = (version_id, body, prefix)
+        _prefix_bytes += prefix.size
+        while len(_prefixes) > PREFIX_CACHE_RUNS or _prefix_bytes > PREFIX_CACHE_BYTES:
+            _, (_, _, dropped) = _prefixes.popitem(last=False)
+            _prefix_bytes -= dropped.size
+
+
+def forget_prefixes() -> None:
+    """Drop every kept prefix (tests; a process that must plan from whole journals)."""
+    global _prefix_bytes
+    with _prefix_lock:
+        _prefixes.clear()
+        _prefix_bytes = 0
+
+
+def positions_for(run: Run) -> Mapping[str, int]:
+    """plan.positions_of the document ``run`` plans, kept per version (and body)."""
+    return _positions(run.version_id, run.body or "")
+
+
+@lru_cache(maxsize=512)
+def _positions(version_id: int, body: str) -> Mapping[str, int]:
+    document = body_document(version_id, body) if body else document_of(version_id)
+    return positions_of(document["steps"])
 
 
 def _child(columns: tuple[Any, ...]) -> dict[str, Any] | None:

@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from enum import Enum
+from functools import partial
+from itertools import islice
 from typing import Any
 
 from workflows import kinds
@@ -131,6 +133,38 @@ class AttemptView:
     cost_usd: float = 0.0
     # For a waiting subworkflow row: its child run's {"id", "status", "output", "error"}.
     child: Mapping[str, Any] | None = None
+    # The stored JSON bytes of its output and error (for Prefix.size); 0 when not known.
+    size: int = 0
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The settled beginning of a run, as one plan found it, for the next plan of the same
+    run (its caller keeps it): the first ``steps`` top-level steps are over for good. Every
+    journal row of theirs has ended (an ended row never changes: runs.status.STEP_MOVES), and
+    their ids are at most ``through_id``, below every row of a later step. So the next plan is
+    given only the rows after ``through_id`` and starts its walk at step ``steps``, with the
+    context those steps left: a step of a long run costs what a step of a short one does,
+    instead of a read and a walk of the whole journal.
+
+    Valid for the same document and generation only, and never used with a retry from a step
+    or a cost limit (both read settled rows again); a plan that cannot tell returns none.
+    """
+
+    steps: int
+    through_id: int
+    generation: int
+    # What the steps put in the template context (step id -> {"output", "status", "error"}),
+    # and the default input and "a step ran" flag they left for the next step.
+    context: Mapping[str, Any]
+    previous_output: Any
+    ran_before: bool
+    # Their rows that max_steps counts (of this generation), and whether one started a child
+    # run (then the tree's count is read: journal.run_view).
+    counted: int
+    children: bool
+    # The JSON bytes of their outputs and errors: what a cache of prefixes holds in memory.
+    size: int = 0
 
 
 # --- what the planner decides -------------------------------------------------------------
@@ -257,6 +291,9 @@ class Plan:
     approval: bool = False
     # The walk stopped at its ``max_actions``: plan again to go on.
     more: bool = False
+    # The settled beginning of the run for its next plan; None when this plan cannot tell
+    # more than the prefix it was given (or was given none and found none).
+    prefix: Prefix | None = None
 
     def of(self, kind: type) -> list[Any]:
         return [a for a in self.actions if isinstance(a, kind)]
@@ -294,10 +331,25 @@ def plan(
     settings: Settings | None = None,
     *,
     max_actions: int | None = None,
+    prefix: Prefix | None = None,
+    positions: Mapping[str, int] | None = None,
 ) -> Plan:
     """Decide what to do next for ``run``, at most about ``max_actions`` actions of it (at
-    least one). See the module docstring for the invariants."""
-    planner = _Planner(document, run, journal, now, settings or Settings())
+    least one). See the module docstring for the invariants.
+
+    With ``prefix`` (a previous plan's ``Plan.prefix`` for this run), ``journal`` holds only
+    the rows after ``prefix.through_id``; the plan is the one the whole journal gives.
+    ``positions`` is :func:`positions_of` the document's steps, when the caller keeps it.
+    """
+    planner = _Planner(
+        document,
+        run,
+        journal,
+        now,
+        settings or Settings(),
+        prefix=prefix,
+        positions=positions if positions is not None else positions_of(document["steps"]),
+    )
     planner.max_actions = None if max_actions is None else max(max_actions, 1)
     return planner.run()
 
@@ -315,9 +367,14 @@ class _Planner:
         journal: Sequence[AttemptView],
         now: datetime,
         settings: Settings,
+        *,
+        prefix: Prefix | None = None,
+        positions: Mapping[str, int],
     ) -> None:
         self.document = document
         self.run_view = run
+        self.positions = positions
+        self.given = journal
         self.now = now
         self.settings = settings
         self.limits = document.get("limits", {})
@@ -343,7 +400,23 @@ class _Planner:
                 "run": self.context["run"],
             }
             self.previous_output, self.ran_before = scope.get("default"), True
-        self.counted = 0
+        # The context entries before the run's own steps' (a body run's scope): a prefix
+        # keeps only its steps' own.
+        self._base = len(self.context["steps"])
+        if prefix is not None and not self._prefixable(prefix):
+            # The journal given lacks the prefix's rows: planning on would be wrong.
+            raise ValueError("a prefix that does not apply to this run (prefix_applies)")
+        self.prefix = prefix
+        if self.prefix is not None:
+            self.context["steps"].update(self.prefix.context)
+            self.previous_output = self.prefix.previous_output
+            self.ran_before = self.prefix.ran_before
+        # For each top-level step the walk visited: (its index, the context entries, the
+        # default input and ran_before before it), from which the next prefix is cut.
+        self._marks: list[tuple[int, int, Any, bool]] = []
+        # The first top-level step the walk did not settle (len(steps) when it settled all).
+        self._stopped = 0
+        self.counted = self.prefix.counted if self.prefix is not None else 0
         # What blocked the walk: a sleep or wait (waiting), or work in flight or due (busy).
         self.waiting = False
         self.busy = False
@@ -358,6 +431,12 @@ class _Planner:
         self._wakes = 0
         # The step about to be visited heads a parallel's branch: never stopped before.
         self._branch_head = False
+        # Opens a new run of the body being visited (set by _body_run), for _after_failure.
+        self._reopen: Callable[[int], _Go] | None = None
+
+    def _prefixable(self, prefix: Prefix | None = None) -> bool:
+        view = self.run_view
+        return prefix_applies(self.document, view.generation, view.reruns, prefix)
 
     def _current(self, journal: Sequence[AttemptView]) -> list[AttemptView]:
         """The journal without the attempts a retry from a step superseded."""
@@ -403,7 +482,7 @@ class _Planner:
         self._index()
         if self._over_cost():
             return self.out
-        go = self._walk(self.document["steps"], "")
+        go = self._walk_top()
         if go is _Go.CONTINUE:
             self._complete()
         elif go is _Go.FAILED:
@@ -411,7 +490,70 @@ class _Planner:
         elif go is _Go.BLOCKED:
             self.out.waiting = self.waiting and not self.busy
             self.out.approval = self.out.waiting and self.approval
+            self.out.prefix = self._next_prefix()
         return self.out
+
+    def _walk_top(self) -> _Go:
+        """The walk of the top-level steps, from the first one the prefix does not cover."""
+        steps = self.document["steps"]
+        for index in range(self.prefix.steps if self.prefix is not None else 0, len(steps)):
+            marks = (index, len(self.context["steps"]), self.previous_output, self.ran_before)
+            self._marks.append(marks)
+            go = self._visit(steps[index], "")
+            if go is not _Go.CONTINUE:
+                self._stopped = index
+                return go
+        self._stopped = len(steps)
+        return _Go.CONTINUE
+
+    def _next_prefix(self) -> Prefix | None:
+        """The settled beginning after this plan: the top-level steps before the first one
+        that the walk did not settle, has a row in flight, or gets an action now; None when
+        it is no longer than the prefix given, or the rows are not in step order."""
+        if not self._prefixable() or not self._marks:
+            return None
+        start = self._marks[0][0]
+        limit = self._stopped
+        for attempt in self.given:
+            if attempt.status in IN_FLIGHT:
+                limit = min(limit, self.positions.get(_head(attempt.path, attempt.step_id), -1))
+        for action in self.out.actions:
+            if isinstance(action, Schedule | Skip | Open):
+                limit = min(limit, self.positions.get(_head(action.path, action.step_id), -1))
+        if limit <= start or limit - start >= len(self._marks):
+            return None
+        old = self.prefix
+        through = old.through_id if old is not None else 0
+        counted = old.counted if old is not None else 0
+        children = old.children if old is not None else False
+        size = old.size if old is not None else 0
+        later = None
+        generation = self.run_view.generation
+        for attempt in self.given:
+            position = self.positions.get(_head(attempt.path, attempt.step_id))
+            if position is None:
+                return None  # a row of no step of this document: never skip it
+            if position < limit:
+                through = max(through, attempt.id)
+                counted += attempt.generation == generation and _counts_as_attempt(attempt)
+                children = children or kinds.role_of(attempt.kind) is Role.CHILD
+                size += attempt.size
+            elif later is None or attempt.id < later:
+                later = attempt.id
+        if later is not None and later <= through:
+            return None  # a later step's row older than a settled one's: read them all
+        _, entries, previous_output, ran_before = self._marks[limit - start]
+        return Prefix(
+            steps=limit,
+            through_id=through,
+            generation=generation,
+            context=dict(islice(self.context["steps"].items(), self._base, entries)),
+            previous_output=previous_output,
+            ran_before=ran_before,
+            counted=counted,
+            children=children,
+            size=size,
+        )
 
     def _start(self) -> datetime:
         view = self.run_view
@@ -450,6 +592,7 @@ class _Planner:
             )
 
     def _index(self) -> None:
+        # (self.counted starts at what the prefix's rows count.)
         generation = self.run_view.generation
         for attempt in self.journal:
             self.by_step.setdefault((attempt.path, attempt.step_id), []).append(attempt)
@@ -581,6 +724,9 @@ class _Planner:
                 # As that generation saw it: a rejected approval's decision stays its output.
                 self._settle(step, "failed", latest.output, error)
                 return _Go.CONTINUE
+            if step["id"] == BODY and self._reopen is not None:
+                # A body run: a new one (see _body_run).
+                return self._reopen(latest.attempt + 1)
             return self._schedule(step, path, attempt=latest.attempt + 1)
         due = self._retry_due(step, path, attempts, latest, error)
         if due is not None:
@@ -1044,37 +1190,17 @@ class _Planner:
         attempts = self.by_step.get((path, BODY), [])
         latest = attempts[-1] if attempts else None
         if latest is None:
-            if self._out_of_steps(BODY):
-                return _Go.STOP, None
-            scope = {
-                "input": self.context["input"],
-                "steps": self.context["steps"],
-                **roots,
-                "default": default,
-            }
-            try:
-                # The body run's input: it is copied into every body run, so it is bounded.
-                check_size(scope, MAX_VALUE_BYTES)
-            except TooLarge as error:
-                message = (
-                    f"input: the body's scope (the run input, the outputs of the steps before "
-                    f"it, its item or iteration) is {error}; the limit is 1 MiB"
-                )
-                return self._fail(stand_in, {"class": INVALID_INPUT, "message": message}), None
-            self.counted += 1
-            self.out.actions.append(
-                Open(
-                    BODY,
-                    path,
-                    BODY_KIND,
-                    attempt=self._fresh(path, BODY),
-                    generation=self.run_view.generation,
-                    status="waiting",
-                    start={"body": self._body_ref, "input": scope},
-                )
-            )
-            self.waiting = True
-            return _Go.BLOCKED, None
+            return self._open_body(path, roots, default, self._fresh(path, BODY)), None
+        if (
+            latest.status not in IN_FLIGHT
+            and latest.status != "succeeded"
+            and latest.generation < self.run_view.generation
+        ):
+            # A body run that failed before a retry of the run starts again as a new body
+            # run (it has no workflow of its own to schedule again).
+            return self._open_body(path, roots, default, latest.attempt + 1), None
+        # The same when its child fails now, in an older generation (see _after_failure).
+        self._reopen = partial(self._open_body, path, roots, default)
         saved = self.context
         self.context = {**self.context, "steps": dict(self.context["steps"])}
         try:
@@ -1090,8 +1216,43 @@ class _Planner:
                 go = self._after_failure(stand_in, path, attempts, latest)
             output = self.context["steps"][BODY]["output"] if go is _Go.CONTINUE else None
         finally:
-            self.context = saved
+            self.context, self._reopen = saved, None
         return go, output
+
+    def _open_body(self, path: str, roots: dict[str, Any], default: Any, attempt: int) -> _Go:
+        """Open a body run (the subworkflow row that starts it) with the scope it sees."""
+        stand_in = {"id": BODY, "kind": BODY_KIND}
+        if self._out_of_steps(BODY):
+            return _Go.STOP
+        scope = {
+            "input": self.context["input"],
+            "steps": self.context["steps"],
+            **roots,
+            "default": default,
+        }
+        try:
+            # The body run's input: it is copied into every body run, so it is bounded.
+            check_size(scope, MAX_VALUE_BYTES)
+        except TooLarge as error:
+            message = (
+                f"input: the body's scope (the run input, the outputs of the steps before "
+                f"it, its item or iteration) is {error}; the limit is 1 MiB"
+            )
+            return self._fail(stand_in, {"class": INVALID_INPUT, "message": message})
+        self.counted += 1
+        self.out.actions.append(
+            Open(
+                BODY,
+                path,
+                BODY_KIND,
+                attempt=attempt,
+                generation=self.run_view.generation,
+                status="waiting",
+                start={"body": self._body_ref, "input": scope},
+            )
+        )
+        self.waiting = True
+        return _Go.BLOCKED
 
     def _started(self, body: Any, path: str) -> bool:
         first = BODY if isinstance(body, list) and len(body) > 1 else _one(body)["id"]
@@ -1266,6 +1427,34 @@ def top_level_ids(steps: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     for step in steps:
         visit(step, step["id"])
     return found
+
+
+def prefix_applies(
+    document: Mapping[str, Any],
+    generation: int,
+    reruns: Sequence[tuple[int, str]],
+    prefix: Prefix | None = None,
+) -> bool:
+    """Whether a prefix may stand for a run's settled rows (and a plan cut one): not after a
+    retry from a step, which supersedes settled rows, nor under a cost limit, which sums every
+    row's cost (a model call settled after its attempt was given up still adds to it); and a
+    prefix only in the generation it was cut in."""
+    if reruns or "max_cost_usd" in document.get("limits", {}):
+        return False
+    return prefix is None or prefix.generation == generation
+
+
+def positions_of(steps: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The id of every step of a document (nested ones too) mapped to the index of the
+    top-level step it is, or is inside."""
+    order = {step["id"]: index for index, step in enumerate(steps)}
+    return {step_id: order[top] for step_id, top in top_level_ids(steps).items()}
+
+
+def _head(path: str, step_id: str) -> str:
+    """The step a journal row belongs to at the top of its path: the row's own step at the
+    top level or in a condition's branch (no path), else the composite its path starts in."""
+    return path.split("[", 1)[0] if path else step_id
 
 
 def _one(body: Any) -> Mapping[str, Any]:

@@ -1,0 +1,237 @@
+"""What one sequential step costs the database, and that it does not grow with the journal
+(issue 17): the statements of a step are counted, and a step of a 2,000-step run reads and
+writes what a step of a 10-step run does, because each plan starts from the run's settled
+prefix (plan.Prefix) instead of reading and walking the whole journal.
+
+The steps run in this process through the worker's own code (``workers.execution.execute``),
+one step per call, on committed transactions (a prefix is kept only once its transaction
+commits).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from runs import services
+from runs.engine import journal
+from runs.engine.advance import run_advance
+from runs.models import StepRun
+from workers.execution import execute
+from workflows.sdk import handler, workflow
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NOOP = "step_cost.noop"
+# What one step of a sequential run costs today: the claim; then, in one transaction, the
+# run's lock, the record, the journal's new rows and the next attempt's insert (BEGIN and
+# COMMIT are statements too). It must not grow.
+STATEMENTS_PER_STEP = 7
+
+
+@handler(NOOP)
+def noop(ctx: Any, input: Any, prior: Any) -> None:
+    return None
+
+
+def _sequence(steps: int) -> str:
+    name = f"step_cost_{steps}"
+    flow = workflow(name, limits={"max_steps": 10_000, "run_timeout_ms": 3_600_000})
+    for n in range(steps):
+        flow.task(f"s{n}", handler=NOOP)
+    definition_save(document=flow.document())
+    return name
+
+
+@pytest.fixture
+def one_step_at_a_time(settings):
+    """Each execute() runs one step (no inline chaining), 2,000-step documents save, and no
+    plan is checked against the whole journal (the check's read is not a step's)."""
+    settings.DJFLOW = {
+        **settings.DJFLOW,
+        "INLINE_MAX_STEPS": 0,
+        "MAX_DOCUMENT_STEPS": 2_500,
+        "CHECK_PREFIX": False,
+    }
+    journal.forget_prefixes()
+    yield
+    journal.forget_prefixes()
+
+
+@pytest.fixture
+def rows_read(monkeypatch) -> list[int]:
+    """How many journal rows each plan read (the real read, counted on the way out)."""
+    counts: list[int] = []
+    real = journal.journal_of
+
+    def counting(run_id: Any, *, after: int = 0) -> list[Any]:
+        rows = real(run_id, after=after)
+        counts.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(journal, "journal_of", counting)
+    return counts
+
+
+def _scheduled(run_id: Any) -> int:
+    return StepRun.objects.get(run_id=run_id, status="scheduled").id
+
+
+def _shape(sql: str) -> str:
+    """A statement without its values: quoted literals and numbers replaced."""
+    return re.sub(r"\b\d+\b", "N", re.sub(r"'[^']*'", "'?'", sql))
+
+
+def _step(run_id: Any) -> list[str]:
+    """Run the run's scheduled step; the statements it issued."""
+    attempt = _scheduled(run_id)
+    with CaptureQueriesContext(connection) as captured:
+        execute(attempt, worker="in-process")
+    return [query["sql"] for query in captured.captured_queries]
+
+
+def _journal_ahead(run_id: Any, steps: int) -> None:
+    """Write the run's first ``steps`` steps as succeeded (its scheduled first attempt
+    included), as if they had run, and plan the next: the journal a long run has."""
+    now = timezone.now()
+    first = StepRun.objects.get(run_id=run_id, step_id="s0")
+    StepRun.objects.filter(id=first.id).update(status="succeeded", finished_at=now)
+    StepRun.objects.bulk_create(
+        StepRun(
+            run_id=run_id,
+            step_id=f"s{n}",
+            kind="task",
+            attempt=1,
+            status="succeeded",
+            started_at=now,
+            finished_at=now,
+        )
+        for n in range(1, steps)
+    )
+    run_advance(run_id=run_id)
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_one_sequential_step_issues_at_most_seven_statements():
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    _step(run.id)  # the first step plans from the whole journal
+    statements = _step(run.id)
+    listing = "\n".join(sql[:160] for sql in statements)
+    assert len(statements) <= STATEMENTS_PER_STEP, listing
+    # Every step's rows and nothing else: no read of the whole journal, no ORM round trips.
+    assert sum("SELECT s.id, s.step_id" in sql for sql in statements) == 1, listing
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_step_of_a_2000_step_run_costs_what_a_step_of_a_10_step_run_does(rows_read):
+    short = services.run_start(workflow=_sequence(10), input={}).run
+    for _ in range(3):
+        _step(short.id)
+    rows_read.clear()
+    short_statements = _step(short.id)
+    short_rows = list(rows_read)
+
+    long = services.run_start(workflow=_sequence(2_000), input={}).run
+    _journal_ahead(long.id, 1_990)
+    assert rows_read[-1] == 1_990  # the first plan of this process read the whole journal
+    _step(long.id)  # cuts the prefix its step's successor plans from
+    rows_read.clear()
+    long_statements = _step(long.id)
+    long_rows = list(rows_read)
+
+    assert [_shape(sql) for sql in long_statements] == [_shape(sql) for sql in short_statements]
+    assert long_rows == short_rows and max(long_rows) <= 2, (long_rows, short_rows)
+    # And the run goes on to its end from there, planning from its prefix.
+    for _ in range(8):
+        _step(long.id)
+    long.refresh_from_db()
+    assert long.status == "completed"
+    assert StepRun.objects.filter(run=long, status="succeeded").count() == 2_000
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_process_that_never_planned_the_run_reads_its_whole_journal_once(rows_read):
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    for _ in range(4):
+        _step(run.id)
+    journal.forget_prefixes()  # as in another worker process
+    rows_read.clear()
+    _step(run.id)
+    _step(run.id)
+    assert rows_read == [5, 1]
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_rolled_back_plan_keeps_no_prefix():
+    from django.db import transaction
+
+    from runs.engine.advance import advance_locked, lock_run
+
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    _step(run.id)
+    journal.forget_prefixes()
+    first = StepRun.objects.get(run=run, step_id="s1")
+
+    class Abort(Exception):
+        pass
+
+    with pytest.raises(Abort), transaction.atomic():
+        StepRun.objects.filter(id=first.id).update(status="succeeded", finished_at=timezone.now())
+        advance_locked(lock_run(run.id))  # plans s2 from a journal where s1 succeeded
+        raise Abort
+    run.refresh_from_db()
+    assert journal.prefix_for(run) is None
+    # s1 is still the run's scheduled step, and runs as such.
+    assert _scheduled(run.id) == first.id
+    _step(run.id)
+    assert StepRun.objects.get(run=run, step_id="s1").status == "succeeded"
+
+
+def test_a_step_run_inline_after_another_commits_once(settings, rows_read):
+    """A worker that goes on with the run's next step claims it in the transaction that
+    recorded the previous one: one commit per step, the first step's claim aside."""
+    settings.DJFLOW = {**settings.DJFLOW, "INLINE_MAX_STEPS": 50, "CHECK_PREFIX": False}
+    journal.forget_prefixes()
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    first = _scheduled(run.id)
+    with CaptureQueriesContext(connection) as captured:
+        execute(first, worker="in-process")
+    run.refresh_from_db()
+    assert run.status == "completed"
+    statements = [query["sql"] for query in captured.captured_queries]
+    commits = sum(sql.strip() == "COMMIT" for sql in statements)
+    claims = sum("WITH claimed AS" in sql for sql in statements)
+    # Ten steps: ten recording transactions, nine of which also claimed the next step, and
+    # the first step's own claim on its own (autocommit, no COMMIT statement).
+    assert (commits, claims) == (10, 10), "\n".join(sql[:120] for sql in statements)
+
+
+def test_the_kept_prefixes_are_bounded_by_runs_and_by_bytes(monkeypatch):
+    from runs.engine.plan import Prefix
+
+    def prefix(steps: int, size: int) -> Prefix:
+        return Prefix(steps, steps, 1, {}, None, True, steps, False, size)
+
+    journal.forget_prefixes()
+    monkeypatch.setattr(journal, "PREFIX_CACHE_RUNS", 3)
+    monkeypatch.setattr(journal, "PREFIX_CACHE_BYTES", 100)
+    for run in range(5):
+        journal._keep(f"run-{run}", 1, "", prefix(run + 1, 10))
+    assert list(journal._prefixes) == ["run-2", "run-3", "run-4"]  # the oldest went first
+    monkeypatch.setattr(journal, "PREFIX_CACHE_RUNS", 10)
+    journal._keep("run-5", 1, "", prefix(1, 25))
+    journal._keep("run-6", 1, "", prefix(1, 25))
+    journal._keep("run-7", 1, "", prefix(1, 25))  # 105 bytes: run-2 goes
+    assert list(journal._prefixes) == ["run-3", "run-4", "run-5", "run-6", "run-7"]
+    assert journal._prefix_bytes == 95
+    journal._keep("huge", 1, "", prefix(1, 26))  # over a quarter of the bound: not kept
+    assert "huge" not in journal._prefixes
+    journal._keep("run-4", 1, "", prefix(2, 10))  # a shorter one never replaces a longer
+    assert journal._prefixes["run-4"][2].steps == 5
+    journal.forget_prefixes()
