@@ -394,6 +394,8 @@ CELERY_TASK_ROUTES = {
     "approvals.send_mail": {"queue": "mail"},
     "runs.fire_timers": {"queue": "timers"},
     "runs.reconcile": {"queue": "timers"},
+    # Fired timers' runs, advanced in batches (and their next steps run) by a worker.
+    "workers.advance_runs": {"queue": "engine"},
     "runs.*": {"queue": "engine"},
 }
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -534,10 +536,12 @@ DJFLOW = {
     "RECONCILE_BATCH": env.int("DJFLOW_RECONCILE_BATCH", default=500),
     # The timer tick (every second) claims due timers this many at a time, for at most
     # TIMER_TICK_SECONDS; it advances up to TIMER_INLINE_RUNS runs itself and hands more to
-    # workers as advance messages.
+    # workers in messages of TIMER_ADVANCE_BATCH runs each (a worker advances them and runs
+    # their next steps itself).
     "TIMER_BATCH": env.int("DJFLOW_TIMER_BATCH", default=1000),
     "TIMER_TICK_SECONDS": env.float("DJFLOW_TIMER_TICK_SECONDS", default=5.0),
     "TIMER_INLINE_RUNS": env.int("DJFLOW_TIMER_INLINE_RUNS", default=20),
+    "TIMER_ADVANCE_BATCH": env.int("DJFLOW_TIMER_ADVANCE_BATCH", default=20),
     # Fired timers are kept this long (for inspection), then deleted by the reconciler.
     "TIMER_RETENTION_SECONDS": env.int("DJFLOW_TIMER_RETENTION_SECONDS", default=86400),
     # A worker without a step's handler hands the attempt back (class unservable) at most

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 # Names as the tasks declare them (runs.tasks, workers.tasks).
 ADVANCE = "runs.advance"
 EXECUTE_STEP = "workers.execute_step"
+ADVANCE_RUNS = "workers.advance_runs"
 
 
 def _advance_signature(run_id: Any, **options: Any) -> Any:
@@ -149,5 +150,23 @@ def advance_many(run_ids: list[Any]) -> None:
         with current_app.producer_or_acquire() as producer:
             for run_id in run_ids:
                 _advance_signature(run_id, ignore_result=True).apply_async(producer=producer)
+    except Exception:
+        logger.warning("could not send advance for %d runs", len(run_ids), exc_info=True)
+
+
+def advance_in_batches(run_ids: list[Any], *, size: int) -> None:
+    """Send ``advance_runs`` messages of at most ``size`` runs each (the timer tick's fired
+    runs), through one producer: a worker advances each run and runs its next step itself
+    when it serves it (workers.execution.advance_and_execute), so a resumed run costs a
+    share of one message rather than an ``advance`` and an ``execute_step``. A broker outage
+    is logged, not raised; a lost message, like a lost ``advance``, leaves runs that the
+    reconciler advances (a fired timer's run with nothing in flight)."""
+    try:
+        with current_app.producer_or_acquire() as producer:
+            for start in range(0, len(run_ids), size):
+                chunk = [str(run_id) for run_id in run_ids[start : start + size]]
+                current_app.signature(ADVANCE_RUNS, (chunk,), ignore_result=True).apply_async(
+                    producer=producer
+                )
     except Exception:
         logger.warning("could not send advance for %d runs", len(run_ids), exc_info=True)

@@ -34,6 +34,21 @@ def execute_step(self: Task[Any, Any], step_run_id: int) -> str:
         raise Retry(str(handed_back), exc=handed_back) from None
 
 
+@shared_task(name="workers.advance_runs", bind=True, ignore_result=True, acks_late=True)
+def advance_runs(self: Task[Any, Any], run_ids: list[str]) -> int:
+    """A batch of fired timers' runs (the timer tick's): advance each, and run its next step
+    here when this worker serves it. Idempotent: an advance plans from the journal under the
+    run's lock, and a claimed attempt is not claimed again."""
+    worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
+    _, soft_limit = self.request.timelimit or (None, None)
+    # The queues this worker consumes (-Q, or every declared one): an attempt for another
+    # queue goes to the workers that consume it.
+    queues = set(self.app.amqp.queues.consume_from)
+    return execution.advance_and_execute(
+        run_ids, worker=worker, queues=queues, soft_limit=soft_limit
+    )
+
+
 # Back-off of a document's embedding after a retryable failure: 10 s, 20 s, ... at most
 # 5 minutes, 6 tries in all; then the sweep sends it again later (kb_embed.QUEUED_FOR_S).
 EMBED_RETRIES = 5

@@ -65,7 +65,19 @@ def run_advance(*, run_id: Any, seconds: float | None = None) -> Plan | None:
     Idempotent: the run row lock serialises concurrent calls, and each call plans from the
     journal as the previous one left it, so a duplicate finds nothing to do.
     """
+    return run_advance_holding(run_id=run_id, seconds=seconds, hold=False)[0]
+
+
+def run_advance_holding(
+    *, run_id: Any, seconds: float | None = None, hold: bool = True
+) -> tuple[Plan | None, tuple[StepRun, str] | None]:
+    """:func:`run_advance`, with ``hold`` also the lone new worker attempt it planned and
+    did not offer, with its run's workflow id (see apply_plan): committed ``scheduled``, it
+    is the caller's to run (a worker claims it like any other) or to offer. Should the
+    caller die first, the reconciler offers it after ``LOST_MESSAGE_SECONDS``."""
     until = time.monotonic() + (ADVANCE_SECONDS if seconds is None else seconds)
+    # An attempt held back in one round stays the caller's after a later round.
+    held: tuple[StepRun, str] | None = None
     while True:
         # Before the journal is read (in a transaction of its own unless the caller has one):
         # a completion committed after this asks again (see store.request_advance).
@@ -74,13 +86,20 @@ def run_advance(*, run_id: Any, seconds: float | None = None) -> Plan | None:
             run = lock_run(run_id)
             if run is None:
                 logger.warning("advance: run %s does not exist", run_id)
-                return None
-            planned = advance_locked(run, budget=Budget(ADVANCE_ACTIONS), hand_over_rest=False)[0]
+                return None, held
+            planned, attempt = advance_locked(
+                run,
+                hold=hold and held is None,
+                budget=Budget(ADVANCE_ACTIONS),
+                hand_over_rest=False,
+            )
+            if attempt is not None:
+                held = (attempt, run.workflow_id)
             if planned.more and time.monotonic() >= until:
                 hand_over(run.id)
-                return planned
+                return planned, held
         if not planned.more:
-            return planned
+            return planned, held
 
 
 def lock_run(run_id: Any) -> Run | None:

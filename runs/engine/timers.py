@@ -7,8 +7,10 @@ which plans from the journal: a sleep over, a wait timed out, a retry due, an at
 run past its deadline. A step-deadline timer whose attempt already ended is fired without
 advancing anything.
 
-A handful of runs is advanced by the tick itself; more are handed to workers as ``advance``
-messages. Should such a message be lost, the reconciler finds the run (see reconcile.py).
+A handful of runs is advanced by the tick itself; more are handed to workers in batches
+(``workers.advance_runs``, ``TIMER_ADVANCE_BATCH`` runs a message), and a worker runs each
+advanced run's next step itself when it serves it. Should such a message be lost, the
+reconciler finds its runs (see reconcile.py).
 
 The tick has a time budget (``TIMER_TICK_SECONDS``): it stops claiming once it is spent, and
 what it advances itself is one bounded round per run (``advance.ADVANCE_ACTIONS``), only while
@@ -133,12 +135,12 @@ def _end_waits(step_run_ids: list[int | None]) -> None:
 
 def _advance(run_ids: list[Any], until: float) -> None:
     if len(run_ids) > settings.DJFLOW["TIMER_INLINE_RUNS"]:
-        dispatch.advance_many(run_ids)
+        _to_workers(run_ids)
         return
     for index, run_id in enumerate(run_ids):
         if time.monotonic() >= until:
             # The tick's time is spent: workers advance the rest.
-            dispatch.advance_many(run_ids[index:])
+            _to_workers(run_ids[index:])
             return
         try:
             # One bounded round; a run with more to plan asks a worker for the rest.
@@ -146,3 +148,10 @@ def _advance(run_ids: list[Any], until: float) -> None:
         except DatabaseError:
             # The timer is fired; the reconciler advances a run left behind.
             logger.exception("timers: advancing run %s failed", run_id)
+
+
+def _to_workers(run_ids: list[Any]) -> None:
+    # Several runs a message, a worker running each one's next step itself: a fired run then
+    # costs a share of one message, not an advance and an execute_step message. Small
+    # batches, so that a burst's messages keep every pool process busy.
+    dispatch.advance_in_batches(run_ids, size=settings.DJFLOW["TIMER_ADVANCE_BATCH"])

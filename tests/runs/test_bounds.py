@@ -204,7 +204,7 @@ def test_the_tick_hands_runs_to_workers_once_its_time_is_spent(monkeypatch) -> N
     runs = [services.run_start(workflow="small", input={}).run for _ in range(3)]
     _due_now(*runs)
     sent: list[Any] = []
-    monkeypatch.setattr("runs.dispatch.advance_many", lambda ids: sent.extend(ids))
+    monkeypatch.setattr("runs.dispatch.advance_in_batches", lambda ids, size: sent.extend(ids))
     assert fire_due(budget_seconds=0) == 3
     assert sorted(map(str, sent)) == sorted(str(r.id) for r in runs)
     assert all(r.status == "waiting" for r in Run.objects.filter(id__in=[r.id for r in runs]))

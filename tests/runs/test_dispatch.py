@@ -19,7 +19,7 @@ from approvals import outbox
 from config.celery import app
 from runs import dispatch
 
-TASKS = ("runs.advance", "workers.execute_step", "approvals.send_mail")
+TASKS = ("runs.advance", "workers.execute_step", "workers.advance_runs", "approvals.send_mail")
 
 
 @pytest.fixture(params=["imported", "not imported"])
@@ -68,6 +68,14 @@ def test_advance_goes_to_the_engine_queue_without_a_result(sent) -> None:
     dispatch.advance_many(["r3", "r4"])
     assert [(m["task"], m["args"], m["queue"], m["ignore_result"]) for m in sent] == [
         ("runs.advance", [run], "engine", True) for run in ("r1", "r2", "r3", "r4")
+    ]
+
+
+def test_fired_runs_go_to_the_engine_queue_in_batches_without_a_result(sent) -> None:
+    dispatch.advance_in_batches(["r1", "r2", "r3", "r4", "r5"], size=2)
+    assert [(m["task"], m["args"], m["queue"], m["ignore_result"]) for m in sent] == [
+        ("workers.advance_runs", [runs], "engine", True)
+        for runs in (["r1", "r2"], ["r3", "r4"], ["r5"])
     ]
 
 

@@ -268,3 +268,53 @@ def test_two_beats_fire_each_timer_once_and_each_run_completes_once(
         if "runs.fire_timers[" in line and " succeeded in " in line
     ]
     assert sum(ticks) == count, ticks
+
+
+# --- 6. fired runs handed to workers in batches ------------------------------------------------
+
+# Every fired run handed to the pool (none advanced by the tick itself), 8 to a message.
+BATCHED = {"DJFLOW_TIMER_INLINE_RUNS": "0", "DJFLOW_TIMER_ADVANCE_BATCH": "8"}
+
+
+def alarms_due_together(count: int, logs) -> list:
+    """``count`` runs sleeping until one instant a few seconds ahead, waited for to the end,
+    each of them run once."""
+    due = timezone.now() + timedelta(seconds=4)
+    run_ids = [start("alarm", {"until": due.isoformat()}).id for _ in range(count)]
+    assert timezone.now() < due
+    all_finished(run_ids, timeout=40, logs=logs)
+    assert_each_ran_once(run_ids)
+    return run_ids
+
+
+def test_fired_runs_go_to_workers_in_batches_and_their_next_step_runs_without_a_message(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    worker = celery_worker(workflow_modules=FLOWS, env=BATCHED, concurrency=2)
+    celery_beat(env=BATCHED)
+    count = len(alarms_due_together(40, celery_processes.logs))
+    logs = worker.logs()
+    # At least count/8 batches (a tick may split them), one message per batch: no advance
+    # message and no execute_step message for any run.
+    batches = logs.count("Task workers.advance_runs[")
+    assert count // 8 <= batches <= count, logs[-3000:]
+    assert "Task runs.advance[" not in logs, logs[-3000:]
+    assert "Task workers.execute_step[" not in logs, logs[-3000:]
+
+
+def test_a_worker_that_does_not_consume_the_steps_queue_offers_the_next_step(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    # The engine's worker consumes the engine's queues only; the steps' queue is another's.
+    engine = celery_worker(
+        workflow_modules=FLOWS, env=BATCHED, queues=["engine", "timers"], concurrency=1
+    )
+    steps = celery_worker(workflow_modules=FLOWS, env=BATCHED, queues=["default"], concurrency=1)
+    celery_beat(env=BATCHED)
+    run_ids = alarms_due_together(16, celery_processes.logs)
+    assert "Task workers.advance_runs[" in engine.logs()
+    ringers = set(
+        StepRun.objects.filter(run_id__in=run_ids, step_id="ring").values_list("worker", flat=True)
+    )
+    assert {ringer.split(":")[0] for ringer in ringers} == {steps.hostname}, ringers
+    assert "Task workers.execute_step[" in steps.logs()

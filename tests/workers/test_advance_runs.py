@@ -1,0 +1,219 @@
+"""Fired timers' runs handed to workers in batches (``workers.advance_runs``): the worker
+advances each run and runs its next step itself when it serves the step's queue and handler,
+so a resumed run costs no ``execute_step`` message; otherwise it offers the attempt as an
+advance does. Run in this process (the worker's own code path, without a worker process);
+the messages the engine would send are recorded, not sent."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from runs import dispatch, services
+from runs.engine import timers
+from runs.models import Run, StepRun, Timer
+from workers import execution
+from workflows.sdk import workflow
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db
+
+ran: list[str] = []
+
+# A sleep, then a step this process has the handler of.
+resumed = workflow("resumed_after_nap", limits={"run_timeout_ms": 600_000})
+resumed.sleep("nap", ms=60_000)
+
+
+@resumed.step("after")
+def after(ctx: Any, input: Any, prior: Any) -> str:
+    ran.append(ctx.run_id)
+    return "after"
+
+
+# The same on a queue of its own, which a worker may not consume.
+elsewhere = workflow("resumed_elsewhere", limits={"run_timeout_ms": 600_000})
+elsewhere.sleep("nap", ms=60_000)
+elsewhere.task("after", handler="resumed.gpu_step", queue="gpu")
+
+
+@pytest.fixture
+def sent(monkeypatch) -> dict[str, list[Any]]:
+    """What the engine would send: attempts offered (by the advance's commit or by the
+    worker), advance requests, batches of runs."""
+    ran.clear()
+    # However slow this machine: each test's batch is one task unless it says otherwise.
+    monkeypatch.setattr(execution, "ADVANCE_RUNS_SECONDS", 60.0)
+    messages: dict[str, list[Any]] = {"offered": [], "advance": [], "batches": []}
+
+    def offered(step_run: Any, **_: Any) -> None:
+        messages["offered"].append(step_run.id)
+
+    monkeypatch.setattr(dispatch, "offer", offered)
+    monkeypatch.setattr(dispatch, "offer_on_commit", offered)
+    monkeypatch.setattr(dispatch, "advance_on_commit", messages["advance"].append)
+    monkeypatch.setattr(
+        dispatch,
+        "advance_in_batches",
+        lambda run_ids, *, size: messages["batches"].append((list(run_ids), size)),
+    )
+    return messages
+
+
+def start_sleeping(workflow_id: str, count: int) -> list[Run]:
+    document = {"resumed_after_nap": resumed, "resumed_elsewhere": elsewhere}[workflow_id]
+    definition_save(document=document.document())
+    return [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
+
+
+def fire(runs: list[Run]) -> list[str]:
+    """The sleeps' timers due and claimed, as a tick claims them; the runs' ids."""
+    past = timezone.now() - timedelta(milliseconds=1)
+    ids = [run.id for run in runs]
+    Timer.objects.filter(run_id__in=ids, purpose="sleep").update(fire_at=past)
+    StepRun.objects.filter(run_id__in=ids, status="waiting").update(not_before=past)
+    assert len(timers.claim_due(timezone.now(), 1000)) >= len(runs)
+    return [str(run_id) for run_id in ids]
+
+
+def statuses(run_ids: list[str]) -> set[str]:
+    return set(Run.objects.filter(id__in=run_ids).values_list("status", flat=True))
+
+
+def test_the_tick_hands_many_fired_runs_to_workers_in_batches(sent, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_INLINE_RUNS": 2, "TIMER_ADVANCE_BATCH": 4}
+    runs = start_sleeping("resumed_after_nap", 5)
+    past = timezone.now() - timedelta(milliseconds=1)
+    Timer.objects.filter(run__in=runs, purpose="sleep").update(fire_at=past)
+    assert timers.fire_due() == 5  # the sleeps (the runs' deadlines are ten minutes away)
+    [(batched, size)] = sent["batches"]
+    assert size == 4 and sorted(batched) == sorted(run.id for run in runs)
+    # Nothing advanced by the tick itself: the workers do it.
+    assert statuses([str(run.id) for run in runs]) == {"waiting"}
+
+
+def test_a_batch_advances_each_run_and_runs_its_next_step_without_a_message(sent) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    ran_here = execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    assert ran_here == 3
+    assert sorted(ran) == sorted(run_ids)
+    assert statuses(run_ids) == {"completed"}
+    assert sent["offered"] == []  # no execute_step message for any of them
+    workers = set(StepRun.objects.filter(step_id="after").values_list("worker", flat=True))
+    assert workers == {"w:1"}
+
+
+def test_a_run_advanced_twice_runs_its_next_step_once(sent) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 2))
+    # A redelivered batch, and a batch that overlaps it (the reconciler's advance, say).
+    execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    assert execution.advance_and_execute(run_ids + run_ids, worker="w:2", queues={"default"}) == 0
+    assert sorted(ran) == sorted(run_ids)
+    assert StepRun.objects.filter(step_id="after").count() == 2
+    assert statuses(run_ids) == {"completed"}
+
+
+def test_a_worker_that_does_not_consume_the_steps_queue_offers_it(sent) -> None:
+    run_ids = fire(start_sleeping("resumed_elsewhere", 2))
+    # The handler is not this process's either way: the queue decides first.
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 0
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    assert sorted(sent["offered"]) == sorted(attempts.values_list("id", flat=True))
+    # Offered as they were written: scheduled, never claimed or handed back.
+    assert set(attempts.values_list("status", "refusals")) == {("scheduled", 0)}
+    assert ran == []
+
+
+def test_a_worker_without_the_handler_offers_the_attempt_unclaimed(sent, monkeypatch) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 1))
+    monkeypatch.setattr(execution, "_serves", lambda step_run, workflow_id: False)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 0
+    attempt = StepRun.objects.get(run_id=run_ids[0], step_id="after")
+    assert sent["offered"] == [attempt.id]
+    assert (attempt.status, attempt.refusals, attempt.claim) == ("scheduled", 0, None)
+
+
+def test_the_handler_check_names_a_registered_handler_and_not_a_missing_one(sent) -> None:
+    here = fire(start_sleeping("resumed_after_nap", 1))
+    gone = fire(start_sleeping("resumed_elsewhere", 1))
+    execution.advance_and_execute(here + gone, worker="w:1", queues=set())  # both offered
+    mine = StepRun.objects.get(run_id=here[0], step_id="after")
+    theirs = StepRun.objects.get(run_id=gone[0], step_id="after")
+    assert execution._serves(mine, "resumed_after_nap")
+    assert not execution._serves(theirs, "resumed_elsewhere")
+
+
+def test_past_the_tasks_time_the_rest_of_the_batch_is_offered(sent, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "INLINE_MAX_STEPS": 1}
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 1
+    assert len(ran) == 1
+    # The two others advanced all the same, their attempts offered through the broker.
+    assert len(sent["offered"]) == 2
+    assert statuses(run_ids) == {"completed", "running"}
+    assert StepRun.objects.filter(run_id__in=run_ids, step_id="after").count() == 3
+
+
+def test_past_the_batchs_time_the_runs_left_go_back_to_the_queue_in_one_message(
+    sent, monkeypatch
+) -> None:
+    monkeypatch.setattr(execution, "ADVANCE_RUNS_SECONDS", 0)
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 1
+    # The first advanced and its next step run; the two others sent on, not advanced here.
+    assert ran == [run_ids[0]]
+    assert sent["batches"] == [(run_ids[1:], 2)]
+    assert [Run.objects.get(id=run_id).status for run_id in run_ids] == [
+        "completed",
+        "waiting",
+        "waiting",
+    ]
+    assert sent["offered"] == []
+
+
+def test_a_run_that_fails_to_advance_does_not_stop_the_batch(sent, monkeypatch) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 2))
+    real = execution.run_advance_holding
+
+    def broken_first(*, run_id: Any, **options: Any) -> Any:
+        if run_id == run_ids[0]:
+            raise RuntimeError("database gone")
+        return real(run_id=run_id, **options)
+
+    monkeypatch.setattr(execution, "run_advance_holding", broken_first)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 1
+    assert ran == [run_ids[1]]
+    # The first is the reconciler's: its timer fired, nothing in flight.
+    assert Run.objects.get(id=run_ids[0]).status == "waiting"
+
+
+def test_the_task_hands_the_service_the_queues_its_worker_consumes(monkeypatch) -> None:
+    from celery.signals import task_prerun
+    from kombu import Queue
+
+    from config.celery import recycle_database_connections
+    from workers.tasks import advance_runs
+
+    called: dict[str, Any] = {}
+
+    def service(run_ids: list[str], **options: Any) -> int:
+        called.update(options, run_ids=run_ids)
+        return len(run_ids)
+
+    monkeypatch.setattr(execution, "advance_and_execute", service)
+    # A worker started with -Q engine,timers: what Celery selects before the pool forks.
+    selected = {name: Queue(name) for name in ("engine", "timers")}
+    monkeypatch.setattr(advance_runs.app.amqp.queues, "_consume_from", selected)
+    # Applied in this process: without the per-task connection recycling of a worker.
+    task_prerun.disconnect(recycle_database_connections)
+    try:
+        assert advance_runs.apply(args=[["r1", "r2"]]).get() == 2
+    finally:
+        task_prerun.connect(recycle_database_connections)
+    assert called["run_ids"] == ["r1", "r2"]
+    assert called["queues"] == {"engine", "timers"}
+    assert called["worker"].endswith(f":{os.getpid()}")
