@@ -23,7 +23,7 @@ from runs.engine import journal
 from runs.engine.advance import run_advance
 from runs.models import StepRun
 from workers.execution import execute
-from workflows.sdk import handler, workflow
+from workflows.sdk import handler
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -41,11 +41,15 @@ def noop(ctx: Any, input: Any, prior: Any) -> None:
 
 
 def _sequence(steps: int) -> str:
+    # A document, not a builder: builders stay registered in the process, and another test's
+    # sync_modules would try to save this one (over the default document size) with its own.
     name = f"step_cost_{steps}"
-    flow = workflow(name, limits={"max_steps": 10_000, "run_timeout_ms": 3_600_000})
-    for n in range(steps):
-        flow.task(f"s{n}", handler=NOOP)
-    definition_save(document=flow.document())
+    document = {
+        "id": name,
+        "limits": {"max_steps": 10_000, "run_timeout_ms": 3_600_000},
+        "steps": [{"id": f"s{n}", "kind": "task", "handler": NOOP} for n in range(steps)],
+    }
+    definition_save(document=document)
     return name
 
 
