@@ -91,32 +91,16 @@ def running_worker(
     ``loglevel`` defaults to ``warning``: at ``info`` the worker writes two log lines per task,
     which is a cost of the configuration, not of the engine or of Celery.
     """
-    purge_broker()
-    with tempfile.TemporaryDirectory(prefix="djflow-bench-") as workdir:
-        worker = worker_process(
-            env=service_env(
-                database_url=DATABASE_URL,
-                broker_url=REDIS_URL,
-                result_backend=REDIS_URL,
-                workflow_modules=workflow_modules,
-                extra=env,
-            ),
-            workdir=Path(workdir),
-            name="bench",
-            concurrency=concurrency,
-            pool=pool,
-            loglevel=loglevel,
-            include=include,
-        )
-        worker.start()
-        try:
-            worker.wait_ready(timeout=60)
-            yield worker
-        except BaseException:
-            print(worker.logs()[-5000:])
-            raise
-        finally:
-            worker.stop(timeout=30)
+    with running_workers(
+        1,
+        concurrency=concurrency,
+        pool=pool,
+        loglevel=loglevel,
+        include=include,
+        workflow_modules=workflow_modules,
+        env=env,
+    ) as (worker,):
+        yield worker
 
 
 @contextlib.contextmanager
@@ -124,6 +108,7 @@ def running_workers(
     count: int,
     *,
     concurrency: int = 2,
+    pool: str = "prefork",
     loglevel: str = "warning",
     include: Sequence[str] = ("bench.bare_celery",),
     workflow_modules: Sequence[str] = (),
@@ -146,6 +131,7 @@ def running_workers(
                 workdir=Path(workdir),
                 name=f"bench{n + 1}",
                 concurrency=concurrency,
+                pool=pool,
                 loglevel=loglevel,
                 include=include,
             )
