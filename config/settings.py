@@ -208,6 +208,13 @@ else:
     # (workers.execution), and Django drops a connection that errored before the next task.
     DATABASES["default"]["CONN_MAX_AGE"] = env.int("CONN_MAX_AGE", default=300)
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = env.bool("CONN_HEALTH_CHECKS", default=False)
+    # The statements every step sends (runs.engine.sql) are prepared on the server, once per
+    # connection, from their second use: parsing and planning them was more of Postgres's
+    # time than running them. Django's own queries stay unprepared (its client-side cursors
+    # never prepare). Off (false) behind a pooler in transaction mode that does not keep
+    # prepared statements (PgBouncer before 1.21, or with max_prepared_statements 0).
+    if env.bool("DJFLOW_DB_PREPARED_STATEMENTS", default=True):
+        DATABASES["default"].setdefault("OPTIONS", {}).setdefault("prepare_threshold", 1)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

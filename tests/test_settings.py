@@ -24,6 +24,7 @@ CONFIG_VARS = (
     "DJFLOW_MODEL_SLOT_WAIT_SECONDS",
     "DJFLOW_EMBEDDINGS_MODEL",
     "DJFLOW_EMBEDDINGS_DIMENSIONS",
+    "DJFLOW_DB_PREPARED_STATEMENTS",
 )
 
 # Prints what the tests look at, as JSON, from a process that imported the settings fresh.
@@ -40,6 +41,7 @@ print(json.dumps({
     "db_engine": db["ENGINE"],
     "db_name": str(db["NAME"]),
     "db_host": db.get("HOST", ""),
+    "db_options": db.get("OPTIONS", {}),
     "broker_url": app.conf.broker_url,
     "result_backend": app.conf.result_backend,
     "transport_options": app.conf.broker_transport_options,
@@ -118,6 +120,15 @@ def test_service_urls_switch_to_postgres_and_redis(tmp_path: Path) -> None:
     # Above any step time limit: leases in the database recover lost work, not redelivery.
     assert conf["transport_options"] == {"visibility_timeout": 12 * 3600}
     assert_durable_celery(conf)
+
+
+def test_postgres_prepares_the_step_statements_unless_told_not_to(tmp_path: Path) -> None:
+    url = "postgres://flows:secret@db.example:5432/flows"
+    assert load_settings(tmp_path, DATABASE_URL=url)["db_options"]["prepare_threshold"] == 1
+    off = load_settings(tmp_path, DATABASE_URL=url, DJFLOW_DB_PREPARED_STATEMENTS="false")
+    assert "prepare_threshold" not in off["db_options"]
+    # SQLite has nothing to prepare: its options are its own.
+    assert "prepare_threshold" not in load_settings(tmp_path)["db_options"]
 
 
 def test_visibility_timeout_comes_from_the_environment(tmp_path: Path) -> None:

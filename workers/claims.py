@@ -17,6 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from runs.engine.journal import from_json, from_timestamp
+from runs.engine.sql import cursor as prepared_cursor
 from runs.models import Run, StepRun, Timer, TimerPurpose
 from runs.moves import move_steps
 from runs.status import StepStatus, step_sources
@@ -118,7 +119,7 @@ def _claim_postgres(
         "source": str(CLAIMED_FROM),
         "target": str(CLAIMED_TO),
     }
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
     if row is None:

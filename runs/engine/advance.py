@@ -7,6 +7,7 @@ rounds for a time budget and then sends itself to the back of the queue.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..models import Run, StepRun
 from . import events, journal
 from .apply import apply_plan
 from .plan import Plan, plan
+from .sql import cursor as prepared_cursor
 from .store import request_advance, take_advance_request
 
 logger = logging.getLogger(__name__)
@@ -112,8 +114,37 @@ def lock_run(run_id: Any) -> Run | None:
     # attempt's deadline timer at its claim, an advance request) do not wait behind one.
     lock = " FOR NO KEY UPDATE" if connection.vendor == "postgresql" else ""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
-    found = list(Run.objects.raw(f"SELECT * FROM {Run._meta.db_table} WHERE id = %s{lock}", [pk]))
-    return found[0] if found else None
+    with prepared_cursor() as cursor:
+        cursor.execute(f"SELECT {_RUN_COLUMNS} FROM {Run._meta.db_table} WHERE id = %s{lock}", [pk])
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    # What a queryset does with a row: each field's converters (JSON, encrypted fields),
+    # then the model's own from_db (which marks it as loaded from the database).
+    values = []
+    for value, (field, converters) in zip(row, _run_converters(), strict=True):
+        for convert in converters:
+            value = convert(value, field, connection)
+        values.append(value)
+    return Run.from_db(connection.alias, _RUN_NAMES, values)
+
+
+# Every concrete field of a run, in the model's order (Model.from_db takes them so).
+_RUN_COLUMNS = ", ".join(
+    connection.ops.quote_name(str(field.column)) for field in Run._meta.concrete_fields
+)
+_RUN_NAMES = [field.attname for field in Run._meta.concrete_fields]
+
+
+@functools.cache
+def _run_converters() -> list[tuple[Any, list[Any]]]:
+    found = []
+    for field in Run._meta.concrete_fields:
+        column = field.get_col(Run._meta.db_table)
+        found.append(
+            (column, connection.ops.get_db_converters(column) + field.get_db_converters(connection))
+        )
+    return found
 
 
 def advance_locked(

@@ -31,6 +31,7 @@ from .plan import (
     positions_of,
     prefix_applies,
 )
+from .sql import cursor as prepared_cursor
 
 
 @lru_cache(maxsize=512)
@@ -156,7 +157,7 @@ def journal_of(run_id: Any, *, after: int = 0) -> list[AttemptView]:
     rows after a settled prefix, see plan.Prefix). Raw SQL: this runs once per step, and the
     ORM's per-row overhead was most of a step's cost on long runs."""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(
             _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table),
             [pk, after],

@@ -15,6 +15,7 @@ from django.db.models import Field, Model
 
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import StepStatus, run_sources, step_sources
+from .sql import cursor as prepared_cursor
 
 _TABLE = StepRun._meta.db_table
 
@@ -58,7 +59,7 @@ def update_run(run_id: Any, changes: dict[str, Any]) -> None:
     """UPDATE the given fields of a run (locked by the caller). A status the run's row may
     not move to raises: the caller checked the move on a stale instance."""
     sql, params = _run_update(run_id, changes)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         if cursor.rowcount != 1 and "status" in changes:
             raise RuntimeError(f"run {run_id} cannot become {changes['status']} from its row")
@@ -78,7 +79,7 @@ def insert_attempt(
     insert = f"INSERT INTO {_TABLE} ({', '.join(columns)}) VALUES ({placeholders})"
     # RETURNING needs SQLite 3.35; Django 5.2 runs on 3.31, which has only lastrowid.
     returning = connection.features.can_return_columns_from_insert
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         if run_changes and connection.vendor == "postgresql":
             update, update_params = _run_update(run_id, run_changes)
             cursor.execute(
@@ -160,7 +161,7 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
         " AND fired_at IS NULL"
     )
     drop_params: list[Any] = [step_run_id, TimerPurpose.STEP_DEADLINE.value]
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
                 f"WITH recorded AS ({sql} RETURNING id),"
@@ -184,13 +185,15 @@ def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> b
     if not kinds:
         return False
     names = sorted(kinds)
-    sql = (
-        f"SELECT 1 FROM {_TABLE} WHERE run_id = %s AND status IN (%s, %s)"
+    # The statuses in the text, not bound: the partial index's predicate names them, and a
+    # prepared statement's generic plan could not use it for bound ones.
+    text = (
+        f"SELECT 1 FROM {_TABLE} WHERE run_id = %s"
+        f" AND status IN ('{StepStatus.SCHEDULED}', '{StepStatus.RUNNING}')"
         f" AND kind IN ({', '.join(['%s'] * len(names))}) AND id <> %s LIMIT 1"
     )
-    params = [_prep("id", run_id, Run), str(StepStatus.SCHEDULED), str(StepStatus.RUNNING)]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [*params, *names, besides])
+    with prepared_cursor() as cursor:
+        cursor.execute(text, [_prep("id", run_id, Run), *names, besides])
         return cursor.fetchone() is not None
 
 
@@ -207,7 +210,7 @@ def request_advance(run_id: Any) -> bool:
     """
     table = AdvanceRequest._meta.db_table
     run = _prep("id", run_id, Run)
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         while True:
             cursor.execute(
                 f"INSERT INTO {table} (run_id, requested_at) VALUES (%s, %s)"
@@ -227,7 +230,7 @@ def request_advance(run_id: Any) -> bool:
 def take_advance_request(run_id: Any) -> None:
     """Take the run's advance request away (autocommit, before the journal is read). Waits
     for the transactions that found it pending: the journal read next has their writes."""
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(
             f"DELETE FROM {AdvanceRequest._meta.db_table} WHERE run_id = %s",
             [_prep("id", run_id, Run)],

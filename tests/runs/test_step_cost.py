@@ -121,6 +121,40 @@ def _journal_ahead(run_id: Any, steps: int) -> None:
     run_advance(run_id=run_id)
 
 
+def _prepared() -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement FROM pg_prepared_statements")
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_steps_statements_are_prepared_on_the_server_and_still_logged():
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    for _ in range(3):
+        statements = _step(run.id)
+    # Django's query log still has their text (psycopg leaves it unset for a prepared run).
+    assert statements and all(statements), statements
+    prepared = _prepared()
+    for marker in ("WITH claimed AS", "WITH recorded AS", "FOR NO KEY UPDATE", "SELECT s.id"):
+        assert any(marker in statement for statement in prepared), (marker, prepared)
+    # Django's own queries are not prepared (they bind on the client).
+    assert not any('"runs_steprun"."id"' in statement for statement in prepared), prepared
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_without_prepared_statements_nothing_is_prepared(monkeypatch):
+    options = {k: v for k, v in connection.settings_dict["OPTIONS"].items()}
+    options.pop("prepare_threshold", None)
+    monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+    connection.close()  # the next connection is made from the options without it
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    for _ in range(3):
+        _step(run.id)
+    assert _prepared() == []
+    assert StepRun.objects.filter(run_id=run.id, status="succeeded").count() == 3
+    connection.close()
+
+
 @pytest.mark.usefixtures("one_step_at_a_time")
 def test_one_sequential_step_issues_at_most_seven_statements():
     run = services.run_start(workflow=_sequence(10), input={}).run
