@@ -213,8 +213,12 @@ else:
     # time than running them. Django's own queries stay unprepared (its client-side cursors
     # never prepare). Off (false) behind a pooler in transaction mode that does not keep
     # prepared statements (PgBouncer before 1.21, or with max_prepared_statements 0).
+    # (A prepare_threshold given on DATABASE_URL's query string arrives as text.)
+    _options = DATABASES["default"].setdefault("OPTIONS", {})
     if env.bool("DJFLOW_DB_PREPARED_STATEMENTS", default=True):
-        DATABASES["default"].setdefault("OPTIONS", {}).setdefault("prepare_threshold", 1)
+        _options["prepare_threshold"] = int(_options.get("prepare_threshold", 1))
+    else:
+        _options.pop("prepare_threshold", None)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

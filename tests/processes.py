@@ -91,7 +91,9 @@ def database_url(settings_dict: Mapping[str, Any]) -> str:
     options = {
         k: v
         for k, v in (settings_dict.get("OPTIONS") or {}).items()
-        if isinstance(v, str | int) and not isinstance(v, bool)
+        # prepare_threshold is psycopg's, not libpq's (pg_dump refuses it): the settings
+        # of the process given the URL set it themselves.
+        if isinstance(v, str | int) and not isinstance(v, bool) and k != "prepare_threshold"
     }
     query = f"?{urlencode(options)}" if options else ""
     return f"postgres://{credentials}{host}{port}/{quote(name, safe='')}{query}"

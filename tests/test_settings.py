@@ -127,6 +127,8 @@ def test_postgres_prepares_the_step_statements_unless_told_not_to(tmp_path: Path
     assert load_settings(tmp_path, DATABASE_URL=url)["db_options"]["prepare_threshold"] == 1
     off = load_settings(tmp_path, DATABASE_URL=url, DJFLOW_DB_PREPARED_STATEMENTS="false")
     assert "prepare_threshold" not in off["db_options"]
+    given = load_settings(tmp_path, DATABASE_URL=f"{url}?prepare_threshold=3")
+    assert given["db_options"]["prepare_threshold"] == 3
     # SQLite has nothing to prepare: its options are its own.
     assert "prepare_threshold" not in load_settings(tmp_path)["db_options"]
 

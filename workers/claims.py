@@ -18,7 +18,7 @@ from django.db import connection
 
 from runs.engine.journal import from_json, from_timestamp
 from runs.engine.sql import cursor as prepared_cursor
-from runs.models import Run, StepRun, Timer, TimerPurpose
+from runs.models import Run, StepRun
 from runs.moves import move_steps
 from runs.status import StepStatus, step_sources
 
@@ -66,10 +66,12 @@ def lease_until(now: datetime, deadline: datetime) -> datetime:
 (CLAIMED_FROM,) = step_sources(StepStatus.RUNNING, [StepStatus.SCHEDULED])
 CLAIMED_TO = StepStatus.RUNNING
 
-# The claim also sets the attempt's deadline timer (fired at its deadline plus grace), in the
-# same statement: an attempt whose worker hangs past its time limit is timed out by the engine.
+# The claim sets the attempt's deadline and its lease, which never outlives the deadline plus
+# grace: the timer tick finds a lapsed lease on the lease index (runs.engine.timers) and times
+# out an attempt whose worker hangs past its time limit, or gives up one whose worker was lost.
+# No timer row per attempt: its insert at the claim and delete at the record were most of what
+# Postgres spent on a step (0.6 ms of 0.9, pg_stat_statements on 16 runs of 200 steps).
 _CLAIM_POSTGRES = """
-WITH claimed AS (
 UPDATE {step_run} AS s
    SET status = %(target)s, claim = %(claim)s, worker = %(worker)s, started_at = %(now)s,
        deadline_at = %(now)s + s.timeout_ms * interval '1 millisecond',
@@ -81,14 +83,6 @@ UPDATE {step_run} AS s
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
           s.path, r.secrets, s.kind, r.account, s.generation, r.root_run_id
-), deadline AS (
-INSERT INTO {timer} (run_id, step_run_id, purpose, key, fire_at, fires, created_at)
-SELECT run_id, id, 'step_deadline', 'step_deadline:' || id,
-       deadline_at + %(grace)s * interval '1 second', 0, %(now)s
-  FROM claimed
-    ON CONFLICT DO NOTHING
-)
-SELECT * FROM claimed
 """
 
 
@@ -106,9 +100,7 @@ def claim_attempt(
 def _claim_postgres(
     step_run_id: int, worker: str, now: datetime, claim: uuid.UUID
 ) -> Claimed | None:
-    sql = _CLAIM_POSTGRES.format(
-        step_run=StepRun._meta.db_table, run=Run._meta.db_table, timer=Timer._meta.db_table
-    )
+    sql = _CLAIM_POSTGRES.format(step_run=StepRun._meta.db_table, run=Run._meta.db_table)
     params = {
         "claim": claim,
         "worker": worker,
@@ -192,19 +184,6 @@ def _claim_portable(
     )
     if not claimed:
         return None
-    grace = timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"])
-    Timer.objects.bulk_create(
-        [
-            Timer(
-                run_id=row.run_id,
-                step_run_id=row.id,
-                purpose=TimerPurpose.STEP_DEADLINE,
-                key=f"step_deadline:{row.id}",
-                fire_at=deadline + grace,
-            )
-        ],
-        ignore_conflicts=True,
-    )
     return Claimed(
         id=row.id,
         run_id=row.run_id,

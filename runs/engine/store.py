@@ -13,7 +13,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Field, Model
 
-from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
+from ..models import AdvanceRequest, Run, StepRun
 from ..status import StepStatus, run_sources, step_sources
 from .sql import cursor as prepared_cursor
 
@@ -147,35 +147,16 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     """Record a running attempt's result, if the claim still holds; True when it did.
 
     The fencing check: an attempt given up meanwhile (expired, cancelled) has lost its
-    claim, and its late result updates no row. The attempt's deadline timer goes with it
-    (on Postgres in the same statement): a finished attempt needs no deadline, and the tick
-    need not fire it.
+    claim, and its late result updates no row.
     """
     (source,) = step_sources(values["status"], [StepStatus.RUNNING])
     assignments = ", ".join(f"{_column(n)} = %s" for n in values)
     params = [_prep(name, value) for name, value in values.items()]
     sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
     params += [step_run_id, str(source), _prep("claim", claim)]
-    drop = (
-        f"DELETE FROM {Timer._meta.db_table} WHERE step_run_id = %s AND purpose = %s"
-        " AND fired_at IS NULL"
-    )
-    drop_params: list[Any] = [step_run_id, TimerPurpose.STEP_DEADLINE.value]
     with prepared_cursor() as cursor:
-        if connection.vendor == "postgresql":
-            cursor.execute(
-                f"WITH recorded AS ({sql} RETURNING id),"
-                f" dropped AS ({drop} AND EXISTS (SELECT 1 FROM recorded))"
-                " SELECT count(*) FROM recorded",
-                params + drop_params,
-            )
-            recorded: int = cursor.fetchone()[0]
-            return recorded == 1
         cursor.execute(sql, params)
-        if cursor.rowcount != 1:
-            return False
-        cursor.execute(drop, drop_params)
-        return True
+        return bool(cursor.rowcount == 1)
 
 
 def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> bool:

@@ -4,8 +4,10 @@ Each tick claims due timers in batches: ``SELECT ... FOR UPDATE SKIP LOCKED`` pi
 other tick holds, and the claim itself is a conditional update of ``fired_at``, so two beats
 (or two ticks overlapping) never fire one timer twice. A fired timer's run is then advanced,
 which plans from the journal: a sleep over, a wait timed out, a retry due, an attempt or the
-run past its deadline. A step-deadline timer whose attempt already ended is fired without
-advancing anything.
+run past its deadline. Each tick also advances the runs of attempts whose lease just lapsed
+(``lapsed_leases``): a body past its deadline, a worker lost. A step-deadline timer (a row left by
+the claims of earlier releases; a claim makes none now) whose attempt already ended is fired
+without advancing anything.
 
 A handful of runs is advanced by the tick itself; more are handed to workers in batches
 (``workers.advance_runs``, ``TIMER_ADVANCE_BATCH`` runs a message), and a worker runs each
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -61,6 +63,7 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
     batch = tunables["TIMER_BATCH"]
     until = time.monotonic() + budget
     fired = 0
+    _advance(lapsed_leases(timezone.now(), batch), until)
     while True:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
@@ -69,6 +72,32 @@ def fire_due(*, budget_seconds: float | None = None) -> int:
         _advance(_runs_to_advance(claimed), until)
         if len(claimed) < batch or time.monotonic() >= until:
             return fired
+
+
+def lapsed_leases(now: datetime, batch: int) -> list[Any]:
+    """The runs of running attempts whose lease lapsed within ``LEASE_LAPSE_WINDOW``: a body
+    past its deadline plus grace (a lease never outlives that), or a worker lost. Their
+    advance times the attempt out or gives it up. One probe of the lease index.
+
+    In place of a deadline timer row per attempt, which its claim inserted and its record
+    deleted on every step. The window keeps a lapse the planner does not act on (a paused
+    run's attempt) from being advanced at every tick; the reconciler finds every lapsed
+    lease, however old (reconcile.advance_lost_workers), as it finds anything the tick missed
+    while beat was down.
+    """
+    window = timedelta(seconds=LEASE_LAPSE_WINDOW)
+    run_ids = (
+        StepRun.objects.filter(
+            status=StepStatus.RUNNING, lease_expires_at__lte=now, lease_expires_at__gt=now - window
+        )
+        .order_by("lease_expires_at")
+        .values_list("run_id", flat=True)[:batch]
+    )
+    return list(dict.fromkeys(run_ids))
+
+
+# Seconds after a lease lapsed during which each tick advances its run (see lapsed_leases).
+LEASE_LAPSE_WINDOW = 10.0
 
 
 def claim_due(now: datetime, batch: int) -> list[tuple[Any, str, int | None]]:

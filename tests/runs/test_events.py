@@ -388,24 +388,73 @@ def test_events_and_timers_are_listed_read_only_in_the_admin(admin_client) -> No
     assert timers_page.status_code == 200 and b"run_deadline" in timers_page.content
 
 
-def test_a_claim_sets_the_attempts_deadline_timer_and_its_result_removes_it() -> None:
+def _claimed_one_task() -> tuple[Run, Any]:
     from unittest import mock
 
-    from runs.engine.store import record_result
     from workers.claims import claim_attempt
 
-    save({"id": "work", "kind": "task"}, workflow="one_task")
+    save({"id": "work", "kind": "task", "timeout_ms": 1000}, workflow="one_task")
     with mock.patch("workers.tasks.execute_step.apply_async"):
         run = start(workflow="one_task")
     attempt = run.steps.get()
-    claimed = claim_attempt(attempt.id, worker="w1", now=timezone.now())
-    timer = Timer.objects.get(step_run=attempt, purpose="step_deadline")
-    assert timer.fire_at > claimed.deadline_at  # the deadline plus grace
-    # A stale claim records nothing and keeps the timer.
-    assert not record_result(attempt.id, uuid.uuid4(), {"status": "succeeded"})
-    assert Timer.objects.filter(id=timer.id).exists()
-    assert record_result(attempt.id, claimed.claim, {"status": "succeeded"})
-    assert not Timer.objects.filter(id=timer.id).exists()
+    return run, claim_attempt(attempt.id, worker="w1", now=timezone.now())
+
+
+def test_a_claim_sets_no_timer_and_a_stale_claim_records_nothing() -> None:
+    from runs.engine.store import record_result
+
+    _, claimed = _claimed_one_task()
+    # The deadline and the lease are on the attempt's row; the tick reads the lease index.
+    assert not Timer.objects.filter(step_run_id=claimed.id).exists()
+    row = StepRun.objects.get(id=claimed.id)
+    grace = timedelta(seconds=5)  # DEADLINE_GRACE_SECONDS
+    assert row.lease_expires_at <= row.deadline_at + grace
+    assert not record_result(claimed.id, uuid.uuid4(), {"status": "succeeded"})
+    assert StepRun.objects.get(id=claimed.id).status == "running"
+    assert record_result(claimed.id, claimed.claim, {"status": "succeeded"})
+    assert StepRun.objects.get(id=claimed.id).status == "succeeded"
+
+
+def test_the_tick_times_out_an_attempt_past_its_deadline_plus_grace() -> None:
+    run, claimed = _claimed_one_task()
+    row = StepRun.objects.get(id=claimed.id)
+    # Not yet: the lease has not lapsed.
+    assert timers.lapsed_leases(timezone.now(), 100) == []
+    lapsed_at = row.lease_expires_at
+    assert timers.lapsed_leases(lapsed_at, 100) == [run.id]
+    # The body hung: its worker never reported. The tick at the lapse times it out.
+    StepRun.objects.filter(id=claimed.id).update(
+        deadline_at=timezone.now() - timedelta(seconds=10),
+        lease_expires_at=timezone.now() - timedelta(seconds=1),
+    )
+    timers.fire_due(budget_seconds=5)
+    row = StepRun.objects.get(id=claimed.id)
+    assert row.status == "timed_out", row.error
+    assert fresh(run).status in ("failed", "running")  # retried or failed by its policy
+    assert timers.lapsed_leases(timezone.now(), 100) == []
+
+
+def test_the_tick_gives_up_an_attempt_whose_worker_was_lost_and_leaves_old_lapses() -> None:
+    _, claimed = _claimed_one_task()
+    # A lease that lapsed long ago is the reconciler's (the tick looks 10 s back): a lapse
+    # the planner leaves alone (a paused run's) is not advanced at every tick.
+    StepRun.objects.filter(id=claimed.id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=timers.LEASE_LAPSE_WINDOW + 5)
+    )
+    assert timers.lapsed_leases(timezone.now(), 100) == []
+    timers.fire_due(budget_seconds=5)
+    assert StepRun.objects.get(id=claimed.id).status == "running"
+    reconcile()
+    row = StepRun.objects.get(id=claimed.id)
+    assert row.status == "failed" and "lost" in row.error["message"], row.error
+    # A fresh lapse is the tick's.
+    _, claimed2 = _claimed_one_task()
+    StepRun.objects.filter(id=claimed2.id).update(
+        lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    timers.fire_due(budget_seconds=5)
+    row = StepRun.objects.get(id=claimed2.id)
+    assert row.status == "failed" and "lost" in row.error["message"], row.error
 
 
 def test_the_reconciler_advances_a_run_whose_advance_request_went_unanswered(settings) -> None:

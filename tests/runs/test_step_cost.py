@@ -135,7 +135,7 @@ def test_a_steps_statements_are_prepared_on_the_server_and_still_logged():
     # Django's query log still has their text (psycopg leaves it unset for a prepared run).
     assert statements and all(statements), statements
     prepared = _prepared()
-    for marker in ("WITH claimed AS", "WITH recorded AS", "FOR NO KEY UPDATE", "SELECT s.id"):
+    for marker in ("lease_expires_at = LEAST(", "AND claim =", "FOR NO KEY UPDATE", "SELECT s.id"):
         assert any(marker in statement for statement in prepared), (marker, prepared)
     # Django's own queries are not prepared (they bind on the client).
     assert not any('"runs_steprun"."id"' in statement for statement in prepared), prepared
@@ -244,7 +244,7 @@ def test_a_step_run_inline_after_another_commits_once(settings, rows_read):
     assert run.status == "completed"
     statements = [query["sql"] for query in captured.captured_queries]
     commits = sum(sql.strip() == "COMMIT" for sql in statements)
-    claims = sum("WITH claimed AS" in sql for sql in statements)
+    claims = sum("lease_expires_at = LEAST(" in sql for sql in statements)
     # Ten steps: ten recording transactions, nine of which also claimed the next step, and
     # the first step's own claim on its own (autocommit, no COMMIT statement).
     assert (commits, claims) == (10, 10), "\n".join(sql[:120] for sql in statements)
