@@ -19,8 +19,10 @@ WORKFLOW_MODULES: list[str] = ["bench.flows"]
 def _start_runs(workflow: str, count: int) -> list[Any]:
     """Start ``count`` runs as the API does (``run_start``: the run and its first attempt in
     one transaction, the attempt offered on commit), as fast as this process can."""
+    from bench.common import vacuum
     from runs.services import run_start
 
+    vacuum()
     return [run_start(workflow=workflow, input={}).run.id for _ in range(count)]
 
 

@@ -220,6 +220,7 @@ def _reset_peak() -> None:
 def _engine_start(items: int, runs: int) -> list[str]:
     from runs.services import run_start
 
+    common.vacuum()
     return [
         str(run_start(workflow=WORKFLOW, input={"items": list(range(items))}).run.id)
         for _ in range(runs)

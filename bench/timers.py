@@ -231,6 +231,7 @@ def start_runs(workflow: str, inputs: Sequence[Any]) -> tuple[list[Any], float]:
     """Start one run per input as the API does (``run_start``); (run ids, seconds taken)."""
     from runs.services import run_start
 
+    common.vacuum()
     began = time.perf_counter()
     ids = [run_start(workflow=workflow, input=value).run.id for value in inputs]
     return ids, time.perf_counter() - began

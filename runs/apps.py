@@ -25,7 +25,12 @@ class RunsConfig(AppConfig):
         task_prerun.connect(_forget, weak=False, dispatch_uid="djflow-forget-secrets")
 
         from django.conf import settings
+        from django.db.backends.signals import connection_created
         from django.db.models.signals import pre_delete
+
+        from .engine.sql import generic_plans
+
+        connection_created.connect(generic_plans, weak=False, dispatch_uid="djflow-generic-plans")
 
         from .models import Run
 

@@ -35,6 +35,7 @@ from .. import dispatch, metrics, tracing
 from ..models import Run, StepRun, Timer
 from ..moves import move_run, move_steps
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
+from .sql import cursor as prepared_cursor
 from .store import request_advance
 
 # An open condition row takes its run's failure; with any other end it is cancelled.
@@ -126,7 +127,8 @@ def _end(
         child = _lock(child_id)
         if child is not None:
             _end(child, RunStatus.CANCELLED, now=now, output=None, error=cancelled_error(reason))
-    Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+    with prepared_cursor() as cursor:
+        cursor.execute(_UNFIRED, [Run._meta.pk.get_db_prep_value(run.id, connection)])
 
 
 _STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
@@ -134,21 +136,22 @@ _STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
 # nothing, and this is all it reads): its rows in flight, and every child run not ended, not
 # only those of its rows in flight, since a run's children are its own to end whatever their
 # rows say.
+# Prepared (engine.sql): the statuses are the code's constants, written into the text.
 _LEFT = f"""
-SELECT id, kind, celery_task_id, NULL AS child FROM {_STEPS}
- WHERE run_id = %s AND status IN ({", ".join(["%s"] * len(STEP_IN_FLIGHT))})
+SELECT id, kind, celery_task_id, NULL::uuid AS child FROM {_STEPS}
+ WHERE run_id = %s AND status IN ({", ".join(f"'{s}'" for s in sorted(STEP_IN_FLIGHT))})
  UNION ALL
 SELECT NULL, NULL, NULL, id FROM {_RUNS}
- WHERE parent_run_id = %s AND status NOT IN ({", ".join(["%s"] * len(RUN_TERMINAL))})
+ WHERE parent_run_id = %s AND status NOT IN ({", ".join(f"'{s}'" for s in sorted(RUN_TERMINAL))})
 """
+_UNFIRED = f"DELETE FROM {Timer._meta.db_table} WHERE run_id = %s AND fired_at IS NULL"
 
 
 def _left(run_id: Any) -> tuple[list[tuple[int, str, str]], list[Any]]:
     """The run's rows in flight (id, kind, task id) and its children that have not ended."""
     key = Run._meta.pk.get_db_prep_value(run_id, connection)
-    params = [key, *map(str, STEP_IN_FLIGHT), key, *map(str, RUN_TERMINAL)]
-    with connection.cursor() as cursor:
-        cursor.execute(_LEFT, params)
+    with prepared_cursor() as cursor:
+        cursor.execute(_LEFT, [key, key])
         found = cursor.fetchall()
     rows = [(row_id, kind, task_id) for row_id, kind, task_id, child in found if child is None]
     return rows, [child for *_, child in found if child is not None]

@@ -36,6 +36,28 @@ class _PreparingCursor(_ServerBindingCursor):  # type: ignore[misc]
         super()._send_query_prepared(name, pgq, **kwargs)
 
 
+def _prepares(db: Any) -> bool:
+    return bool(
+        db.vendor == "postgresql"
+        and db.settings_dict["OPTIONS"].get("prepare_threshold") is not None
+    )
+
+
+def generic_plans(sender: Any, connection: Any, **_: Any) -> None:
+    """On each new Postgres connection that prepares (Django's ``connection_created``): plan
+    the prepared statements once, generically, instead of again at each run.
+
+    Postgres otherwise plans a prepared statement afresh while its generic plan's estimate
+    is above the custom ones', which a range (the journal's ``s.id > %s``) always is: the
+    journal read was planned at every step (0.27 ms of Postgres a step, ``pg_stat_statements``
+    on 1,000 runs of 5 steps), while its generic plan is the same index range scan. Only
+    this module's statements are prepared, so nothing else is planned generically.
+    """
+    if _prepares(connection):
+        with connection.cursor() as setting:
+            setting.execute("SET plan_cache_mode = force_generic_plan")
+
+
 def cursor() -> Any:
     """A cursor on the default connection (in its transaction, through Django's execute
     wrappers, so query capture and counts see its statements) that prepares on Postgres
@@ -43,7 +65,7 @@ def cursor() -> Any:
     # The connection itself, not the proxy: each attribute of django.db.connection is a
     # lookup through a context-local (a visible share of a step's CPU, measured by py-spy).
     db = connections[DEFAULT_DB_ALIAS]
-    if db.vendor != "postgresql" or db.settings_dict["OPTIONS"].get("prepare_threshold") is None:
+    if not _prepares(db):
         return db.cursor()
     db.ensure_connection()
     raw_connection = db.connection

@@ -121,6 +121,12 @@ def _journal_ahead(run_id: Any, steps: int) -> None:
     run_advance(run_id=run_id)
 
 
+def _plan_cache_mode() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW plan_cache_mode")
+        return str(cursor.fetchone()[0])
+
+
 def _prepared() -> list[str]:
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement FROM pg_prepared_statements")
@@ -139,6 +145,9 @@ def test_a_steps_statements_are_prepared_on_the_server_and_still_logged():
         assert any(marker in statement for statement in prepared), (marker, prepared)
     # Django's own queries are not prepared (they bind on the client).
     assert not any('"runs_steprun"."id"' in statement for statement in prepared), prepared
+    # Planned once (a range's generic plan costs more on paper than a custom one, and was
+    # otherwise planned again at every step).
+    assert _plan_cache_mode() == "force_generic_plan"
 
 
 @pytest.mark.usefixtures("one_step_at_a_time")
@@ -152,6 +161,7 @@ def test_without_prepared_statements_nothing_is_prepared(monkeypatch):
         _step(run.id)
     assert _prepared() == []
     assert StepRun.objects.filter(run_id=run.id, status="succeeded").count() == 3
+    assert _plan_cache_mode() == "auto"
     connection.close()
 
 
