@@ -180,7 +180,12 @@ class _Writer:
                 # The same journal planned twice asks for the same keys: one row each.
                 Timer.objects.bulk_create(self.timers, ignore_conflicts=True)
         run_changes = {name: getattr(run, name) for name in sorted(self.fields)}
-        if run_changes:
+        if self.fields - {"attempts"}:
+            # Not for a count of attempts alone, as most steps write: updated_at is in an
+            # index (the reconciler's look for idle runs), and writing it made every step's
+            # run update a new version in each of the run's 17 indexes; without it the update
+            # is a heap-only tuple (HOT). A run going from step to step always has an attempt
+            # in flight, which the reconciler's look leaves alone however old updated_at is.
             run.updated_at = now
             run_changes["updated_at"] = now
         # The run's own changes ride on the inserts (one statement for a lone attempt, one

@@ -174,6 +174,10 @@ def test_one_sequential_step_issues_at_most_seven_statements():
     assert len(statements) <= STATEMENTS_PER_STEP, listing
     # Every step's rows and nothing else: no read of the whole journal, no ORM round trips.
     assert sum("SELECT s.id, s.step_id" in sql for sql in statements) == 1, listing
+    # The run's row gets its count of attempts, nothing indexed (updated_at is in the
+    # reconciler's index): a heap-only update, no new entry in the run's indexes.
+    (run_update,) = [sql for sql in statements if "UPDATE runs_run" in sql]
+    assert "SET attempts = " in run_update and "updated_at" not in run_update, run_update
 
 
 @pytest.mark.usefixtures("one_step_at_a_time")
