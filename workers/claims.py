@@ -8,6 +8,7 @@ per step); elsewhere (the embedded SQLite default) a read then the same conditio
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -84,6 +85,50 @@ RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempot
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
           s.path, r.secrets, s.kind, r.account, s.generation, r.root_run_id
 """
+
+
+def claim_of(step_run: StepRun, *, worker: str, now: datetime, claim: uuid.UUID) -> dict[str, Any]:
+    """The fields of a claim on an attempt not yet inserted (``runs.engine.apply``'s
+    ``claim_as``): inserted with them, it is claimed as ``claim_attempt`` would claim it."""
+    deadline = now + timedelta(milliseconds=step_run.timeout_ms)
+    return {
+        "status": CLAIMED_TO,
+        "claim": claim,
+        "worker": worker,
+        "started_at": now,
+        "deadline_at": deadline,
+        "lease_expires_at": lease_until(now, deadline),
+    }
+
+
+def claimed_from(step_run: StepRun, run: Run) -> Claimed:
+    """What ``claim_attempt`` returns, for an attempt inserted claimed (``claim_of``) by the
+    transaction that holds ``run``: no statement, the rows are in hand."""
+    if step_run.claim is None or step_run.deadline_at is None:
+        raise ValueError(f"attempt {step_run.id} was not inserted claimed")
+    return Claimed(
+        id=step_run.id,
+        run_id=run.id,
+        step_id=step_run.step_id,
+        attempt=step_run.attempt,
+        # As read back from its column: the handler gets the same input either way.
+        input=from_json(json.dumps(step_run.input)),
+        timeout_ms=step_run.timeout_ms,
+        idempotency_key=step_run.idempotency_key,
+        queue=step_run.queue,
+        refusals=step_run.refusals,
+        celery_task_id=step_run.celery_task_id,
+        workflow_id=run.workflow_id,
+        version_id=run.version_id,
+        claim=step_run.claim,
+        deadline_at=step_run.deadline_at,
+        path=step_run.path,
+        secrets=run.secrets,
+        kind=step_run.kind,
+        account=run.account,
+        generation=step_run.generation,
+        root_run_id=run.root_run_id,
+    )
 
 
 def claim_attempt(

@@ -36,7 +36,7 @@ from runs.engine.advance import (
     ADVANCE_ACTIONS,
     Budget,
     advance_locked,
-    lock_run,
+    lock_run_recording,
     run_advance_holding,
 )
 from runs.engine.plan import MAX_VALUE_BYTES
@@ -49,7 +49,7 @@ from workflows.failures import Deferred, StepFailure
 from workflows.templates import TooLarge, check_size
 
 from . import task_events, tracing
-from .claims import Claimed, claim_attempt
+from .claims import Claimed, claim_attempt, claim_of, claimed_from
 from .context import StepContext, bound_logger
 from .leases import keeper
 
@@ -447,14 +447,14 @@ def _record_once(
     if row.path:
         return _record_inside(row, claim, result, cost, ctx)
     with transaction.atomic():
-        run = lock_run(row.run_id)
+        run, recorded = lock_run_recording(row.run_id, row.id, claim, result)
         if run is None:
             return "dropped", None
         # The model calls it made, recorded and charged whether or not the result is still
         # wanted: they were made either way.
         calls.calls_record(ctx.model_calls)
         calls.tool_calls_record(ctx.tool_calls)
-        if not record_result(row.id, claim, result):
+        if not recorded:
             # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
             logger.info("attempt %s finished after it was given up; result dropped", row.id)
             return "dropped", None
@@ -464,21 +464,32 @@ def _record_once(
         held = None
         if run.status not in RUN_TERMINAL:
             budget = Budget(ADVANCE_ACTIONS)
-            _, next_attempt = advance_locked(run, hold=True, budget=budget)
+            _, next_attempt = advance_locked(
+                run, hold=True, budget=budget, claim_as=_claim_as(chain)
+            )
             if next_attempt is not None:
                 claimed = None
-                if chain is not None and chain.goes_on_with(next_attempt):
-                    # Claimed in this transaction, which commits before its body runs: the
-                    # next step's claim costs no commit of its own.
-                    chain.pending = uuid.uuid4()
-                    claimed = claim_attempt(
-                        next_attempt.id,
-                        worker=chain.worker,
-                        now=timezone.now(),
-                        claim=chain.pending,
-                    )
+                if chain is not None and next_attempt.claim is not None:
+                    # Inserted claimed by this transaction, which commits before its body
+                    # runs: the next step's claim costs no statement and no commit.
+                    claimed = claimed_from(next_attempt, run)
                 held = (next_attempt, run.workflow_id, claimed)
     return status, held
+
+
+def _claim_as(chain: _Chain | None) -> Any:
+    """apply_plan's ``claim_as`` for a chain: the claim of the run's next attempt when this
+    task goes on with it, None otherwise (and without a chain)."""
+    if chain is None:
+        return None
+
+    def claim_as(step_run: StepRun) -> dict[str, Any] | None:
+        if not chain.goes_on_with(step_run):
+            return None
+        chain.pending = uuid.uuid4()
+        return claim_of(step_run, worker=chain.worker, now=timezone.now(), claim=chain.pending)
+
+    return claim_as
 
 
 def _record_inside(

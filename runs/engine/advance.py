@@ -20,10 +20,10 @@ from django.utils import timezone
 from .. import dispatch
 from ..models import Run, StepRun
 from . import events, journal
-from .apply import apply_plan
+from .apply import ClaimAs, apply_plan
 from .plan import Plan, plan
 from .sql import cursor as prepared_cursor
-from .store import request_advance, take_advance_request
+from .store import record_result, recording, request_advance, take_advance_request
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,36 @@ def lock_run(run_id: Any) -> Run | None:
     with prepared_cursor() as cursor:
         cursor.execute(f"SELECT {_RUN_COLUMNS} FROM {Run._meta.db_table} WHERE id = %s{lock}", [pk])
         row = cursor.fetchone()
+    return None if row is None else _run_of(row)
+
+
+def lock_run_recording(
+    run_id: Any, step_run_id: int, claim: Any, values: dict[str, Any]
+) -> tuple[Run | None, bool]:
+    """``lock_run`` and ``store.record_result`` (the run locked first, as always), in one
+    round trip on Postgres: (the run or None, whether the attempt's result was recorded).
+    A worker records each step so; the two statements were two of a step's seven."""
+    if connection.vendor != "postgresql":
+        run = lock_run(run_id)
+        return run, run is not None and record_result(step_run_id, claim, values)
+    update, params = recording(step_run_id, claim, values)
+    # The run's lock is taken as the UPDATE's condition reads ``locked``, before the
+    # attempt's row is: the order every transaction of the engine takes them in.
+    sql = (
+        f"WITH locked AS (SELECT {_RUN_COLUMNS} FROM {Run._meta.db_table}"
+        " WHERE id = %s FOR NO KEY UPDATE),"
+        f" recorded AS ({update} AND EXISTS (SELECT 1 FROM locked) RETURNING 1)"
+        " SELECT locked.*, (SELECT count(*) FROM recorded) FROM locked"
+    )
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection), *params])
+        row = cursor.fetchone()
     if row is None:
-        return None
+        return None, False
+    return _run_of(row[:-1]), row[-1] == 1
+
+
+def _run_of(row: Any) -> Run:
     # What a queryset does with a row: each field's converters (JSON, encrypted fields),
     # then the model's own from_db (which marks it as loaded from the database).
     values = []
@@ -153,9 +181,11 @@ def advance_locked(
     hold: bool = False,
     budget: Budget | None = None,
     hand_over_rest: bool = True,
+    claim_as: ClaimAs | None = None,
 ) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
-    with ``hold``, also the lone new attempt left for the caller to run (see apply_plan).
+    with ``hold``, also the lone new attempt left for the caller to run (see apply_plan),
+    inserted claimed when ``claim_as`` says so.
 
     Plans at most ``budget`` actions (REQUEST_ACTIONS unless given), child runs it starts
     included; when there is more to plan (``Plan.more``) an advance task is asked for, unless
@@ -201,7 +231,10 @@ def advance_locked(
             prefix = planned.prefix
             journal.keep_prefix(run, prefix)
         budget.actions -= len(planned.actions)
-        applied = apply_plan(run, planned, now, hold=hold and held is None)
+        holding = hold and held is None
+        applied = apply_plan(
+            run, planned, now, hold=holding, claim_as=claim_as if holding else None
+        )
         held = held or applied.held
         for child in applied.children:
             # A child run's first steps are planned in this transaction (as run_start plans

@@ -25,7 +25,7 @@ from workflows.models import WorkflowVersion
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..moves import move_steps
-from ..status import RunStatus, StepStatus, check_run_move
+from ..status import RunStatus, StepStatus, check_run_move, check_step_move
 from . import ending
 from . import plan as p
 from .store import insert_attempts, request_advance, update_run
@@ -47,7 +47,14 @@ class Applied:
     children: list[Run] = field(default_factory=list)
 
 
-def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) -> Applied:
+def apply_plan(
+    run: Run,
+    planned: p.Plan,
+    now: datetime,
+    *,
+    hold: bool = False,
+    claim_as: ClaimAs | None = None,
+) -> Applied:
     """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. The child
     runs it starts are returned (``Applied.children``) for the caller to plan in the same
     transaction.
@@ -55,11 +62,21 @@ def apply_plan(run: Run, planned: p.Plan, now: datetime, *, hold: bool = False) 
     With ``hold``, a lone new attempt is not offered but returned: the caller (a worker that
     just finished the previous step) runs it itself. Should that worker die first, the
     attempt stays ``scheduled`` and the reconciler offers it after ``LOST_MESSAGE_SECONDS``.
+
+    ``claim_as`` (with ``hold``) is asked about that lone attempt before it is inserted: the
+    fields of a claim (status ``running``, the claim, the worker, its deadline and lease)
+    when the caller runs it, and it is inserted claimed, or None (inserted ``scheduled``).
+    An attempt inserted and claimed in one transaction was a second statement and a second
+    version of its row on every step of a sequential run.
     """
     writer = _Writer(run, now)
     for action in planned.actions:
         _WRITE[type(action)](writer, action)
-    return writer.done(planned, hold=hold)
+    return writer.done(planned, hold=hold, claim_as=claim_as if hold else None)
+
+
+# See apply_plan: a held attempt (not yet inserted) -> the fields of its claim, or None.
+ClaimAs = Callable[[StepRun], dict[str, Any] | None]
 
 
 class _Writer:
@@ -172,7 +189,7 @@ class _Writer:
         # The run's end is written by ending.end_run, not with the other fields.
         _finish(self.run, action, self.now)
 
-    def done(self, planned: p.Plan, *, hold: bool) -> Applied:
+    def done(self, planned: p.Plan, *, hold: bool, claim_as: ClaimAs | None = None) -> Applied:
         run, now, applied = self.run, self.now, self.applied
         if planned.finish is None:
             _show_waiting(run, planned, self.fields)
@@ -190,7 +207,10 @@ class _Writer:
             run_changes["updated_at"] = now
         # The run's own changes ride on the inserts (one statement for a lone attempt, one
         # per batch of a fan-out, on Postgres).
-        inserted = _schedule_all(run, self.schedules, now, run_changes)
+        lone = hold and len(self.schedules) == 1
+        inserted = _schedule_all(
+            run, self.schedules, now, run_changes, claim_as=claim_as if lone else None
+        )
         if hold and len(inserted) == 1:
             applied.held = inserted[0]
         elif len(inserted) == 1:
@@ -375,11 +395,23 @@ def _open(run: Run, action: p.Open, now: datetime) -> StepRun:
 
 
 def _schedule_all(
-    run: Run, actions: list[p.Schedule], now: datetime, run_changes: dict[str, Any]
+    run: Run,
+    actions: list[p.Schedule],
+    now: datetime,
+    run_changes: dict[str, Any],
+    *,
+    claim_as: ClaimAs | None = None,
 ) -> list[StepRun]:
     """Insert the new attempts a plan schedules, with the run's ``run_changes``: a fan-out's
-    items in multi-row statements (``store.insert_attempts``), not one statement each."""
+    items in multi-row statements (``store.insert_attempts``), not one statement each; a
+    lone attempt claimed as it is inserted when ``claim_as`` says so (see apply_plan)."""
     step_runs = [_attempt(run, action, now) for action in actions]
+    if claim_as is not None and len(step_runs) == 1:
+        claim = claim_as(step_runs[0])
+        if claim is not None:
+            check_step_move(StepStatus.SCHEDULED, claim["status"])
+            for name, value in claim.items():
+                setattr(step_runs[0], name, value)
     rows = [
         {
             field.name: getattr(step_run, field.attname)

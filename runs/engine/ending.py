@@ -138,7 +138,7 @@ _STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
 # rows say.
 # Prepared (engine.sql): the statuses are the code's constants, written into the text.
 _LEFT = f"""
-SELECT id, kind, celery_task_id, NULL::uuid AS child FROM {_STEPS}
+SELECT id, kind, celery_task_id, NULL AS child FROM {_STEPS}
  WHERE run_id = %s AND status IN ({", ".join(f"'{s}'" for s in sorted(STEP_IN_FLIGHT))})
  UNION ALL
 SELECT NULL, NULL, NULL, id FROM {_RUNS}

@@ -143,17 +143,22 @@ def insert_attempts(
     return ids
 
 
+def recording(step_run_id: int, claim: Any, values: dict[str, Any]) -> tuple[str, list[Any]]:
+    """The UPDATE that records a running attempt's result if the claim still holds."""
+    (source,) = step_sources(values["status"], [StepStatus.RUNNING])
+    assignments = ", ".join(f"{_column(n)} = %s" for n in values)
+    params = [_prep(name, value) for name, value in values.items()]
+    sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
+    return sql, [*params, step_run_id, str(source), _prep("claim", claim)]
+
+
 def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     """Record a running attempt's result, if the claim still holds; True when it did.
 
     The fencing check: an attempt given up meanwhile (expired, cancelled) has lost its
     claim, and its late result updates no row.
     """
-    (source,) = step_sources(values["status"], [StepStatus.RUNNING])
-    assignments = ", ".join(f"{_column(n)} = %s" for n in values)
-    params = [_prep(name, value) for name, value in values.items()]
-    sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
-    params += [step_run_id, str(source), _prep("claim", claim)]
+    sql, params = recording(step_run_id, claim, values)
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         return bool(cursor.rowcount == 1)

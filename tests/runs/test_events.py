@@ -415,6 +415,34 @@ def test_a_claim_sets_no_timer_and_a_stale_claim_records_nothing() -> None:
     assert StepRun.objects.get(id=claimed.id).status == "succeeded"
 
 
+def test_the_run_is_locked_and_the_result_recorded_in_one_statement_fenced_by_the_claim():
+    from django.db import transaction
+
+    from runs.engine.advance import lock_run_recording
+
+    run, claimed = _claimed_one_task()
+    with transaction.atomic():
+        locked, recorded = lock_run_recording(
+            run.id, claimed.id, uuid.uuid4(), {"status": "succeeded"}
+        )
+    assert (locked.id, locked.status, recorded) == (run.id, "running", False)
+    assert StepRun.objects.get(id=claimed.id).status == "running"
+    with transaction.atomic():
+        locked, recorded = lock_run_recording(
+            run.id, claimed.id, claimed.claim, {"status": "succeeded", "output": {"n": 1}}
+        )
+    assert (locked.id, recorded) == (run.id, True)
+    # The run as the ORM reads it, field for field (JSON and encrypted fields converted).
+    assert {f.attname: getattr(locked, f.attname) for f in Run._meta.concrete_fields} == {
+        f.attname: getattr(fresh(run), f.attname) for f in Run._meta.concrete_fields
+    }
+    assert StepRun.objects.get(id=claimed.id).output == {"n": 1}
+    assert lock_run_recording(uuid.uuid4(), claimed.id, claimed.claim, {"status": "failed"}) == (
+        None,
+        False,
+    )
+
+
 def test_the_tick_times_out_an_attempt_past_its_deadline_plus_grace() -> None:
     run, claimed = _claimed_one_task()
     row = StepRun.objects.get(id=claimed.id)
