@@ -413,17 +413,19 @@ def _schedule_all(
             for name, value in claim.items():
                 setattr(step_runs[0], name, value)
     rows = [
-        {
-            field.name: getattr(step_run, field.attname)
-            for field in StepRun._meta.concrete_fields
-            if not field.primary_key
-        }
+        {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
         for step_run in step_runs
     ]
     ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None)
     for step_run, step_run_id in zip(step_runs, ids, strict=True):
         step_run.id = step_run_id
     return step_runs
+
+
+# (name, attribute) of each column an attempt's insert writes.
+_ATTEMPT_FIELDS = [
+    (field.name, field.attname) for field in StepRun._meta.concrete_fields if not field.primary_key
+]
 
 
 def _attempt(run: Run, action: p.Schedule, now: datetime) -> StepRun:

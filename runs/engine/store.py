@@ -8,6 +8,7 @@ stores them, on Postgres and SQLite alike.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from django.db import connection
@@ -20,12 +21,21 @@ from .sql import cursor as prepared_cursor
 _TABLE = StepRun._meta.db_table
 
 
+@functools.cache
 def _field(name: str, model: type[Model] = StepRun) -> Field[Any, Any]:
+    # Cached: looked up for every value of every row a step writes (py-spy: a visible share
+    # of a worker's CPU per step).
     field = model._meta.get_field(name)
     # A reverse relation has no column of its own: every name written here is a column.
     if not isinstance(field, Field):
         raise TypeError(f"{model.__name__}.{name} is a relation, not a column")
     return field
+
+
+@functools.cache
+def _insert_sql(names: tuple[str, ...]) -> str:
+    columns = ", ".join(_column(name) for name in names)
+    return f"INSERT INTO {_TABLE} ({columns}) VALUES ({', '.join(['%s'] * len(names))})"
 
 
 def _column(name: str, model: type[Model] = StepRun) -> str:
@@ -73,10 +83,8 @@ def insert_attempt(
     ``run_changes`` (the run's own changed fields) are written too: on Postgres in the same
     statement, as a data-modifying WITH, which spares a round trip on every step.
     """
-    columns = [_column(name) for name in values]
     params = [_prep(name, value) for name, value in values.items()]
-    placeholders = ", ".join(["%s"] * len(columns))
-    insert = f"INSERT INTO {_TABLE} ({', '.join(columns)}) VALUES ({placeholders})"
+    insert = _insert_sql(tuple(values))
     # RETURNING needs SQLite 3.35; Django 5.2 runs on 3.31, which has only lastrowid.
     returning = connection.features.can_return_columns_from_insert
     with prepared_cursor() as cursor:
