@@ -7,9 +7,11 @@ rounds for a time budget and then sends itself to the back of the queue.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,12 +140,26 @@ def lock_run_recording(
         f" recorded AS ({update} AND EXISTS (SELECT 1 FROM locked) RETURNING 1)"
         " SELECT locked.*, (SELECT count(*) FROM recorded) FROM locked"
     )
-    with prepared_cursor() as cursor:
+    with prepared_cursor() as cursor, _pipelined():
         cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection), *params])
         row = cursor.fetchone()
     if row is None:
         return None, False
     return _run_of(row[:-1]), row[-1] == 1
+
+
+@contextlib.contextmanager
+def _pipelined() -> Iterator[None]:
+    """psycopg's pipeline mode for the first statement of a transaction: the ``BEGIN`` it
+    sends first is then sent with it, not a round trip of its own (one of a step's five)."""
+    import psycopg
+
+    raw = connection.connection
+    if raw is None or connection.get_autocommit() or not psycopg.Pipeline.is_supported():
+        yield
+        return
+    with connection.wrap_database_errors, raw.pipeline():
+        yield
 
 
 def _run_of(row: Any) -> Run:
