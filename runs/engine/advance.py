@@ -133,20 +133,23 @@ def advance_many(
     written (unless the commit went through unacknowledged), and the caller advances the
     runs one by one. A run advanced twice plans nothing new the second time.
     """
-    ordered = sorted(dict.fromkeys(run_ids), key=str)
+    ordered = sorted(dict.fromkeys(map(str, run_ids)))
     # Autocommit, before any journal is read, as run_advance takes each run's request.
     take_advance_requests(ordered)
     held: list[tuple[StepRun, str]] = []
     try:
         with transaction.atomic():
+            read = _read_many(ordered)
             for run_id in ordered:
                 try:
                     with transaction.atomic():
-                        run = lock_run(run_id)
+                        run, first = read.get(run_id) or (lock_run(run_id), None)
                         if run is None:
                             logger.warning("advance: run %s does not exist", run_id)
                             continue
-                        _, attempt = advance_locked(run, hold=hold, budget=Budget(ADVANCE_ACTIONS))
+                        _, attempt = advance_locked(
+                            run, hold=hold, budget=Budget(ADVANCE_ACTIONS), read=first
+                        )
                 except Exception:
                     if connection.needs_rollback or not connection.is_usable():
                         raise  # the transaction itself is lost: no savepoint to go back to
@@ -159,6 +162,24 @@ def advance_many(
     except DatabaseError as error:
         raise BatchFailed(f"advancing {len(ordered)} runs in one transaction failed") from error
     return held
+
+
+def _read_many(run_ids: list[str]) -> dict[str, tuple[Run, tuple[int, list[Any]]]]:
+    """Lock the runs (in id order) and read their journals, two statements for them all:
+    each top-level run with the journal after its kept prefix, for the first round of its
+    advance. A run inside a tree is read again in its own turn: an advance of its parent or
+    root earlier in the batch may have ended it or its rows (an advance writes its own run
+    and that run's descendants only, so a top-level run's read stays true)."""
+    if connection.vendor != "postgresql" or len(run_ids) < 2:
+        return {}
+    runs = lock_runs(run_ids)
+    afters: dict[str, int] = {}
+    for run_id, run in runs.items():
+        if run.root_run_id is None and run.parent_run_id is None:
+            prefix = journal.prefix_for(run)
+            afters[run_id] = prefix.through_id if prefix is not None else 0
+    journals = journal.journals_of(afters)
+    return {run_id: (runs[run_id], (after, journals[run_id])) for run_id, after in afters.items()}
 
 
 def take_advance_requests(run_ids: Sequence[Any]) -> None:
@@ -189,6 +210,28 @@ def lock_run(run_id: Any) -> Run | None:
         row = cursor.fetchone()
     if row is None:
         return None
+    return _run_of(row)
+
+
+def lock_runs(run_ids: Sequence[Any]) -> dict[str, Run]:
+    """:func:`lock_run` for several runs in one statement, locked in id order; keyed by the
+    runs' ids as strings (a run that does not exist is missing)."""
+    keys = [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in run_ids]
+    with prepared_cursor() as cursor:
+        cursor.execute(
+            f"SELECT {_RUN_COLUMNS} FROM {Run._meta.db_table} WHERE id = ANY(%s::uuid[])"
+            " ORDER BY id FOR NO KEY UPDATE",
+            [keys],
+        )
+        rows = cursor.fetchall()
+    found = {}
+    for row in rows:
+        run = _run_of(row)
+        found[str(run.id)] = run
+    return found
+
+
+def _run_of(row: Any) -> Run:
     # What a queryset does with a row: each field's converters (JSON, encrypted fields),
     # then the model's own from_db (which marks it as loaded from the database).
     values = []
@@ -223,13 +266,16 @@ def advance_locked(
     hold: bool = False,
     budget: Budget | None = None,
     hand_over_rest: bool = True,
+    read: tuple[int, list[Any]] | None = None,
 ) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
     with ``hold``, also the lone new attempt left for the caller to run (see apply_plan).
 
     Plans at most ``budget`` actions (REQUEST_ACTIONS unless given), child runs it starts
     included; when there is more to plan (``Plan.more``) an advance task is asked for, unless
-    ``hand_over_rest`` is false (the caller plans on itself).
+    ``hand_over_rest`` is false (the caller plans on itself). ``read`` is the run's journal
+    after a row id, read by the caller under the lock (a batch reads several runs' at once):
+    the first round uses it if it plans from that row, and reads the journal itself if not.
 
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
@@ -252,7 +298,12 @@ def advance_locked(
             whole = journal.journal_of(run.id)
             attempts = [a for a in whole if prefix is not None and a.id > prefix.through_id]
         else:
-            attempts = journal.journal_of(run.id, after=prefix.through_id if prefix else 0)
+            after = prefix.through_id if prefix else 0
+            if read is not None and read[0] == after:
+                attempts = read[1]
+            else:
+                attempts = journal.journal_of(run.id, after=after)
+        read = None
         document = journal.document_for(run)
         view = journal.run_view(run, attempts, prefix)
         planned = plan(
