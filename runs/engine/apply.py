@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
+from django.db.models import Field
 from django.utils import timezone
 
 from workflows import kinds, secrets
@@ -222,19 +223,25 @@ def _close(action: p.Close, now: datetime) -> int:
             finished_at=now,
         )
     sources = ", ".join(f"'{source}'" for source in sorted(step_sources(action.status, OPEN)))
-    field = StepRun._meta.get_field
     with prepared_cursor() as cursor:
         cursor.execute(
             f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"
             f" error = %s, finished_at = %s WHERE id = %s AND status IN ({sources})",
             [
-                field("output").get_db_prep_save(action.output, connection),
-                field("error").get_db_prep_save(action.error, connection),
-                field("finished_at").get_db_prep_save(now, connection),
+                _prep("output", action.output),
+                _prep("error", action.error),
+                _prep("finished_at", now),
                 action.attempt_id,
             ],
         )
         return int(cursor.rowcount)
+
+
+def _prep(name: str, value: Any) -> Any:
+    field = StepRun._meta.get_field(name)
+    if not isinstance(field, Field):
+        raise TypeError(f"StepRun.{name} is a relation, not a column")
+    return field.get_db_prep_save(value, connection)
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
