@@ -346,3 +346,42 @@ def test_a_batch_locks_its_runs_in_one_statement_and_reads_their_journals_in_one
     assert sum("unnest(" in sql for sql in statements) == 1
     assert sum("= ANY(" in sql and "FOR NO KEY UPDATE" in sql for sql in statements) == 1
     assert statuses(run_ids) == {"completed"}
+
+
+def test_a_batch_with_a_parent_and_its_child_reads_the_child_in_its_own_turn(sent, caplog) -> None:
+    """A parent's advance may end its child earlier in the same transaction: the child is
+    locked with the chunk but read again in its own turn, never planned from the chunk's
+    read (which would move a cancelled run, or schedule on it)."""
+    from django.db import transaction
+
+    inner = {"id": "gate", "kind": "wait_event", "event": "go", "key": "x", "timeout_ms": 1}
+    definition_save(document={"id": "batch_inner", "steps": [inner]})
+    late = {"id": "late", "kind": "wait_event", "event": "never", "timeout_ms": 60_000}
+    child_step = {"id": "child", "kind": "subworkflow", "workflow": "batch_inner"}
+    definition_save(
+        document={
+            "id": "batch_outer",
+            "steps": [{"id": "par", "kind": "parallel", "branches": {"c": child_step, "t": late}}],
+        }
+    )
+    parent = services.run_start(workflow="batch_outer", input={}).run
+    child = Run.objects.get(parent_run=parent)
+    past = timezone.now() - timedelta(seconds=1)
+    StepRun.objects.filter(run__in=[parent, child], status="waiting").update(not_before=past)
+    Timer.objects.filter(run__in=[parent, child]).update(fire_at=past, fired_at=None)
+    assert {run_id for run_id, *_ in timers.claim_due(timezone.now(), 1000)} == {
+        parent.id,
+        child.id,
+    }
+
+    with transaction.atomic():
+        read = advance._read_many([str(parent.id), str(child.id)])
+    assert list(read) == [str(parent.id)]
+
+    execution.advance_and_execute([str(child.id), str(parent.id)], worker="w:1", queues=set())
+    assert "failed; the reconciler takes it" not in caplog.text
+    assert Run.objects.get(id=parent.id).status == "failed"
+    assert Run.objects.get(id=child.id).status in {"cancelled", "failed"}
+    assert not StepRun.objects.filter(
+        run__in=[parent, child], status__in=["scheduled", "running", "waiting"]
+    ).exists()
