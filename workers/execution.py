@@ -19,7 +19,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -34,8 +34,10 @@ from runs import tracing as run_tracing
 from runs.engine import calls, journal, unservable
 from runs.engine.advance import (
     ADVANCE_ACTIONS,
+    BatchFailed,
     Budget,
     advance_locked,
+    advance_many,
     lock_run_recording,
     run_advance_holding,
 )
@@ -108,19 +110,26 @@ class _Chain:
     soft_limit: float | None
     queue: str | None
     chained: int = 0
-    # The claim the recording transaction being tried makes on the next attempt: should its
-    # commit go unacknowledged, the attempt may be claimed with nobody to run it.
-    pending: uuid.UUID | None = None
+    # The claims the recording transaction being tried makes on the attempts it runs next:
+    # should its commit go unacknowledged, they may be claimed with nobody to run them.
+    pending: list[uuid.UUID] = field(default_factory=list)
+    # A batch of fired runs (advance_and_execute): its next attempt (of another run), which
+    # the transaction recording this chain's last step claims while there is time; what it
+    # claimed.
+    then: tuple[StepRun, str] | None = None
+    then_claimed: Claimed | None = None
 
     def goes_on_with(self, step_run: StepRun) -> bool:
         """Whether this task runs ``step_run`` (the run's next attempt) itself."""
+        return (self.queue is None or step_run.queue == self.queue) and self.has_time_for(step_run)
+
+    def has_time_for(self, step_run: StepRun) -> bool:
         inline = settings.DJFLOW
         elapsed = time.monotonic() - self.started
         return (
             threading.current_thread() is threading.main_thread()
             and self.chained < inline["INLINE_MAX_STEPS"]
             and elapsed < inline["INLINE_SECONDS"]
-            and (self.queue is None or step_run.queue == self.queue)
             # Celery's own soft limit for this task must not fire inside the next step's time.
             and (self.soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= self.soft_limit)
         )
@@ -132,6 +141,11 @@ class _Chain:
 # process (timer firing p99 1.7 s against 1.0 s with one advance message a run), and ran past
 # INLINE_SECONDS, which offered 15 % of the next steps through the broker after all.
 ADVANCE_RUNS_SECONDS = 0.25
+# Runs of a batch advanced in one transaction (runs.engine.advance.advance_many): one commit
+# for them all instead of one each. The batch's time is looked at between chunks: the
+# attempts of a chunk's runs are run here (within INLINE_SECONDS), not offered, so a chunk is
+# small enough to keep a batch near ADVANCE_RUNS_SECONDS (about 5-10 ms a run here).
+ADVANCE_RUNS_CHUNK = 10
 
 
 def advance_and_execute(
@@ -148,42 +162,119 @@ def advance_and_execute(
     it is for a queue this worker consumes (``queues``), this worker has its handler, and
     the task's time allows (``_Chain.goes_on_with``, counted over the whole batch);
     otherwise it is offered through the broker as an advance offers it. Each advance is one
-    bounded round (a run with more to plan asks for another advance). A run that fails to
-    advance is left to the reconciler (its timer fired, nothing in flight), the batch goes
-    on.
+    bounded round (a run with more to plan asks for another advance).
+
+    Runs are advanced ``ADVANCE_RUNS_CHUNK`` at a time in one transaction, a savepoint each
+    (``advance_many``): a run that fails to advance is rolled back alone and left to the
+    reconciler (its timer fired, nothing in flight), the others commit. Should the chunk's
+    transaction fail as a whole, its runs are advanced one by one, as before batching. The
+    first attempt run here is claimed by that transaction, and each next one by the
+    transaction that records the attempt before it (``_Chain.then``): a fired run's step
+    costs one commit, its recording, instead of three (advance, claim, record).
 
     After ``ADVANCE_RUNS_SECONDS`` the runs not yet advanced go back to the engine's queue as
     one message: the pool process is free again for the clock's tick and the messages
     queued behind this one, and those runs' next steps are still run without a message of
     their own.
     """
-    started = time.monotonic()
-    shown = task_events.StepEvents.for_current_task()
-    chained = 0
-    for index, run_id in enumerate(run_ids):
-        if index and time.monotonic() - started >= ADVANCE_RUNS_SECONDS:
-            rest = run_ids[index:]
+    batch = _Batch(worker, queues, soft_limit, time.monotonic())
+    for start in range(0, len(run_ids), ADVANCE_RUNS_CHUNK):
+        if start and batch.spent():
+            rest = run_ids[start:]
             dispatch.advance_in_batches(rest, size=len(rest))
             break
+        batch.advance(run_ids[start : start + ADVANCE_RUNS_CHUNK])
+    return batch.chained
+
+
+@dataclass
+class _Batch:
+    """One ``advance_runs`` task's batch of fired runs (see advance_and_execute)."""
+
+    worker: str
+    queues: Collection[str]
+    soft_limit: float | None
+    started: float
+    chained: int = 0
+
+    def spent(self) -> bool:
+        return time.monotonic() - self.started >= ADVANCE_RUNS_SECONDS
+
+    def chain(self, step_run: StepRun) -> _Chain:
+        # The run's steps after this one stay on its queue, as in execute().
+        return _Chain(self.worker, self.started, self.soft_limit, step_run.queue, self.chained)
+
+    def runs_here(self, step_run: StepRun, workflow_id: str) -> bool:
+        """Whether this task runs the attempt (else it is offered through the broker)."""
+        return (
+            self.chain(step_run).goes_on_with(step_run)
+            and step_run.queue in self.queues
+            and _serves(step_run, workflow_id)
+        )
+
+    def advance(self, run_ids: list[str]) -> None:
+        claims: dict[int, Claimed | None] = {}
+        token = uuid.uuid4()
+
+        def claim_first(held: list[tuple[StepRun, str]]) -> None:
+            # In the chunk's transaction, which commits before the body runs: the first
+            # attempt's claim costs no commit of its own.
+            for step_run, workflow_id in held:
+                if self.runs_here(step_run, workflow_id):
+                    claims[step_run.id] = claim_attempt(
+                        step_run.id, worker=self.worker, now=timezone.now(), claim=token
+                    )
+                    return
+
         try:
-            fired = run_advance_holding(run_id=run_id, seconds=0)[1]
-            if fired is None:
-                continue
-            step_run, workflow_id = fired
-            # The run's steps after this one stay on its queue, as in execute().
-            chain = _Chain(worker, started, soft_limit, step_run.queue, chained)
-            if not (
-                chain.goes_on_with(step_run)
-                and step_run.queue in queues
-                and _serves(step_run, workflow_id)
-            ):
+            held = advance_many(run_ids, hold=True, before_commit=claim_first)
+        except BatchFailed:
+            logger.warning("advance_runs: %d runs one by one", len(run_ids), exc_info=True)
+            if claims:
+                # The commit may have gone through unacknowledged: that claim is nobody's.
+                with contextlib.suppress(Exception):
+                    _release(token)
+            self.advance_each(run_ids)
+            return
+        shown = task_events.StepEvents.for_current_task()
+        for index, (step_run, workflow_id) in enumerate(held):
+            claimed = claims.pop(step_run.id, None)
+            # Not self.spent(): the time is looked at between chunks, and an attempt of a run
+            # advanced here is run here (past INLINE_SECONDS it is offered, see runs_here).
+            if claimed is None and not self.runs_here(step_run, workflow_id):
                 dispatch.offer_now(step_run, workflow_id=workflow_id)
                 continue
-            chained = _run_chain(chain, shown, (step_run, workflow_id, None))
-        except Exception:
-            # The other runs of the batch must not wait for the reconciler too.
-            logger.exception("advance_runs: run %s failed; the reconciler takes it", run_id)
-    return chained
+            chain = self.chain(step_run)
+            after = held[index + 1] if index + 1 < len(held) else None
+            if after is not None and self.runs_here(*after):
+                chain.then = after
+            try:
+                _run_chain(chain, shown, (step_run, workflow_id, claimed))
+            except Exception:
+                # The other runs of the batch must not wait for the reconciler too.
+                logger.exception(
+                    "advance_runs: run %s failed; the reconciler takes it", step_run.run_id
+                )
+            self.chained = chain.chained
+            if after is not None and chain.then_claimed is not None:
+                # Claimed by the last recording: run next, whatever happened after it.
+                claims[after[0].id] = chain.then_claimed
+
+    def advance_each(self, run_ids: list[str]) -> None:
+        """Each run in a transaction of its own (a chunk whose transaction failed)."""
+        shown = task_events.StepEvents.for_current_task()
+        for run_id in run_ids:
+            try:
+                fired = run_advance_holding(run_id=run_id, seconds=0)[1]
+                if fired is None:
+                    continue
+                step_run, workflow_id = fired
+                if not self.runs_here(step_run, workflow_id):
+                    dispatch.offer_now(step_run, workflow_id=workflow_id)
+                    continue
+                self.chained = _run_chain(self.chain(step_run), shown, (*fired, None))
+            except Exception:
+                logger.exception("advance_runs: run %s failed; the reconciler takes it", run_id)
 
 
 def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:
@@ -390,8 +481,8 @@ def _record(
         try:
             recorded = _record_once(row, claim, status, output, error, ctx, run_secrets, chain)
         except (OperationalError, InterfaceError):
-            if chain is not None and chain.pending is not None:
-                unsure.append(chain.pending)
+            if chain is not None:
+                unsure += chain.pending
             if time.monotonic() + pause > give_up:
                 raise
             logger.warning("recording attempt %s failed; reconnecting", row.id, exc_info=True)
@@ -424,7 +515,7 @@ def _record_once(
     chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     if chain is not None:
-        chain.pending = None
+        chain.pending, chain.then_claimed = [], None
     # The run is charged what was not charged during the attempt (a recipe's model calls
     # are, as each is settled); the attempt shows all it cost.
     cost = ctx.uncharged_usd()
@@ -474,6 +565,12 @@ def _record_once(
                     # runs: the next step's claim costs no statement and no commit.
                     claimed = claimed_from(next_attempt, run)
                 held = (next_attempt, run.workflow_id, claimed)
+        if chain is not None and chain.then is not None and (held is None or held[2] is None):
+            # This run's chain stops here: the batch's next attempt (another run's) is
+            # claimed by this transaction, as a run's own next step is.
+            step_run = chain.then[0]
+            if chain.has_time_for(step_run):
+                chain.then_claimed = _claim_next(chain, step_run.id)
     return status, held
 
 
@@ -486,10 +583,18 @@ def _claim_as(chain: _Chain | None) -> Any:
     def claim_as(step_run: StepRun) -> dict[str, Any] | None:
         if not chain.goes_on_with(step_run):
             return None
-        chain.pending = uuid.uuid4()
-        return claim_of(step_run, worker=chain.worker, now=timezone.now(), claim=chain.pending)
+        token = uuid.uuid4()
+        chain.pending.append(token)
+        return claim_of(step_run, worker=chain.worker, now=timezone.now(), claim=token)
 
     return claim_as
+
+
+def _claim_next(chain: _Chain, step_run_id: int) -> Claimed | None:
+    """Claim an attempt this task runs next, in the recording transaction (see _record)."""
+    token = uuid.uuid4()
+    chain.pending.append(token)
+    return claim_attempt(step_run_id, worker=chain.worker, now=timezone.now(), claim=token)
 
 
 def _record_inside(

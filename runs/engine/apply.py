@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.db import connection
+from django.db.models import Field
 from django.utils import timezone
 
 from workflows import kinds, secrets
@@ -25,9 +27,10 @@ from workflows.models import WorkflowVersion
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..moves import move_steps
-from ..status import RunStatus, StepStatus, check_run_move, check_step_move
+from ..status import RunStatus, StepStatus, check_run_move, check_step_move, step_sources
 from . import ending
 from . import plan as p
+from .sql import cursor as prepared_cursor
 from .store import insert_attempts, request_advance, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
@@ -150,14 +153,7 @@ class _Writer:
                 self.applied.children.append(child)
 
     def close(self, action: p.Close) -> None:
-        closed = move_steps(
-            StepRun.objects.filter(id=action.attempt_id),
-            action.status,
-            sources=OPEN,
-            output=action.output,
-            error=action.error,
-            finished_at=self.now,
-        )
+        closed = _close(action, self.now)
         kind = kinds.get(action.kind)
         if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
             # An approval past its deadline: the request expires (escalation goes out).
@@ -236,6 +232,41 @@ _WRITE: dict[type, Callable[[_Writer, Any], None]] = {
     p.Wake: _Writer.wake,
     p.Finish: _Writer.finish,
 }
+
+
+def _close(action: p.Close, now: datetime) -> int:
+    """Close an open row (a sleep over, a wait timed out): ``move_steps`` from OPEN, as a
+    prepared statement on Postgres (every fired sleep sends it; the ORM's was planned each
+    time, 0.14 ms of Postgres's time a fired run)."""
+    if connection.vendor != "postgresql":
+        return move_steps(
+            StepRun.objects.filter(id=action.attempt_id),
+            action.status,
+            sources=OPEN,
+            output=action.output,
+            error=action.error,
+            finished_at=now,
+        )
+    sources = ", ".join(f"'{source}'" for source in sorted(step_sources(action.status, OPEN)))
+    with prepared_cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"
+            f" error = %s, finished_at = %s WHERE id = %s AND status IN ({sources})",
+            [
+                _prep("output", action.output),
+                _prep("error", action.error),
+                _prep("finished_at", now),
+                action.attempt_id,
+            ],
+        )
+        return int(cursor.rowcount)
+
+
+def _prep(name: str, value: Any) -> Any:
+    field = StepRun._meta.get_field(name)
+    if not isinstance(field, Field):
+        raise TypeError(f"StepRun.{name} is a relation, not a column")
+    return field.get_db_prep_save(value, connection)
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:

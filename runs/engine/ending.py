@@ -113,7 +113,8 @@ def _end(
     )
     # Its spans (run, steps, the attempts no worker ran) once the end commits, if traced.
     tracing.on_run_end(run.id)
-    left, children = _left(run.id)
+    # The run's unfired timers are deleted in the same round trip: an ended run needs none.
+    left, children = _left(run.id, drop_timers=True)
     if left:
         in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
         let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
@@ -127,31 +128,46 @@ def _end(
         child = _lock(child_id)
         if child is not None:
             _end(child, RunStatus.CANCELLED, now=now, output=None, error=cancelled_error(reason))
-    with prepared_cursor() as cursor:
-        cursor.execute(_UNFIRED, [Run._meta.pk.get_db_prep_value(run.id, connection)])
+    if left or children or connection.vendor != "postgresql":
+        # Deleted again after what closing the rows and children did (a kind's close may
+        # arm a timer of the run); a run that completes has nothing left and skips this.
+        Timer.objects.filter(run=run, fired_at__isnull=True).delete()
 
 
-_STEPS, _RUNS = StepRun._meta.db_table, Run._meta.db_table
+_STEPS, _RUNS, _TIMERS = StepRun._meta.db_table, Run._meta.db_table, Timer._meta.db_table
+
+
+def _in(statuses: Any) -> str:
+    # Constants of the code, in the text: a prepared statement's generic plan can use the
+    # partial indexes whose predicates name them (see runs.engine.sql).
+    return ", ".join(f"'{status}'" for status in sorted(map(str, statuses)))
+
+
 # What a run leaves behind as it ends, in one round trip (a run that completes leaves
 # nothing, and this is all it reads): its rows in flight, and every child run not ended, not
 # only those of its rows in flight, since a run's children are its own to end whatever their
-# rows say.
-# Prepared (engine.sql): the statuses are the code's constants, written into the text.
+# rows say. On Postgres the same statement deletes the run's unfired timers.
 _LEFT = f"""
 SELECT id, kind, celery_task_id, NULL AS child FROM {_STEPS}
- WHERE run_id = %s AND status IN ({", ".join(f"'{s}'" for s in sorted(STEP_IN_FLIGHT))})
+ WHERE run_id = %s AND status IN ({_in(STEP_IN_FLIGHT)})
  UNION ALL
 SELECT NULL, NULL, NULL, id FROM {_RUNS}
- WHERE parent_run_id = %s AND status NOT IN ({", ".join(f"'{s}'" for s in sorted(RUN_TERMINAL))})
+ WHERE parent_run_id = %s AND status NOT IN ({_in(RUN_TERMINAL)})
 """
-_UNFIRED = f"DELETE FROM {Timer._meta.db_table} WHERE run_id = %s AND fired_at IS NULL"
+_DROP_TIMERS = f"DELETE FROM {_TIMERS} WHERE run_id = %s AND fired_at IS NULL"
 
 
-def _left(run_id: Any) -> tuple[list[tuple[int, str, str]], list[Any]]:
-    """The run's rows in flight (id, kind, task id) and its children that have not ended."""
+def _left(
+    run_id: Any, *, drop_timers: bool = False
+) -> tuple[list[tuple[int, str, str]], list[Any]]:
+    """The run's rows in flight (id, kind, task id) and its children that have not ended;
+    with ``drop_timers``, on Postgres, its unfired timers deleted by the same statement."""
     key = Run._meta.pk.get_db_prep_value(run_id, connection)
+    sql, params = _LEFT, [key, key]
+    if drop_timers and connection.vendor == "postgresql":
+        sql, params = f"WITH dropped AS ({_DROP_TIMERS}) {_LEFT}", [key, key, key]
     with prepared_cursor() as cursor:
-        cursor.execute(_LEFT, [key, key])
+        cursor.execute(sql, params)
         found = cursor.fetchall()
     rows = [(row_id, kind, task_id) for row_id, kind, task_id, child in found if child is None]
     return rows, [child for *_, child in found if child is not None]
