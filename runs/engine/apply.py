@@ -28,7 +28,7 @@ from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..moves import move_steps
 from ..status import RunStatus, StepStatus, check_run_move, check_step_move, step_sources
-from . import ending
+from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import insert_attempts, request_advance, update_run
@@ -175,6 +175,8 @@ class _Writer:
         )
         if changed:
             dispatch.revoke_on_commit(task_ids)
+            # What a lost model call held is charged now, before a retry reserves.
+            costs.release_expired([action.attempt_id])
 
     def wake(self, action: p.Wake) -> None:
         self.timers.append(

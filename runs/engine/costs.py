@@ -153,11 +153,22 @@ def release_ended(batch: int) -> int:
     its worker died, so what was reserved is charged, its worst case: a limit is kept, never
     overshot by a retry reserving into room the lost call used. Returns how many attempts it
     settled."""
-    rows = list(
-        StepRun.objects.filter(reserved_usd__gt=0)
-        .exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED])
-        .values_list("id", "run_id", "reserved_usd")[:batch]
+    return _settle(StepRun.objects.filter(reserved_usd__gt=0), batch)
+
+
+def release_expired(step_run_ids: Sequence[int]) -> int:
+    """``release_ended`` for attempts the engine just gave up (their lease lapsed, their
+    deadline passed), in the transaction that gave them up: the run goes on (a retry may
+    reserve) with what the lost call may have cost already charged, as the reconciler
+    charged it when it was the one that found the lapsed lease."""
+    return _settle(StepRun.objects.filter(id__in=step_run_ids, reserved_usd__gt=0), None)
+
+
+def _settle(found: Any, batch: int | None) -> int:
+    ended = found.exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED]).values_list(
+        "id", "run_id", "reserved_usd"
     )
+    rows = list(ended[:batch] if batch is not None else ended)
     settled = 0
     for step_run_id, run_id, held in rows:
         with transaction.atomic():

@@ -485,6 +485,21 @@ def test_the_tick_gives_up_an_attempt_whose_worker_was_lost_and_leaves_old_lapse
     assert row.status == "failed" and "lost" in row.error["message"], row.error
 
 
+def test_an_attempt_given_up_by_the_tick_has_what_it_reserved_charged_at_once() -> None:
+    from decimal import Decimal
+
+    run, claimed = _claimed_one_task()
+    StepRun.objects.filter(id=claimed.id).update(
+        reserved_usd=Decimal("0.25"), lease_expires_at=timezone.now() - timedelta(seconds=1)
+    )
+    timers.fire_due(budget_seconds=5)
+    row = StepRun.objects.get(id=claimed.id)
+    assert row.status == "failed" and "lost" in row.error["message"]
+    # Charged in the advance that gave it up, not at the reconciler's next pass.
+    assert (row.reserved_usd, row.cost_usd) == (0, Decimal("0.25"))
+    assert fresh(run).cost_usd == Decimal("0.25")
+
+
 def test_the_reconciler_advances_a_run_whose_advance_request_went_unanswered(settings) -> None:
     from runs.engine.store import request_advance
     from runs.models import AdvanceRequest
