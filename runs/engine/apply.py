@@ -16,7 +16,6 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import Field
 from django.utils import timezone
 
 from workflows import kinds, secrets
@@ -31,7 +30,7 @@ from ..status import RunStatus, StepStatus, check_run_move, check_step_move, ste
 from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
-from .store import insert_attempts, request_advance, update_run
+from .store import insert_attempts, prep_value, request_advance, update_run
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
 OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
@@ -255,20 +254,13 @@ def _close(action: p.Close, now: datetime) -> int:
             f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"
             f" error = %s, finished_at = %s WHERE id = %s AND status IN ({sources})",
             [
-                _prep("output", action.output),
-                _prep("error", action.error),
-                _prep("finished_at", now),
+                prep_value("output", action.output),
+                prep_value("error", action.error),
+                prep_value("finished_at", now),
                 action.attempt_id,
             ],
         )
         return int(cursor.rowcount)
-
-
-def _prep(name: str, value: Any) -> Any:
-    field = StepRun._meta.get_field(name)
-    if not isinstance(field, Field):
-        raise TypeError(f"StepRun.{name} is a relation, not a column")
-    return field.get_db_prep_save(value, connection)
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:

@@ -45,7 +45,8 @@ def _column(name: str, model: type[Model] = StepRun) -> str:
     return column
 
 
-def _prep(name: str, value: Any, model: type[Model] = StepRun) -> Any:
+def prep_value(name: str, value: Any, model: type[Model] = StepRun) -> Any:
+    """``value`` as the ORM writes it to ``model``'s column ``name``."""
     return _field(name, model).get_db_prep_save(value, connection)
 
 
@@ -54,8 +55,8 @@ def _run_update(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
     table (``runs.status.RUN_MOVES``): the row must be in a status that may move to it, or
     hold it already (the same status written again is no move)."""
     assignments = ", ".join(f"{_column(n, Run)} = %s" for n in changes)
-    params = [_prep(name, value, Run) for name, value in changes.items()]
-    params.append(_prep("id", run_id, Run))
+    params = [prep_value(name, value, Run) for name, value in changes.items()]
+    params.append(prep_value("id", run_id, Run))
     sql = f"UPDATE {Run._meta.db_table} SET {assignments} WHERE id = %s"
     if "status" in changes:
         target = changes["status"]
@@ -83,7 +84,7 @@ def insert_attempt(
     ``run_changes`` (the run's own changed fields) are written too: on Postgres in the same
     statement, as a data-modifying WITH, which spares a round trip on every step.
     """
-    params = [_prep(name, value) for name, value in values.items()]
+    params = [prep_value(name, value) for name, value in values.items()]
     insert = _insert_sql(tuple(values))
     # RETURNING needs SQLite 3.35; Django 5.2 runs on 3.31, which has only lastrowid.
     returning = connection.features.can_return_columns_from_insert
@@ -155,9 +156,9 @@ def recording(step_run_id: int, claim: Any, values: dict[str, Any]) -> tuple[str
     """The UPDATE that records a running attempt's result if the claim still holds."""
     (source,) = step_sources(values["status"], [StepStatus.RUNNING])
     assignments = ", ".join(f"{_column(n)} = %s" for n in values)
-    params = [_prep(name, value) for name, value in values.items()]
+    params = [prep_value(name, value) for name, value in values.items()]
     sql = f"UPDATE {_TABLE} SET {assignments} WHERE id = %s AND status = %s AND claim = %s"
-    return sql, [*params, step_run_id, str(source), _prep("claim", claim)]
+    return sql, [*params, step_run_id, str(source), prep_value("claim", claim)]
 
 
 def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
@@ -187,7 +188,7 @@ def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> b
         f" AND kind IN ({', '.join(['%s'] * len(names))}) AND id <> %s LIMIT 1"
     )
     with prepared_cursor() as cursor:
-        cursor.execute(text, [_prep("id", run_id, Run), *names, besides])
+        cursor.execute(text, [prep_value("id", run_id, Run), *names, besides])
         return cursor.fetchone() is not None
 
 
@@ -203,7 +204,7 @@ def request_advance(run_id: Any) -> bool:
     run's deadline. A request taken away before it could be locked is made anew.
     """
     table = AdvanceRequest._meta.db_table
-    run = _prep("id", run_id, Run)
+    run = prep_value("id", run_id, Run)
     with prepared_cursor() as cursor:
         while True:
             cursor.execute(
@@ -227,7 +228,7 @@ def take_advance_request(run_id: Any) -> None:
     with prepared_cursor() as cursor:
         cursor.execute(
             f"DELETE FROM {AdvanceRequest._meta.db_table} WHERE run_id = %s",
-            [_prep("id", run_id, Run)],
+            [prep_value("id", run_id, Run)],
         )
 
 

@@ -443,6 +443,25 @@ def test_the_run_is_locked_and_the_result_recorded_in_one_statement_fenced_by_th
     )
 
 
+def test_a_lock_and_record_the_database_refuses_raises_djangos_error_and_rolls_back():
+    """The statement goes in psycopg's pipeline mode (its BEGIN with it): an error there is
+    still Django's (the recording's retry on OperationalError catches Django's classes), and
+    the transaction is rolled back whole."""
+    from django.db import IntegrityError, transaction
+
+    from runs.engine.advance import lock_run_recording
+
+    run, claimed = _claimed_one_task()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        # A negative attempt number breaks the column's CHECK constraint in Postgres.
+        lock_run_recording(
+            run.id, claimed.id, claimed.claim, {"status": "succeeded", "attempt": -1}
+        )
+    assert StepRun.objects.get(id=claimed.id).status == "running"
+    with transaction.atomic():
+        assert lock_run_recording(run.id, claimed.id, claimed.claim, {"status": "succeeded"})[1]
+
+
 def test_the_tick_times_out_an_attempt_past_its_deadline_plus_grace() -> None:
     run, claimed = _claimed_one_task()
     row = StepRun.objects.get(id=claimed.id)
