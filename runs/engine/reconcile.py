@@ -169,6 +169,11 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
     backing_off = Timer.objects.filter(
         run_id=OuterRef("id"), purpose=TimerPurpose.RETRY_BACKOFF, fired_at__isnull=True
     )
+    # A timer the tick fired within the quiet period: the run's advance is on its way, in a
+    # queue that a burst of due timers makes long. Re-advancing such runs was double work
+    # that competed for their locks: 400 to 500 of 3,000 runs due at once (bench.timers).
+    # Its message lost, the run is found once the timer fired that long ago.
+    fired_lately = Timer.objects.filter(run_id=OuterRef("id"), fired_at__gt=quiet)
     candidates = (
         Run.objects.filter(
             status__in=[
@@ -179,12 +184,18 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
             ],
             updated_at__lte=quiet,
         )
-        .alias(busy=Exists(busy), backing_off=Exists(backing_off), due_wait=Exists(due_wait))
+        .alias(
+            busy=Exists(busy),
+            backing_off=Exists(backing_off),
+            due_wait=Exists(due_wait),
+            fired_lately=Exists(fired_lately),
+        )
         .filter(
             Q(status__in=[RunStatus.PENDING, RunStatus.RUNNING], busy=False, backing_off=False)
             | Q(due_wait=True)
             | Q(deadline_at__lte=now - grace)
         )
+        .filter(fired_lately=False)
         .order_by("updated_at")
         .values_list("id", "updated_at")[:batch]
     )
