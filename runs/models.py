@@ -44,11 +44,23 @@ class Run(models.Model):
     # NULL, not "", means "none given": the unique constraint below only binds given keys.
     correlation = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    # Indexed by the partial indexes below, not by a full foreign-key index each: most runs
+    # have no parent, and every run insert wrote those NULLs into two more indexes.
     parent_run = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="children",
+        db_index=False,
     )
     parent_step_run = models.ForeignKey(
-        "StepRun", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        "StepRun",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
     )
     # The run at the top of this run's tree (null for a root run), and how many subworkflows
     # below it this run is (a body run is as deep as the run it is a body of): the root's
@@ -108,6 +120,12 @@ class Run(models.Model):
             ),
             models.Index(
                 fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
+            ),
+            # Deleting a step run sets this to NULL where it is the step run (SET_NULL).
+            models.Index(
+                fields=["parent_step_run"],
+                name="run_parent_step_run",
+                condition=Q(parent_step_run__isnull=False),
             ),
             # Counting a tree's attempts (runs.engine.journal.tree_budget).
             models.Index(fields=["root_run"], name="run_root", condition=Q(root_run__isnull=False)),
@@ -182,8 +200,10 @@ class StepRun(models.Model):
     # For a wait_event: digest of its (event name, resolved key), what deliveries look up.
     wait_key = models.CharField(max_length=64, blank=True, default="")
     # For a wait_event that took an event: that event (taken at most once per run).
+    # Almost always NULL: a partial index (below) instead of a full foreign-key index, which
+    # every attempt's insert wrote to.
     event = models.ForeignKey(
-        "Event", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+        "Event", null=True, blank=True, on_delete=models.PROTECT, related_name="+", db_index=False
     )
     # Times a worker without the handler handed the attempt back (class unservable).
     refusals = models.PositiveIntegerField(default=0)
@@ -224,6 +244,10 @@ class StepRun(models.Model):
             # A run's journal in order, and its rows after a settled prefix (journal_of(after=)):
             # on the run alone, reading a 2,000-step run's last rows visited all 2,000.
             models.Index(fields=["run", "id"], name="step_run_journal"),
+            # Deleting an event checks no step run took it (PROTECT).
+            models.Index(
+                fields=["event"], name="step_run_event", condition=Q(event__isnull=False)
+            ),
             models.Index(
                 fields=["lease_expires_at"],
                 name="step_run_lease",
