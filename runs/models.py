@@ -245,9 +245,7 @@ class StepRun(models.Model):
             # on the run alone, reading a 2,000-step run's last rows visited all 2,000.
             models.Index(fields=["run", "id"], name="step_run_journal"),
             # Deleting an event checks no step run took it (PROTECT).
-            models.Index(
-                fields=["event"], name="step_run_event", condition=Q(event__isnull=False)
-            ),
+            models.Index(fields=["event"], name="step_run_event", condition=Q(event__isnull=False)),
             models.Index(
                 fields=["lease_expires_at"],
                 name="step_run_lease",
