@@ -111,6 +111,8 @@ class RunListView(APIView):
         if result.created and not plan_now:
             # Its starter may read it; nothing else has been written for it in this request.
             run = selectors.run_as_started(result.run)
+        elif result.created:
+            run = selectors.run_as_planned(run_id=result.run.id, user=request.user)
         else:
             run = selectors.run_get(run_id=result.run.id, user=request.user)
         return Response(
