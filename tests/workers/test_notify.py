@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -300,3 +302,14 @@ def test_version_secrets_are_not_editable_in_the_admin(admin_client) -> None:
     assert SECRET not in page.content.decode()
     assert saved.version.secrets not in page.content.decode()
     assert WorkflowVersion.objects.get(id=saved.version.id).secrets == saved.version.secrets
+
+
+def test_the_readmes_receiver_snippet_works_pasted_and_verifies_what_is_sent() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Run-end webhooks", 1)[1].split("\n### ", 1)[0]
+    [snippet] = re.findall(r"```python\n(.*?)```", section, re.S)
+    scope: dict[str, Any] = {}
+    exec(compile(snippet, "README.md", "exec"), scope)  # its own asserts run here
+    body = b'{"id":"r","status":"failed"}'
+    assert scope["verified"](SECRET, body, documents.signature(SECRET, body))
+    assert not scope["verified"](SECRET, body + b" ", documents.signature(SECRET, body))
