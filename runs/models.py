@@ -498,6 +498,7 @@ class NotifyDelivery(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        verbose_name_plural = "notify deliveries"
         indexes = [
             # The reconciler's look for pending deliveries whose message was lost.
             models.Index(

@@ -103,7 +103,9 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     )
     # notify secrets leave the document here: it stores ••••, the version keeps them
     # encrypted, and the hash holds their keyed fingerprints (workflows.notify).
-    prepared, secrets = notify.seal(prepared, partial(_latest_with_secrets, prepared["id"]))
+    prepared, secrets = notify.seal(
+        prepared, partial(_latest_with_secrets, prepared["id"], user=user)
+    )
     digests = notify.hashes(prepared, secrets, content_hash)
     requested = prepared.get("version")
     sealed = _Sealed(digests, notify.encrypt(secrets))
@@ -126,7 +128,13 @@ class _Sealed:
     secrets: str
 
 
-def _latest_with_secrets(workflow_id: str) -> tuple[dict[str, Any], str] | None:
+def _latest_with_secrets(
+    workflow_id: str, *, user: AbstractBaseUser | None
+) -> tuple[dict[str, Any], str] | None:
+    """The latest version's document and notify secrets, for a ••••: only an author's
+    (otherwise whether •••• is taken would tell a non-author the URLs it lists)."""
+    if not access.may_author(user, workflow_id, exists=True):
+        return None
     latest = WorkflowVersion.objects.resolve(workflow_id)
     return None if latest is None else (latest.document, latest.secrets)
 

@@ -20,9 +20,11 @@ import pytest
 from django.utils import timezone
 
 from runs import services
+from runs.engine import reconcile
 from runs.models import NotifyDelivery
 from tests.workers.http_servers import reply, serving
 from workers import notify
+from workflows import access
 from workflows import notify as documents
 from workflows.errors import InvalidDocument
 from workflows.models import WorkflowVersion
@@ -275,6 +277,14 @@ def test_the_reconciler_offers_again_a_delivery_whose_message_was_lost(tunables)
     assert notify.reoffer_lost(later, 100) == 0
 
 
+def test_the_reconciler_tick_runs_the_reoffer(tunables) -> None:
+    run = cancelled_run(document("http://127.0.0.1:9/", ["cancelled"]))
+    lost = timezone.now() - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"] + 1)
+    NotifyDelivery.objects.filter(run=run).update(due_at=lost)
+    assert reconcile.reconcile()["notify_reoffered"] == 1
+    assert NotifyDelivery.objects.get(run=run).due_at > lost
+
+
 def test_the_admin_lists_deliveries_to_readers_of_the_run_only(
     admin_client, client, django_user_model, tunables
 ) -> None:
@@ -313,3 +323,31 @@ def test_the_readmes_receiver_snippet_works_pasted_and_verifies_what_is_sent() -
     body = b'{"id":"r","status":"failed"}'
     assert scope["verified"](SECRET, body, documents.signature(SECRET, body))
     assert not scope["verified"](SECRET, body + b" ", documents.signature(SECRET, body))
+
+
+def test_only_an_author_may_keep_a_secret_with_the_mask(client, django_user_model) -> None:
+    definition_save(document=document("https://hooks.example.com/x", ["failed"]))
+    outsider = django_user_model.objects.create_user("outsider")
+    client.force_login(outsider)
+    answers = [
+        client.post(
+            "/api/v1/definitions",
+            document(url, ["failed"], secret=MASK),
+            content_type="application/json",
+        )
+        for url in ("https://hooks.example.com/x", "https://other.example.com/")
+    ]
+    # The same answer whether the URL is listed or not: a non-author learns nothing of it.
+    assert [a.status_code for a in answers] == [400, 400]
+    assert answers[0].json() == answers[1].json()
+    author = django_user_model.objects.create_user("author")
+    access.grant(access.AUTHOR, "hooked", user=author)
+    client.force_login(author)
+    kept = client.post(
+        "/api/v1/definitions",
+        document("https://hooks.example.com/x", ["failed", "cancelled"], secret=MASK),
+        content_type="application/json",
+    )
+    assert kept.status_code == 201, kept.content
+    version = WorkflowVersion.objects.get(workflow_id="hooked", number=kept.json()["version"])
+    assert documents.decrypt(version.secrets) == {0: SECRET}
