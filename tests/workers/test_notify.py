@@ -24,12 +24,13 @@ from runs.engine import reconcile
 from runs.models import NotifyDelivery
 from tests.workers.http_servers import reply, serving
 from workers import notify
-from workflows import access
+from workflows import access, sdk
 from workflows import notify as documents
 from workflows.errors import InvalidDocument
 from workflows.models import WorkflowVersion
 from workflows.secrets import MASK
 from workflows.services import definition_save
+from workflows.validation import validate_document
 
 pytestmark = pytest.mark.django_db
 
@@ -351,3 +352,57 @@ def test_only_an_author_may_keep_a_secret_with_the_mask(client, django_user_mode
     assert kept.status_code == 201, kept.content
     version = WorkflowVersion.objects.get(workflow_id="hooked", number=kept.json()["version"])
     assert documents.decrypt(version.secrets) == {0: SECRET}
+
+
+def test_a_save_after_a_key_rotation_finds_the_version_saved_before(settings) -> None:
+    old, new = "o" * 40, "n" * 40
+    settings.DJFLOW_FIELD_KEY = [old]
+    first = definition_save(
+        document={**document("https://h.example.com/", ["failed"]), "version": 1}
+    )
+    settings.DJFLOW_FIELD_KEY = [new, old]
+    again = definition_save(
+        document={**document("https://h.example.com/", ["failed"]), "version": 1}
+    )
+    assert (again.created, again.version.id) == (False, first.version.id)
+    # Still readable, and a new version is sealed with the new key.
+    assert documents.decrypt(first.version.secrets) == {0: SECRET}
+    settings.DJFLOW_FIELD_KEY = [new]
+    with pytest.raises(documents.SecretsUnreadable):
+        documents.decrypt(first.version.secrets)
+
+
+def test_a_run_too_large_for_the_body_is_sent_without_its_journal(tunables, settings) -> None:
+    run = cancelled_run(document("http://127.0.0.1:9/", ["cancelled"]))
+    whole = json.loads(notify.render_body(run.id))
+    assert isinstance(whole["steps"], list) and "steps_omitted" not in whole
+    settings.DJFLOW = {**tunables, "NOTIFY_MAX_BODY_BYTES": len(json.dumps(whole)) // 2}
+    cut = json.loads(notify.render_body(run.id))
+    assert (cut["steps"], cut["steps_omitted"], cut["id"]) == (None, True, str(run.id))
+
+
+def test_all_settled_is_checked_at_save() -> None:
+    fan = {
+        "id": "fan",
+        "kind": "parallel",
+        "mode": "all_settled",
+        "branches": {"a": {"id": "one", "kind": "task"}},
+    }
+    good = {"id": "after", "kind": "task", "input": "${steps.fan.output.a.status}"}
+    assert validate_document({"id": "wf", "steps": [fan, good]}) == []
+    bad = {**good, "input": "${steps.fan.output.a.colour}"}
+    [error] = validate_document({"id": "wf", "steps": [fan, bad]})
+    assert error.field == "steps[1].input" and "status, output and error" in error.message
+    [error] = validate_document({"id": "wf", "steps": [{**fan, "mode": "eventually"}]})
+    assert error.field == "steps[0].mode"
+
+
+def test_the_builder_writes_mode_and_notify() -> None:
+    flow = sdk.workflow(
+        "built_hooks", notify=[{"url": "https://h.example.com/", "events": ["failed"]}]
+    )
+    flow.parallel("fan", mode="all_settled", branches={"a": sdk.task("one")})
+    doc = flow.document()
+    assert doc["notify"] == [{"url": "https://h.example.com/", "events": ["failed"]}]
+    assert doc["steps"][0]["mode"] == "all_settled"
+    assert "mode" not in sdk.parallel("p", branches={"a": sdk.task("two")})
