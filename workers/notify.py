@@ -144,6 +144,9 @@ def _post(row: NotifyDelivery, body: bytes, timeout: float) -> int:
                 if size > _ANSWER_BYTES:
                     break
             status = response.status_code
+    except netguard.AddressRefused as refused:
+        reason = refused.message.removeprefix("http: ")
+        raise netguard.AddressRefused(f"POST {where} refused: {reason}") from None
     except httpx2.TimeoutException:
         raise _Failed(f"POST {where} timed out after {timeout:g} s") from None
     except httpx2.TransportError as error:

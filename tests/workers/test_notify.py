@@ -235,8 +235,9 @@ def test_a_forbidden_address_fails_the_delivery_at_once_and_visibly(tunables, se
     assert server.seen == []
     delivery.refresh_from_db()
     assert (delivery.status, delivery.attempts) == ("failed", 1)
-    assert "127.0.0.1 is a loopback address; DJFLOW_HTTP_ALLOW does not list it" in (
-        delivery.last_error
+    assert delivery.last_error == (
+        f"POST {server.url('/hook')} refused: 127.0.0.1 is a loopback address; "
+        "DJFLOW_HTTP_ALLOW does not list it"
     )
 
 
