@@ -61,6 +61,10 @@ def deliver(delivery_id: int) -> str:
     row = NotifyDelivery.objects.select_related("run__version").filter(id=delivery_id).first()
     if row is None or row.status != DeliveryStatus.PENDING or row.due_at > now:
         return "skipped"
+    if row.attempts >= tunables["NOTIFY_MAX_ATTEMPTS"]:
+        # Its attempts spent without an answer recorded (each ended in an error this module
+        # did not expect, or its worker was lost): bounded all the same.
+        return _give_up(row, row.last_error or "no answer recorded", row.response_status)
     timeout = float(tunables["NOTIFY_TIMEOUT_SECONDS"])
     # The claim: due_at moves past this attempt's time, so the reconciler leaves it alone.
     claimed = NotifyDelivery.objects.filter(
@@ -78,6 +82,11 @@ def deliver(delivery_id: int) -> str:
         return _failed_attempt(row, failed.message, failed.status, now)
     except notify.SecretsUnreadable as unreadable:
         return _give_up(row, str(unreadable), None)
+    except Exception as error:
+        # Recorded on the row and tried again like any failed attempt (the row's own writes
+        # failing, the database gone, propagate from there: the reconciler offers it again).
+        logger.exception("notify: delivery %s attempt %d raised", row.id, row.attempts)
+        return _failed_attempt(row, f"the attempt raised {type(error).__name__}", None, now)
     NotifyDelivery.objects.filter(id=row.id, status=DeliveryStatus.PENDING).update(
         status=DeliveryStatus.DELIVERED,
         response_status=answer,

@@ -407,3 +407,24 @@ def test_the_builder_writes_mode_and_notify() -> None:
     assert doc["notify"] == [{"url": "https://h.example.com/", "events": ["failed"]}]
     assert doc["steps"][0]["mode"] == "all_settled"
     assert "mode" not in sdk.parallel("p", branches={"a": sdk.task("two")})
+
+
+def test_an_unexpected_error_is_a_failed_attempt_and_attempts_stay_bounded(
+    tunables, settings, monkeypatch
+) -> None:
+    settings.DJFLOW = {**tunables, "NOTIFY_MAX_ATTEMPTS": 2}
+    run = cancelled_run(document("http://127.0.0.1:9/", ["cancelled"]))
+    [delivery] = NotifyDelivery.objects.filter(run=run)
+
+    def broken(row: Any) -> str:
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(notify, "_render", broken)
+    assert notify.deliver(delivery.id) == "retrying"
+    delivery.refresh_from_db()
+    assert (delivery.attempts, delivery.last_error) == (1, "the attempt raised KeyError")
+    # A worker lost during the second attempt: claimed, never recorded, offered again.
+    NotifyDelivery.objects.filter(id=delivery.id).update(attempts=2, due_at=timezone.now())
+    assert notify.deliver(delivery.id) == "failed"
+    delivery.refresh_from_db()
+    assert (delivery.status, delivery.attempts) == ("failed", 2)
