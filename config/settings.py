@@ -405,6 +405,8 @@ CELERY_TASK_ROUTES = {
     "approvals.send_mail": {"queue": "mail"},
     "runs.fire_timers": {"queue": "timers"},
     "runs.reconcile": {"queue": "timers"},
+    # Run-end webhooks go out beside the mail: a slow receiver delays only outbound messages.
+    "workers.deliver_notification": {"queue": "mail"},
     # Fired timers' runs, advanced in batches (and their next steps run) by a worker.
     "workers.advance_runs": {"queue": "engine"},
     "runs.*": {"queue": "engine"},
@@ -617,6 +619,15 @@ DJFLOW = {
     # they read, in bytes (past it the step fails, class fatal).
     "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
     "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
+    # Run-end webhooks (a document's notify; workers/notify.py): attempts at most, the wait
+    # after the first failed one (doubled after each, at most NOTIFY_BACKOFF_MAX_SECONDS),
+    # each attempt's time-out, and the largest body (past it the run is sent without its
+    # journal). Their addresses follow HTTP_ALLOW, as http steps' do.
+    "NOTIFY_MAX_ATTEMPTS": env.int("DJFLOW_NOTIFY_MAX_ATTEMPTS", default=8),
+    "NOTIFY_BACKOFF_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_SECONDS", default=10.0),
+    "NOTIFY_BACKOFF_MAX_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_MAX_SECONDS", default=600.0),
+    "NOTIFY_TIMEOUT_SECONDS": env.float("DJFLOW_NOTIFY_TIMEOUT_SECONDS", default=10.0),
+    "NOTIFY_MAX_BODY_BYTES": env.int("DJFLOW_NOTIFY_MAX_BODY_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
     # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from workflows.models import Workflow, WorkflowVersion
 
-from .status import RunStatus, StepStatus
+from .status import DeliveryStatus, RunStatus, StepStatus
 
 
 class Effect(models.TextChoices):
@@ -488,3 +488,45 @@ class ToolCall(models.Model):
 
     def __str__(self) -> str:
         return f"{self.server}.{self.tool} ({self.status})"
+
+
+class NotifyDelivery(models.Model):
+    """One webhook of a run's end: a ``notify`` entry of its document whose ``events`` list
+    the end (contract section 13). Written in the transaction that ends the run
+    (``runs.engine.ending``), sent by ``workers.notify`` after commit, at least once.
+
+    ``due_at`` is when the next attempt may be made: an attempt claims the row by moving it
+    (and ``attempts``) conditionally, so of two messages for one row one sends; a row still
+    pending ``LOST_MESSAGE_SECONDS`` past it has lost its message and the reconciler offers
+    it again. ``body`` is the exact bytes sent, rendered at the first attempt and sent again
+    as they are by every retry (the signature is of them)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="deliveries")
+    # The entry's index in the pinned version's notify (its secret is the version's).
+    entry = models.PositiveSmallIntegerField()
+    event = models.CharField(max_length=20)
+    url = models.TextField()
+    status = models.CharField(
+        max_length=20, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    due_at = models.DateTimeField()
+    body = models.TextField(blank=True, default="")
+    # The receiver's last HTTP status (null: none answered) and what went wrong last.
+    response_status = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "notify deliveries"
+        indexes = [
+            # The reconciler's look for pending deliveries whose message was lost.
+            models.Index(
+                fields=["due_at"], name="notify_pending_due", condition=Q(status="pending")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event} of run {self.run_id} to entry {self.entry}"

@@ -177,3 +177,13 @@ def _sources(
             ]
         )
     return wanted
+
+
+class DeliveryStatus(models.TextChoices):
+    """A run-end webhook's delivery (``runs.models.NotifyDelivery``): pending until the
+    receiver answers 2xx (delivered) or the attempts run out or its address is refused
+    (failed). Moves: pending → delivered | failed, each a conditional update on pending."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"

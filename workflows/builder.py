@@ -17,7 +17,7 @@ import copy
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from . import client, registry, steps
@@ -109,6 +109,7 @@ class Workflow:
         description: str | None = None,
         input_schema: Mapping[str, Any] | None = None,
         limits: Mapping[str, Any] | None = None,
+        notify: Sequence[Mapping[str, Any]] | None = None,
         version: int | None = None,
         module: str | None = None,
     ) -> None:
@@ -118,6 +119,7 @@ class Workflow:
         self.description = description
         self.input_schema = copy.deepcopy(input_schema)
         self.limits = copy.deepcopy(limits)
+        self.notify = None if notify is None else [dict(entry) for entry in notify]
         # The module that defined the builder: a reload of it replaces the builder, another
         # module defining the same id is an error (see workflows.registry).
         self.module = module or sys._getframe(1).f_globals.get("__name__", "?")
@@ -210,6 +212,8 @@ class Workflow:
             doc["input_schema"] = self.input_schema
         if self.limits is not None:
             doc["limits"] = self.limits
+        if self.notify is not None:
+            doc["notify"] = self.notify
         doc["steps"] = self._steps
         if self._output is not None:
             doc["output"] = self._output
@@ -241,6 +245,7 @@ def workflow(
     description: str | None = None,
     input_schema: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
+    notify: Sequence[Mapping[str, Any]] | None = None,
     version: int | None = None,
 ) -> Workflow:
     """A builder for the workflow ``id``; the arguments are the document's top-level fields."""
@@ -249,6 +254,7 @@ def workflow(
         description=description,
         input_schema=input_schema,
         limits=limits,
+        notify=notify,
         version=version,
         module=sys._getframe(1).f_globals.get("__name__", "?"),
     )

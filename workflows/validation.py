@@ -31,6 +31,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from jsonschema.exceptions import ValidationError
 
@@ -100,6 +101,8 @@ _FIXED_OUTPUT: dict[str, frozenset[str] | None] = {
     "http": frozenset({"status", "headers", "body"}),
 }
 _STEP_ATTRIBUTES = ("output", "status", "error")
+# What an all_settled parallel's output holds for each branch.
+_SETTLED_KEYS = ("status", "output", "error")
 _ERROR_KEYS = ("class", "message")
 _RUN_KEYS = ("id", "correlation")
 _ROOTS = ("input", "steps", "run", "item", "index", "iter")
@@ -376,7 +379,16 @@ class _Checker:
         self._walk(self.steps, "steps", scope)
         if "output" in self.document:
             self._safely(self._check_template, self.document["output"], "output", scope)
+        self._safely(self._check_notify)
         return self.errors
+
+    def _check_notify(self) -> None:
+        """Each ``notify`` URL names a host over http or https (the schema checks the rest;
+        which addresses it may reach is the delivering worker's check, as for http steps)."""
+        for index, entry in enumerate(self.document.get("notify") or []):
+            problem = notify_url_problem(entry["url"])
+            if problem:
+                self.fail(f"notify[{index}].url", problem)
 
     def _safely(self, check: Callable[..., None], *args: Any) -> None:
         """Run one check; a shape the schema refused ends this check only."""
@@ -694,8 +706,28 @@ def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | N
     ):
         names = ", ".join(step["branches"])
         return f"'{path}': parallel step '{step['id']}' has no branch '{tail[0]}' ({names})"
+    if kind == "parallel" and step.get("mode") == "all_settled" and len(tail) > 1:
+        if tail[1] not in _SETTLED_KEYS:
+            return f"'{path}': an all_settled branch's outcome has only status, output and error"
+        return None
     if kind == "foreach" and not tail[0].isdigit():
         return f"'{path}': a foreach step's output is an array; index it with a number"
+    return None
+
+
+def notify_url_problem(url: str) -> str | None:
+    """What is wrong with a ``notify`` entry's URL, or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port out of range raises here)
+    except ValueError as error:
+        return f"is not a URL ({error})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"only http and https URLs may be called, not {parts.scheme or 'none'}:"
+    if not parts.hostname:
+        return "names no host"
+    if any(c.isspace() for c in url):
+        return "may not hold white space"
     return None
 
 

@@ -1260,8 +1260,11 @@ class _Planner:
 
     def _parallel(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Every branch is planned in the same pass, so all are journaled before any is
-        offered. A branch that fails with fail_run fails the step; the others are
-        cancelled (see _abandon)."""
+        offered. With ``mode`` ``fail_fast`` (the default) a branch that fails with fail_run
+        fails the step and the others are cancelled (see _abandon); with ``all_settled``
+        every branch runs to its end and the step succeeds once all have, its output
+        ``{branch: {status, output, error}}``. A run-level stop (a limit) stops either."""
+        settled = step.get("mode", "fail_fast") == "all_settled"
         outputs: dict[str, Any] = {}
         blocked = False
         # Each branch's default input is the parallel step's own (its input template, else the
@@ -1273,12 +1276,30 @@ class _Planner:
             self._branch_head = True
             go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
             if go is _Go.CONTINUE:
-                outputs[name] = output
+                outputs[name] = self._branch_outcome(body, output) if settled else output
             elif go is _Go.BLOCKED:
                 blocked = True
+            elif go is _Go.FAILED and settled:
+                # The branch's failure stays its own: the step goes on with the others.
+                outputs[name] = {"status": "failed", "output": None, "error": dict(self.failure)}
+                self.failure = {}
             else:
                 return go, None
         return (_Go.BLOCKED, None) if blocked else (_Go.CONTINUE, outputs)
+
+    def _branch_outcome(self, body: Any, output: Any) -> dict[str, Any]:
+        """An all_settled branch that went on: ``{status, output, error}`` as its step
+        settled (succeeded, skipped, or failed with ``on_error: continue``); a body of
+        several steps (a body run) that went on succeeded."""
+        if isinstance(body, list) and len(body) > 1:
+            return {"status": "succeeded", "output": output, "error": None}
+        settled = self.context["steps"][_one(body)["id"]]
+        error = settled.get("error")
+        return {
+            "status": settled["status"],
+            "output": output,
+            "error": dict(error) if error else None,
+        }
 
     def _foreach(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Items in order; at most ``concurrency`` in flight at any moment (a sliding window:
