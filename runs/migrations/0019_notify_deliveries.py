@@ -8,7 +8,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0017_step_run_journal_index'),
+        ('runs', '0018_partial_fk_indexes'),
     ]
 
     operations = [
