@@ -515,7 +515,8 @@ def step_run_resolve(
         except TooLarge as error:
             message = f"is {error}; a step's output is at most 1 MiB"
             raise InvalidInput(errors=[FieldError("output", message)]) from None
-        fields: dict[str, Any] = {"output": output}
+        # As if the attempt had succeeded: the doubt is in the run's actions, not its error.
+        fields: dict[str, Any] = {"output": output, "error": None}
     elif outcome == StepStatus.FAILED:
         by = user.get_username() if user is not None and user.is_authenticated else "the system"
         fields = {
