@@ -520,7 +520,9 @@ class StepResolveSerializer(StrictBodySerializer):
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if data["outcome"] == "failed" and data.get("output") is not None:
-            raise serializers.ValidationError({"output": ["only an attempt that succeeded has one"]})
+            raise serializers.ValidationError(
+                {"output": ["only an attempt that succeeded has one"]}
+            )
         return data
 
 

@@ -498,9 +498,7 @@ def step_run_resolve(
         ) from None
     step_run = StepRun.objects.filter(id=row_id, run=run).first()
     if step_run is None:
-        raise NotFound(
-            errors=[FieldError("step_run_id", f"run {run.id} has no step run {row_id}")]
-        )
+        raise NotFound(errors=[FieldError("step_run_id", f"run {run.id} has no step run {row_id}")])
     if step_run.status != StepStatus.IN_DOUBT:
         raise IllegalTransition(
             errors=[
@@ -529,8 +527,11 @@ def step_run_resolve(
         raise InvalidInput(errors=[FieldError("outcome", "must be succeeded or failed")])
     now = timezone.now()
     move_steps(
-        StepRun.objects.filter(id=row_id), outcome, sources=[StepStatus.IN_DOUBT],
-        finished_at=now, **fields,
+        StepRun.objects.filter(id=row_id),
+        outcome,
+        sources=[StepStatus.IN_DOUBT],
+        finished_at=now,
+        **fields,
     )
     record_action(
         run.id,

@@ -116,9 +116,7 @@ def test_an_operator_resolves_it_as_succeeded_and_the_run_goes_on_with_that_outp
     assert Run.objects.get(id=run.id).status == "running"
 
 
-def test_resolved_as_failed_the_step_fails_without_a_retry_and_the_run_fails(
-    payout, api
-) -> None:
+def test_resolved_as_failed_the_step_fails_without_a_retry_and_the_run_fails(payout, api) -> None:
     run, pay = in_doubt()
     answer = resolve(api, run, pay.id, {"outcome": "failed"})
     assert answer.status_code == 200, answer.json()
@@ -224,7 +222,7 @@ def test_an_attempt_not_in_doubt_is_a_409_and_one_of_no_such_run_a_404(payout, a
     again = resolve(api, run, pay.id, {"outcome": "succeeded", "output": 1})
     assert again.status_code == 409
     assert "not in_doubt" in again.json()["errors"][0]["message"]
-    other, other_pay = in_doubt()
+    _, other_pay = in_doubt()
     assert resolve(api, run, other_pay.id, {"outcome": "failed"}).status_code == 404
     assert resolve(api, run, "nope", {"outcome": "failed"}).status_code == 404
     assert StepRun.objects.get(id=other_pay.id).status == "in_doubt"

@@ -99,13 +99,19 @@ def test_an_in_doubt_attempt_holds_its_parallel_while_the_other_branch_finishes(
     assert out.actions == [] and out.waiting
 
 
-def test_past_its_deadline_an_in_doubt_attempt_fails_with_class_in_doubt_and_is_not_retried() -> None:
+def test_past_its_deadline_an_in_doubt_attempt_fails_with_class_in_doubt_and_is_not_retried() -> (
+    None
+):
     attempt = doubted(due=NOW - timedelta(seconds=1))
     out = plan(
         doc(task("a", effect="at_most_once", retry=RETRY3), task("b")), run(), [attempt], NOW
     )
     close = only(out.actions, Close)
-    assert (close.attempt_id, close.status, close.error["class"]) == (attempt.id, "failed", "in_doubt")
+    assert (close.attempt_id, close.status, close.error["class"]) == (
+        attempt.id,
+        "failed",
+        "in_doubt",
+    )
     assert "not resolved by an operator" in close.error["message"]
     finish = only(out.actions, Finish)
     assert (finish.status, finish.error["class"], finish.error["step"]) == (

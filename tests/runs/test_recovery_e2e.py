@@ -33,8 +33,8 @@ from tests.processes import wait_for
 from workflows.sync import sync_modules
 
 from .flows import effects, ensure_effects_table
-from .test_retry_e2e import Api
 from .flows_recovery import RELAY_EFFECTS
+from .test_retry_e2e import Api
 
 pytestmark = [pytest.mark.slow]
 
