@@ -31,6 +31,8 @@ _INDEX = re.compile(r"\[\d+\]")
 SEVERITY = (
     "failed",
     "timed_out",
+    # An attempt in doubt waits for a person: its node shows it above work in flight.
+    "in_doubt",
     "running",
     "waiting",
     "scheduled",

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import time_machine
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -227,3 +228,19 @@ def test_an_attempt_not_in_doubt_is_a_409_and_one_of_no_such_run_a_404(payout, a
     assert resolve(api, run, "nope", {"outcome": "failed"}).status_code == 404
     assert StepRun.objects.get(id=other_pay.id).status == "in_doubt"
     assert resolve(api, "not-a-run", pay.id, {"outcome": "failed"}).status_code == 404
+
+
+def test_the_inspector_shows_the_attempt_in_doubt_with_its_key_and_what_to_do(
+    payout, user, settings
+) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "IN_DOUBT_SECONDS": 600.0}
+    run, pay = in_doubt()
+    client = Client()
+    client.force_login(user)
+    page = client.get(f"/runs/{run.id}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert '<span class="status s-in_doubt">in_doubt</span>' in html
+    assert f"check idempotency key <code>{pay.idempotency_key}</code>" in html
+    assert f"/api/v1/runs/{run.id}/steps/{pay.id}/resolve" in html
+    assert 'class="node s-in_doubt' in html or "s-in_doubt" in html.split("<svg", 1)[1]
