@@ -25,7 +25,7 @@ from . import dispatch, retries, tracing, vault
 from .engine import delivery, journal
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
-from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan
+from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
 from .models import Event, Run, RunAction, StepRun, Timer, TimerPurpose
 from .moves import move_run, move_steps
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
@@ -279,16 +279,18 @@ def run_retry(
     # workers from recording while it plans.
     run = _locked(run_id, user, lock=not dry_run)
     document = journal.document_of(run.version_id)
-    if from_step is not None and from_step not in journal.steps_of(run.version_id):
-        raise InvalidInput(
-            errors=[
-                FieldError(
-                    "from_step",
-                    f"'{echo(from_step)}' is not a step of {run.workflow_id} version "
-                    f"{run.version.number}",
-                )
-            ]
+    if from_step is not None and from_step not in top_level_ids(document["steps"]):
+        message = (
+            f"'{echo(from_step)}' is not a step of {run.workflow_id} version "
+            f"{run.version.number}"
         )
+        if from_step in journal.steps_of(run.version_id):
+            # The handler is no place to start from: it runs again if the run fails again.
+            message = (
+                f"'{echo(from_step)}' is an on_failure step; retry from one of the run's "
+                "steps (the handler runs again should the run fail again)"
+            )
+        raise InvalidInput(errors=[FieldError("from_step", message)])
     _check_retryable(run, from_step=from_step is not None, edit=input is not None)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
