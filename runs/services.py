@@ -281,8 +281,7 @@ def run_retry(
     document = journal.document_of(run.version_id)
     if from_step is not None and from_step not in top_level_ids(document["steps"]):
         message = (
-            f"'{echo(from_step)}' is not a step of {run.workflow_id} version "
-            f"{run.version.number}"
+            f"'{echo(from_step)}' is not a step of {run.workflow_id} version {run.version.number}"
         )
         if from_step in journal.steps_of(run.version_id):
             # The handler is no place to start from: it runs again if the run fails again.
