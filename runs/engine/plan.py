@@ -252,9 +252,9 @@ class Close:
 @dataclass(frozen=True)
 class Expire:
     """A running attempt is given up: past its deadline (``timed_out``, class timeout) or its
-    worker's lease lapsed (``failed``, class lost; ``in_doubt`` for an at_most_once attempt,
-    which waits for an operator until ``not_before``, when a timer fails it). Its worker can
-    no longer record a result."""
+    worker's lease lapsed (``failed``, class lost); either way ``in_doubt`` for an at_most_once
+    attempt, which waits for an operator until ``not_before``, when a timer fails it. Its
+    worker can no longer record a result."""
 
     attempt_id: int
     status: str
@@ -613,36 +613,41 @@ class _Planner:
 
     def _expire_attempts(self) -> None:
         """Give up running attempts past their deadline or whose worker's lease lapsed, and
-        plan on as if they had failed so."""
+        plan on as if they had failed so; an at_most_once one becomes in_doubt instead."""
         grace = self.settings.deadline_grace
         for index, attempt in enumerate(self.journal):
             if attempt.status != "running" or kinds.role_of(attempt.kind) is not Role.WORKER:
                 continue
-            if attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace:
-                expired = Expire(
-                    attempt.id,
-                    "timed_out",
-                    {"class": TIMEOUT, "message": "the attempt ran past its timeout_ms"},
-                )
-            elif (
-                attempt.lease_expires_at is not None
-                and self.now >= attempt.lease_expires_at
-                and attempt.effect == "at_most_once"
-            ):
-                # It started (the claim committed before the body ran), so it may have had
-                # its effect: not run again, not failed blindly; an operator says which.
+            past_deadline = (
+                attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace
+            )
+            lapsed = attempt.lease_expires_at is not None and self.now >= attempt.lease_expires_at
+            if (past_deadline or lapsed) and attempt.effect == "at_most_once":
+                # It started (the claim committed before the body ran) and its worker never
+                # reported: lost, or hung past its time limit (a lease never outlives the
+                # deadline plus grace, so a worker lost during a step shorter than the lease
+                # lapses here too). It may have had its effect: not run again, not failed
+                # blindly; an operator says which, or its deadline fails it.
+                why = "hung past its timeout_ms" if past_deadline else "was lost"
                 expired = Expire(
                     attempt.id,
                     IN_DOUBT,
                     {
                         "class": LOST,
-                        "message": "the worker was lost after the attempt started: it may or "
-                        "may not have had its effect; an operator resolves it (check the "
-                        "idempotency key with the third party), or it fails at its deadline",
+                        "message": f"the worker {why} after the attempt started, and never "
+                        "reported: it may or may not have had its effect; an operator resolves "
+                        "it (check its idempotency key with the third party), or it fails at "
+                        "its deadline",
                     },
                     not_before=self.now + self.settings.in_doubt,
                 )
-            elif attempt.lease_expires_at is not None and self.now >= attempt.lease_expires_at:
+            elif past_deadline:
+                expired = Expire(
+                    attempt.id,
+                    "timed_out",
+                    {"class": TIMEOUT, "message": "the attempt ran past its timeout_ms"},
+                )
+            elif lapsed:
                 expired = Expire(
                     attempt.id,
                     "failed",

@@ -65,16 +65,29 @@ def test_an_at_least_once_attempt_whose_lease_lapsed_is_still_offered_again() ->
     assert only(out.actions, Schedule).attempt == 2
 
 
-def test_an_at_most_once_attempt_past_its_deadline_is_still_timed_out() -> None:
-    """A body that hung past timeout_ms plus grace is a time-out (class timeout), as before:
-    the in-doubt state is for a worker lost before its attempt's time was up."""
+def test_an_at_most_once_attempt_past_its_deadline_unreported_is_in_doubt_too() -> None:
+    """Its worker never reported (a worker's own time-out is recorded as a failure, class
+    timeout, before the engine's grace ends): lost or hung, it may have had its effect. A
+    worker lost during a step shorter than the lease lapses here too (the lease never
+    outlives the deadline plus grace)."""
     attempt = in_flight(
         "a",
         effect="at_most_once",
         deadline_at=NOW - timedelta(seconds=6),
         lease_expires_at=NOW - timedelta(seconds=1),
     )
-    out = plan(doc(task("a", effect="at_most_once")), run(), [attempt], NOW)
+    out = plan(doc(task("a", effect="at_most_once", retry=RETRY3)), run(), [attempt], NOW)
+    expired = only(out.actions, Expire)
+    assert (expired.status, expired.not_before) == ("in_doubt", NOW + DAY)
+    assert "hung past its timeout_ms" in expired.error["message"]
+    assert out.actions == [expired] and out.waiting
+
+
+def test_an_at_least_once_attempt_past_its_deadline_is_still_timed_out() -> None:
+    attempt = in_flight(
+        "a", deadline_at=NOW - timedelta(seconds=6), lease_expires_at=NOW - timedelta(seconds=1)
+    )
+    out = plan(doc(task("a")), run(), [attempt], NOW)
     assert only(out.actions, Expire).status == "timed_out"
     assert only(out.actions, Finish).error["class"] == "timeout"
 
