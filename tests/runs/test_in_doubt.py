@@ -86,6 +86,8 @@ def test_a_lost_at_most_once_attempt_is_in_doubt_and_the_run_waits_saying_why(
     assert pay.idempotency_key == f"{run.id}::pay"
     assert pay.idempotency_key in shown["reason"]
     assert f"/api/v1/runs/{run.id}/steps/{pay.id}/resolve" in shown["reason"]
+    trace = api.get(f"/api/v1/runs/{run.id}/trace")
+    assert trace.status_code == 200, trace.content[:300]
     # Planning again changes nothing: it waits.
     run_advance(run_id=run.id)
     assert StepRun.objects.get(id=pay.id).status == "in_doubt"
