@@ -144,6 +144,16 @@ RUN_ERROR_SCHEMA = {
         "class": {"type": "string"},
         "message": {"type": "string"},
         "step": {"type": "string", "nullable": True},
+        "on_failure": {
+            "type": "object",
+            "description": "when the document's on_failure steps failed too: their error "
+            "(class, message, step); the run's own error stays the original one",
+            "properties": {
+                "class": {"type": "string"},
+                "message": {"type": "string"},
+                "step": {"type": "string", "nullable": True},
+            },
+        },
     },
     "required": ["class", "message", "step"],
 }
@@ -465,7 +475,8 @@ class RunSerializer(RunListSerializer):
     actions = RunActionSerializer(
         many=True,
         read_only=True,
-        help_text="who cancelled, paused, resumed, retried or sent events",
+        help_text="who cancelled, paused, resumed, retried, resolved an attempt in doubt or "
+        "sent events",
     )
     reason = serializers.SerializerMethodField(
         help_text="null, or why the run does not move on (a step waits for a worker that "
