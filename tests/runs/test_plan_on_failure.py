@@ -150,3 +150,18 @@ def test_a_handler_that_waits_for_a_back_off_asks_for_a_wake() -> None:
     journal = [failed("a"), failed("tidy", "retryable", path=HANDLER, at=NOW)]
     out = plan(steps, run(), journal, NOW)
     assert only(out.actions, Wake) and not out.of(Schedule)
+
+
+def test_a_handler_step_whose_worker_was_lost_is_offered_again() -> None:
+    """The handler's rows are journal rows like any: a crashed worker's attempt of one is
+    given up and offered again (at_least_once), and the run resumes the handler."""
+    lost = in_flight(
+        "tidy",
+        path=HANDLER,
+        deadline_at=NOW + timedelta(minutes=1),
+        lease_expires_at=NOW - timedelta(seconds=1),
+    )
+    out = plan(handled(task("a")), run(), [failed("a"), lost], NOW)
+    scheduled = only(out.actions, Schedule)
+    assert (scheduled.step_id, scheduled.path, scheduled.attempt) == ("tidy", HANDLER, 2)
+    assert not out.of(Finish)
