@@ -31,7 +31,7 @@ def test_a_retry_from_an_on_failure_step_is_a_400_naming_from_step() -> None:
     assert "is not a step of tidy_up" in caught.value.errors[0].message
 
 
-def test_the_inspector_draws_the_handler_and_lists_its_attempts(user) -> None:
+def test_the_inspector_draws_the_handler_and_lists_its_attempts(user, api) -> None:
     run = RunFactory(version=WorkflowVersionFactory(document=DOCUMENT), status=RunStatus.COMPLETED)
     StepRunFactory(run=run, step_id="work", status="failed")
     tidy = StepRunFactory(run=run, step_id="tidy", path="_on_failure[1]/", status="succeeded")
@@ -43,3 +43,6 @@ def test_the_inspector_draws_the_handler_and_lists_its_attempts(user) -> None:
     assert 'data-step="on_failure" data-kind="on_failure" data-status="succeeded"' in html
     assert 'data-step="tidy" data-kind="task" data-status="succeeded"' in html
     assert f'id="attempt-{tidy.id}"' in html
+    trace = api.get(f"/api/v1/runs/{run.id}/trace").json()
+    names = {span.get("step_id") for span in trace["spans"]}
+    assert {"work", "tidy"} <= names, trace
