@@ -531,12 +531,21 @@ class _Planner:
         self.waiting = self.busy = self.approval = False
         self.context = {**self.context, "error": original, "steps": dict(self.context["steps"])}
         self.previous_output, self.ran_before = original, True
+        position = len(self.out.actions)
         go, output = self._walk_branch(self.document["on_failure"], path)
         if go is _Go.CONTINUE:
             self.out.actions.append(Finish("completed", output=output))
             return _Go.STOP
         if go is _Go.FAILED:
             self.failure = {**original, "on_failure": dict(self.failure)}
+        elif go is _Go.STOP:
+            # The handler ran into a run limit (max_steps) or an unknown kind, which ended
+            # the run at once: still the original error first, the handler's beside it.
+            for index in range(position, len(self.out.actions)):
+                ended = self.out.actions[index]
+                if isinstance(ended, Finish) and ended.status == "failed" and ended.error:
+                    error = {**original, "on_failure": dict(ended.error)}
+                    self.out.actions[index] = replace(ended, error=error)
         return go
 
     def _walk_top(self) -> _Go:

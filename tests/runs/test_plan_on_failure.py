@@ -165,3 +165,11 @@ def test_a_handler_step_whose_worker_was_lost_is_offered_again() -> None:
     scheduled = only(out.actions, Schedule)
     assert (scheduled.step_id, scheduled.path, scheduled.attempt) == ("tidy", HANDLER, 2)
     assert not out.of(Finish)
+
+
+def test_a_handler_that_runs_into_max_steps_fails_the_run_with_the_original_error_first() -> None:
+    steps = handled(task("a"), limits={"max_steps": 1})
+    finish = only(plan(steps, run(), [failed("a", "fatal")], NOW).actions, Finish)
+    assert (finish.status, finish.error["class"], finish.error["step"]) == ("failed", "fatal", "a")
+    assert finish.error["on_failure"]["class"] == "limit"
+    assert "limits.max_steps (1)" in finish.error["on_failure"]["message"]
