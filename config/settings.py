@@ -534,8 +534,12 @@ DJFLOW = {
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
     # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
-    # again, at_most_once ones fail). Never renewed past the attempt's deadline plus grace.
+    # again, at_most_once ones become in_doubt). Never renewed past the attempt's deadline
+    # plus grace.
     "LEASE_SECONDS": env.float("DJFLOW_LEASE_SECONDS", default=30.0),
+    # An in_doubt attempt (an at_most_once one whose worker was lost after it started) that
+    # no operator resolves within this long fails (class in_doubt); a durable timer row.
+    "IN_DOUBT_SECONDS": env.float("DJFLOW_IN_DOUBT_SECONDS", default=86_400.0),
     # How long past an attempt's timeout_ms the engine waits for the worker's own time-out
     # report (Celery's soft time limit) before it times the attempt out itself.
     "DEADLINE_GRACE_SECONDS": env.float("DJFLOW_DEADLINE_GRACE_SECONDS", default=5.0),

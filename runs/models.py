@@ -195,7 +195,8 @@ class StepRun(models.Model):
     claim = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
-    # For a sleep, when it is over; for a wait_event, when it times out.
+    # For a sleep, when it is over; for a wait_event, when it times out; for an in_doubt
+    # attempt, when its doubt expires and it fails (unless an operator resolved it first).
     not_before = models.DateTimeField(null=True, blank=True)
     # For a wait_event: digest of its (event name, resolved key), what deliveries look up.
     wait_key = models.CharField(max_length=64, blank=True, default="")
@@ -285,6 +286,8 @@ class TimerPurpose(models.TextChoices):
     APPROVAL_REMINDER = "approval_reminder"
     # Fails a scheduled attempt no live worker has served since its waiting_since.
     UNSERVABLE = "unservable"
+    # Fails an in_doubt attempt nobody resolved within DJFLOW_IN_DOUBT_SECONDS.
+    IN_DOUBT = "in_doubt"
 
 
 class Timer(models.Model):

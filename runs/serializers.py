@@ -22,7 +22,7 @@ from workflows import secrets
 
 from .engine import unservable
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
-from .status import RunStatus
+from .status import RunStatus, StepStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
 
@@ -144,6 +144,16 @@ RUN_ERROR_SCHEMA = {
         "class": {"type": "string"},
         "message": {"type": "string"},
         "step": {"type": "string", "nullable": True},
+        "on_failure": {
+            "type": "object",
+            "description": "when the document's on_failure steps failed too: their error "
+            "(class, message, step); the run's own error stays the original one",
+            "properties": {
+                "class": {"type": "string"},
+                "message": {"type": "string"},
+                "step": {"type": "string", "nullable": True},
+            },
+        },
     },
     "required": ["class", "message", "step"],
 }
@@ -331,9 +341,19 @@ class StepRunSerializer(serializers.ModelSerializer):
             "tool_calls",
             "waiting_for",
             "waiting_since",
+            "idempotency_key",
+            "not_before",
         ]
         read_only_fields = fields
         extra_kwargs = {
+            "idempotency_key": {
+                "help_text": "ctx.idempotency_key of the attempt's handler: what to check with "
+                "the third party before resolving an in_doubt attempt"
+            },
+            "not_before": {
+                "help_text": "a sleep's end, a wait's time-out, or when an in_doubt attempt "
+                "fails unless resolved"
+            },
             "waiting_for": {
                 "help_text": "while no live worker serves this scheduled attempt: its handler"
             },
@@ -455,11 +475,13 @@ class RunSerializer(RunListSerializer):
     actions = RunActionSerializer(
         many=True,
         read_only=True,
-        help_text="who cancelled, paused, resumed, retried or sent events",
+        help_text="who cancelled, paused, resumed, retried, resolved an attempt in doubt or "
+        "sent events",
     )
     reason = serializers.SerializerMethodField(
         help_text="null, or why the run does not move on (a step waits for a worker that "
-        "serves its handler, and when it fails if none comes)"
+        "serves its handler, and when it fails if none comes; an attempt in doubt waits for "
+        "an operator to resolve it)"
     )
 
     class Meta(RunListSerializer.Meta):
@@ -468,8 +490,51 @@ class RunSerializer(RunListSerializer):
 
     def get_reason(self, run: Run) -> str | None:
         # The journal is prefetched (selectors.run_detail_queryset): no query.
-        reasons = (unservable.waiting_reason(step) for step in run.steps.all())
+        reasons = (
+            in_doubt_reason(run, step) or unservable.waiting_reason(step)
+            for step in run.steps.all()
+        )
         return next((reason for reason in reasons if reason), None)
+
+
+def in_doubt_reason(run: Run, step: StepRun) -> str | None:
+    """Why the run waits on an in_doubt attempt, and what an operator does about it."""
+    if step.status != StepStatus.IN_DOUBT:
+        return None
+    deadline = step.not_before.isoformat(timespec="seconds") if step.not_before else "never"
+    return (
+        f"step '{step.step_id}' (step run {step.id}) is in doubt: its worker was lost after the "
+        f"at_most_once attempt started. Check idempotency key '{step.idempotency_key}' with "
+        f"the third party, then POST /api/v1/runs/{run.id}/steps/{step.id}/resolve with "
+        f'{{"outcome": "succeeded", "output": ...}} or {{"outcome": "failed"}}; it fails at '
+        f"{deadline} otherwise"
+    )
+
+
+class StepResolveSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/steps/{step_run_id}/resolve``."""
+
+    outcome = serializers.ChoiceField(
+        choices=["succeeded", "failed"],
+        help_text="succeeded: the step's effect happened (the run goes on with `output`); "
+        "failed: it did not (the step fails, class in_doubt, never retried; its on_error "
+        "applies)",
+    )
+    output = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="the step's output when it succeeded (what the handler would have returned)",
+    )
+
+    body_name = "a resolution"
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["outcome"] == "failed" and data.get("output") is not None:
+            raise serializers.ValidationError(
+                {"output": ["only an attempt that succeeded has one"]}
+            )
+        return data
 
 
 # --- retry and trace ------------------------------------------------------------------------

@@ -9,6 +9,11 @@ urlpatterns = [
     path("runs/<str:run_id>/pause", views.RunPauseView.as_view(), name="run-pause"),
     path("runs/<str:run_id>/resume", views.RunResumeView.as_view(), name="run-resume"),
     path("runs/<str:run_id>/retry", views.RunRetryView.as_view(), name="run-retry"),
+    path(
+        "runs/<str:run_id>/steps/<str:step_run_id>/resolve",
+        views.StepResolveView.as_view(),
+        name="run-step-resolve",
+    ),
     path("runs/<str:run_id>/trace", views.RunTraceView.as_view(), name="run-trace"),
     path("runs/<str:run_id>/calls/<int:call_id>", views.ModelCallView.as_view(), name="run-call"),
     path("events", views.EventView.as_view(), name="events"),

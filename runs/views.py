@@ -35,6 +35,7 @@ from .serializers import (
     RunSerializer,
     RunStartSerializer,
     RunTraceSerializer,
+    StepResolveSerializer,
 )
 from .status import RunStatus
 
@@ -254,6 +255,48 @@ class RunRetryView(APIView):
         if isinstance(result, services.RetryPreview):
             return Response({"dry_run": True, **dataclasses.asdict(result)})
         return Response(_render(request, selectors.run_get(run_id=result.id, user=request.user)))
+
+
+class StepResolveView(APIView):
+    @extend_schema(
+        operation_id="runs_step_resolve",
+        parameters=[
+            RUN_ID,
+            OpenApiParameter(
+                "step_run_id",
+                OpenApiTypes.INT,
+                OpenApiParameter.PATH,
+                description="the in_doubt attempt's id (a step run of the run)",
+            ),
+        ],
+        request=StepResolveSerializer,
+        examples=[
+            OpenApiExample(
+                "succeeded",
+                value={"outcome": "succeeded", "output": {"sent": True}},
+                request_only=True,
+            ),
+            OpenApiExample("failed", value={"outcome": "failed"}, request_only=True),
+        ],
+        description=(
+            "Resolve an `in_doubt` attempt: an at_most_once attempt whose worker was lost after"
+            " it started, so it may or may not have had its effect. Check the attempt's"
+            " `idempotency_key` with the third party first. `succeeded` with an `output`: the"
+            " run goes on as if the attempt had succeeded with it. `failed`: the step fails"
+            " (class `in_doubt`, never retried) and its `on_error` applies. For the workflow's"
+            " operators (403 for its viewers); recorded on the run. An attempt that is not in"
+            " doubt is a 409."
+        ),
+        responses={200: RunSerializer, **dict.fromkeys((400, 401, 403, 404, 409), ERRORS)},
+    )
+    def post(self, request: Request, run_id: str, step_run_id: str) -> Response:
+        body = StepResolveSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        # The service checks, under the run's lock, that the caller may operate it.
+        run = services.step_run_resolve(
+            run_id=run_id, step_run_id=step_run_id, user=request.user, **body.validated_data
+        )
+        return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
 
 
 class RunTraceView(APIView):

@@ -126,6 +126,7 @@ class Workflow:
         self._steps: list[StepSpec] = []
         self._ids: set[str] = set()
         self._output: Any = None
+        self._on_failure: list[StepSpec] = []
         # The version start() runs, saved on its first call in this process.
         self._saved_version: int | None = None
         registry.add_builder(self)
@@ -194,6 +195,24 @@ class Workflow:
     write_kb = _adds_step(steps.write_kb)
     handoff = _adds_step(steps.handoff)
 
+    def on_failure(self, *specs: Mapping[str, Any]) -> Workflow:
+        """Set the document's ``on_failure`` steps (step specs of :mod:`workflows.steps`):
+        they run when a step's failure would fail the run, read ``${error}``, and complete
+        the run with the last one's output. Register the handlers of their task steps with
+        :meth:`handler`. Calling it again replaces them."""
+        built = [steps.one_step(spec, f"workflow '{self.id}' on_failure step") for spec in specs]
+        if not built:
+            raise ValueError(f"workflow '{self.id}': on_failure takes at least one step")
+        previous = {step_id for spec in self._on_failure for step_id in steps.step_ids(spec)}
+        seen = self._ids - previous
+        for spec in built:
+            for step_id in steps.step_ids(spec):
+                if step_id in seen:
+                    raise ValueError(f"step id '{step_id}' is used twice in workflow '{self.id}'")
+                seen.add(step_id)
+        self._on_failure, self._ids = built, seen
+        return self
+
     def output(self, template: Any) -> Workflow:
         """Set the run's ``output`` template."""
         self._output = copy.deepcopy(template)
@@ -217,6 +236,8 @@ class Workflow:
         doc["steps"] = self._steps
         if self._output is not None:
             doc["output"] = self._output
+        if self._on_failure:
+            doc["on_failure"] = self._on_failure
         return copy.deepcopy(doc)
 
     def save(self, user: AbstractBaseUser | None = None) -> SaveResult:

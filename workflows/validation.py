@@ -105,7 +105,9 @@ _STEP_ATTRIBUTES = ("output", "status", "error")
 _SETTLED_KEYS = ("status", "output", "error")
 _ERROR_KEYS = ("class", "message")
 _RUN_KEYS = ("id", "correlation")
-_ROOTS = ("input", "steps", "run", "item", "index", "iter")
+_ROOTS = ("input", "steps", "run", "item", "index", "iter", "error")
+# What ``${error}`` holds in an on_failure step: the failure the run would have failed with.
+_FAILURE_KEYS = ("class", "message", "step")
 # Fields holding templates, per kind (``input`` is common to every kind). A recipe step's
 # ``system`` and ``prompt`` are rendered with the step input by the step itself: their roots
 # are the recipe's (``workflows.recipes``), checked by ``_kind_recipe``.
@@ -178,7 +180,11 @@ def _size_errors(document: dict[str, Any], max_steps: int) -> list[FieldError]:
     errors: list[FieldError] = []
     count = 0
     # (a list of steps or one step, where it is, the level of the steps in it)
-    stack: list[tuple[Any, str, int]] = [(document.get("steps"), "steps", 1)]
+    stack: list[tuple[Any, str, int]] = [
+        (document.get("steps"), "steps", 1),
+        # The handler's steps count against the same limits as the main ones.
+        (document.get("on_failure"), "on_failure", 1),
+    ]
     while stack:
         body, where, level = stack.pop()
         steps = list(enumerate(body)) if isinstance(body, list) else [(None, body)]
@@ -347,6 +353,8 @@ class _Scope:
     # How many times a body here may run for one run of the outermost loop or foreach: the
     # product of the enclosing loops' and foreach's bounds.
     repeats: int = 1
+    # Inside the document's on_failure steps, where ``${error}`` is defined.
+    on_failure: bool = False
 
     def child(self, **changes: Any) -> _Scope:
         return replace(self, steps=dict(self.steps), **changes)
@@ -367,7 +375,7 @@ class _Checker:
         self.steps = document.get("steps")
         if not isinstance(self.steps, list):
             self.steps = []
-        self.all_ids = {step["id"]: step for step, _ in _every_step(self.steps, "steps")}
+        self.all_ids = {step["id"]: step for step, _ in every_step(document)}
         limits = document.get("limits")
         timeout = limits.get("run_timeout_ms") if isinstance(limits, dict) else None
         self.run_timeout_ms = timeout if _is_duration_value(timeout) else DEFAULT_RUN_TIMEOUT_MS
@@ -380,6 +388,11 @@ class _Checker:
         if "output" in self.document:
             self._safely(self._check_template, self.document["output"], "output", scope)
         self._safely(self._check_notify)
+        handler = self.document.get("on_failure")
+        if isinstance(handler, list):
+            # The handler runs after any top-level step may have failed: it may read each of
+            # them (a step that did not run reads null), and ${error}.
+            self._walk(handler, "on_failure", scope.child(on_failure=True))
         return self.errors
 
     def _check_notify(self) -> None:
@@ -654,6 +667,12 @@ class _Checker:
             if root == "index" and rest:
                 return f"'{path}': index is a number"
             return None
+        if root == "error":
+            if not scope.on_failure:
+                return f"'{path}': 'error' is only defined inside the on_failure steps"
+            if len(rest) > 1 or (rest and rest[0] not in _FAILURE_KEYS):
+                return f"'{path}': error has only error.class, error.message and error.step"
+            return None
         if root == "iter":
             if not scope.in_loop:
                 return f"'{path}': 'iter' is only defined inside a loop's 'do' and 'until'"
@@ -781,5 +800,6 @@ def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
 
 def every_step(document: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
     """Every step of a prepared document, nested ones too, with its field path
-    (``steps[2].do[0]``)."""
-    return _every_step(document.get("steps"), "steps")
+    (``steps[2].do[0]``), the on_failure steps' last (``on_failure[0]``)."""
+    yield from _every_step(document.get("steps"), "steps")
+    yield from _every_step(document.get("on_failure"), "on_failure")

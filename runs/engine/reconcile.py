@@ -4,8 +4,8 @@ worker or a crash left behind, and put it right. Bounded work per tick.
 - an attempt left ``scheduled`` too long (its message lost: a broker restart, a purge; or
   handed back too often by workers without its handler) is offered again;
 - a ``running`` attempt whose lease lapsed (its worker is gone) has its run advanced: the
-  planner fails it as ``lost``, then offers an ``at_least_once`` step again and fails an
-  ``at_most_once`` one (it may have had its effect);
+  planner fails it as ``lost`` and offers an ``at_least_once`` step again, or makes an
+  ``at_most_once`` one ``in_doubt`` (it may have had its effect: an operator resolves it);
 - a run with nothing in flight that should be moving (a lost ``advance``, a fired timer whose
   message was lost, a sleep past due, a deadline passed) is advanced;
 - a run whose advance request (made by a completion inside a fan-out) has been pending
@@ -163,8 +163,11 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
         kind__in=kinds.names(Role.WORKER),
     )
     # A sleep just due is the tick's to end; one still waiting this long after is left over.
+    # An in_doubt attempt past its deadline likewise (its timer's advance was lost).
     due_wait = StepRun.objects.filter(
-        run_id=OuterRef("id"), status=StepStatus.WAITING, not_before__lte=quiet
+        run_id=OuterRef("id"),
+        status__in=[StepStatus.WAITING, StepStatus.IN_DOUBT],
+        not_before__lte=quiet,
     )
     backing_off = Timer.objects.filter(
         run_id=OuterRef("id"), purpose=TimerPurpose.RETRY_BACKOFF, fired_at__isnull=True
