@@ -22,7 +22,10 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("workflow", help="the workflow's id")
         parser.add_argument("--input", default="null", help="the run's input, as JSON")
-        parser.add_argument("--version", type=int, help="pin a version (default: the latest)")
+        # Not --version: every command has that one (Django's own version).
+        parser.add_argument(
+            "--workflow-version", type=int, help="pin a version (default: the latest)"
+        )
         parser.add_argument("--idempotency-key", help="the same key starts no second run")
         parser.add_argument("--correlation", help="a reference of your own, kept on the run")
         parser.add_argument("--account", help="the account its model calls count against")
@@ -38,7 +41,7 @@ class Command(BaseCommand):
             result = services.run_start(
                 workflow=options["workflow"],
                 input=given,
-                version=options["version"],
+                version=options["workflow_version"],
                 idempotency_key=options["idempotency_key"],
                 correlation=options["correlation"],
                 account=options["account"],
