@@ -49,7 +49,7 @@ CANCEL = BulkAction.Action.CANCEL
 RETRY = BulkAction.Action.RETRY
 
 # The list's filters (selectors.run_list's keywords) a bulk action takes.
-FILTERS = ("workflow", "status", "account", "created_after", "created_before")
+FILTERS = selectors.RUN_LIST_FILTERS
 _WHEN = ("created_after", "created_before")
 
 # The statuses each action applies to: cancel, every status with a move to cancelled (a run
@@ -199,10 +199,9 @@ def bulk_action_batch(*, bulk_id: Any, batch: int, send_next: bool = True) -> bo
         audit = {"bulk": str(bulk.id)}
         for run_id, _ in rows:
             try:
-                # The single action's own service and checks; a savepoint each, so one that
-                # is refused leaves the batch's others done.
-                with transaction.atomic():
-                    service(run_id=run_id, user=user, audit=audit)
+                # The single action's own service and checks. It is atomic: a savepoint here,
+                # so one that is refused leaves the batch's others done.
+                service(run_id=run_id, user=user, audit=audit)
             except EngineError as refused:
                 # Ended, retried or no longer the caller's to operate since it was counted.
                 logger.info("bulk %s: run %s passed over: %s", bulk.id, run_id, refused)

@@ -22,6 +22,7 @@ from workflows import secrets
 
 from .engine import unservable
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
+from .selectors import RUN_LIST_FILTERS
 from .status import RunStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -144,7 +145,7 @@ class RunListQuerySerializer(serializers.Serializer):
         required=False, help_text="runs created before this instant (ISO 8601)"
     )
 
-    FILTERS = ("workflow", "status", "account", "created_after", "created_before")
+    FILTERS = RUN_LIST_FILTERS
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         after, before = attrs.get("created_after"), attrs.get("created_before")

@@ -413,3 +413,12 @@ def test_openapi_documents_the_bulk_endpoints(api: APIClient) -> None:
         assert operation["operationId"] == f"runs_bulk_{name}"
         assert "at least one" in operation["description"]
         assert {"202", "200", "400"} <= set(operation["responses"])
+
+
+def test_the_bulk_actions_take_every_filter_of_the_list_and_only_those() -> None:
+    """One list of filters: a filter added to GET /runs is a filter of the bulk actions."""
+    from runs.selectors import RUN_LIST_FILTERS
+    from runs.serializers import BulkRunsSerializer, RunListQuerySerializer
+
+    assert set(RunListQuerySerializer().fields) == set(RUN_LIST_FILTERS) == set(bulk.FILTERS)
+    assert set(BulkRunsSerializer().fields) == {*RUN_LIST_FILTERS, "dry_run"}
