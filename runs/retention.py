@@ -48,6 +48,8 @@ from .status import RUN_TERMINAL, RunStatus
 
 logger = logging.getLogger(__name__)
 
+# The most runs one transaction deletes (whole trees: one bigger tree is deleted alone).
+MAX_RUNS_PER_BATCH = 2000
 # The most rounds of looking for runs below a tree's runs by their parent (a tree is at most
 # 8 subworkflows deep, and bodies add levels of their own); root_run finds them all at once
 # on every run written since it exists.
@@ -103,8 +105,9 @@ def retention_purge(
             roots = _candidates(status, cut, after, batch)
             if not roots:
                 break
-            after = roots[-1]
-            _purge_batch([run_id for _, run_id in roots], status, cut, report, dry_run=dry_run)
+            ids = [run_id for _, run_id in roots]
+            reached = _purge_batch(ids, status, cut, report, dry_run=dry_run)
+            after = roots[reached - 1]
     return report
 
 
@@ -127,10 +130,13 @@ def _candidates(
 
 def _purge_batch(
     candidates: list[Any], status: str, cut: datetime, report: PurgeReport, *, dry_run: bool
-) -> None:
+) -> int:
+    """Delete the trees of these roots (oldest first) in one transaction, until they hold
+    ``MAX_RUNS_PER_BATCH`` runs (a bigger tree goes whole, alone); answers how many of the
+    candidates it reached, so the next batch starts after the last."""
     with transaction.atomic():
         # Locked, and still what they were chosen for (a retry may have revived one).
-        roots = list(
+        locked = set(
             Run.objects.select_for_update(skip_locked=True)
             .filter(
                 Q(finished_at__lt=cut) | Q(finished_at__isnull=True),
@@ -140,21 +146,34 @@ def _purge_batch(
             )
             .values_list("id", flat=True)
         )
-        trees = _trees(roots)
+        trees = _trees([root for root in candidates if root in locked])
+        members = [run_id for tree in trees.values() for run_id in tree]
+        # Every run of the trees locked (in one order, the ids'), then their statuses read.
+        statuses = dict(
+            Run.objects.select_for_update()
+            .filter(id__in=members)
+            .order_by("id")
+            .values_list("id", "status")
+        )
         runs: list[Any] = []
-        for root, members in trees.items():
-            statuses = dict(
-                Run.objects.select_for_update().filter(id__in=members).values_list("id", "status")
-            )
-            if any(s not in RUN_TERMINAL for s in statuses.values()):
+        reached = 0
+        for root in candidates:
+            if runs and len(runs) + len(trees.get(root, ())) > MAX_RUNS_PER_BATCH:
+                break
+            reached += 1
+            tree = trees.get(root)
+            if tree is None:
+                continue  # held by someone else, or no longer ended: the next pass sees it
+            if any(statuses.get(run_id) not in RUN_TERMINAL for run_id in tree):
                 report.kept_live += 1
                 logger.info("retention: run %s kept: a run of its tree has not ended", root)
                 continue
-            runs.extend(members)
+            runs.extend(tree)
         if runs:
             report.deleted.update(_delete_runs(runs))
         if dry_run:
             transaction.set_rollback(True)
+    return reached
 
 
 def _trees(roots: Iterable[Any]) -> dict[Any, list[Any]]:

@@ -236,6 +236,29 @@ def test_a_run_revived_before_its_batch_is_kept(version) -> None:
     assert Run.objects.filter(id=run.id).exists()
 
 
+def test_a_batch_holds_whole_trees_up_to_its_runs_and_the_next_goes_on_from_there(
+    version, monkeypatch
+) -> None:
+    monkeypatch.setattr(retention, "MAX_RUNS_PER_BATCH", 4)
+    roots = []
+    for _ in range(4):
+        root = RunFactory(version=version, status=RunStatus.COMPLETED)
+        for _ in range(2):
+            RunFactory(version=version, status=RunStatus.COMPLETED, parent_run=root,
+                       root_run=root)  # fmt: skip
+        roots.append(root.id)
+    _age(list(Run.objects.values_list("id", flat=True)), 40)
+    batches = []
+    real = retention._delete_runs
+    monkeypatch.setattr(
+        retention, "_delete_runs", lambda ids: batches.append(len(ids)) or real(ids)
+    )
+    report = _purge(batch=10)
+    # Four trees of three runs: one tree per transaction (two would be six runs), none missed.
+    assert (report.runs, batches) == (12, [3, 3, 3, 3])
+    assert not Run.objects.exists()
+
+
 def test_an_event_a_live_run_could_still_take_is_kept(version) -> None:
     event = Event.objects.create(name="e", key="k", wait_key="w")
     old = RunFactory(version=version, status=RunStatus.COMPLETED)
