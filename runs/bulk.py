@@ -215,8 +215,11 @@ def bulk_action_batch(*, bulk_id: Any, batch: int, send_next: bool = True) -> bo
         more = len(rows) == size
         if more and send_next:
             send_on_commit(bulk.id, bulk.batches)
-        else:
+        elif not more:
             bulk.finished_at = now
+            # Counted but not acted on: a run that ended, was retried or stopped being the
+            # caller's to operate before its batch came is no longer even matched.
+            bulk.skipped = max(bulk.skipped, bulk.affected - bulk.done)
         bulk.save()
         return more
 

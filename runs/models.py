@@ -493,8 +493,8 @@ class BulkAction(models.Model):
     requested_at = models.DateTimeField(default=timezone.now)
     # Counted when it was asked for: the runs matched that the caller may operate.
     affected = models.PositiveIntegerField(default=0)
-    # What the batches did: runs cancelled or retried, and runs passed over (ended, or no
-    # longer the caller's to operate, by the time their batch came).
+    # What the batches did: runs cancelled or retried, and runs passed over (counted but
+    # ended, retried, or no longer the caller's to operate by the time their batch came).
     done = models.PositiveIntegerField(default=0)
     skipped = models.PositiveIntegerField(default=0)
     batches = models.PositiveIntegerField(default=0)

@@ -146,7 +146,7 @@ def test_runs_created_after_the_request_and_runs_ended_meanwhile_are_not_touched
         RunStatus.COMPLETED,
         RunStatus.RUNNING,
     ]
-    assert (action.affected, action.done) == (2, 1)
+    assert (action.affected, action.done, action.skipped) == (2, 1, 1)
 
 
 def test_a_bulk_retry_retries_failed_top_level_runs_only(
@@ -311,7 +311,7 @@ def test_a_permission_lost_before_the_batch_leaves_the_run_alone(version, team, 
     access.revoke("operator", "support_ticket", user=team["olga"])
     action = _all_batches(response.json()["id"])
     assert _statuses(runs) == [RunStatus.RUNNING] * 2
-    assert (action.done, action.finished_at is not None) == (0, True)
+    assert (action.done, action.skipped, action.finished_at is not None) == (0, 2, True)
 
 
 def test_an_action_whose_requester_was_deleted_does_nothing_more(version, team, sent) -> None:
@@ -385,6 +385,16 @@ def test_cancel_and_retry_commands_act_as_the_named_user(version, team, sent) ->
         out = _call("retry", "--status", "failed", "--user", "carol").splitlines()
     assert (out[0], out[2]) == ("affected: 1", "retried: 1")
     assert _statuses(failed) == [RunStatus.RUNNING]
+
+
+def test_a_command_does_every_batch_in_the_foreground(version, team, sent, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "BULK_BATCH": 2}
+    runs = _runs_of(version, team["bob"], 5)
+    out = _call("cancel", "--workflow", "support_ticket", "--user", "olga").splitlines()
+    assert (out[0], out[2]) == ("affected: 5", "cancelled: 5")
+    assert _statuses(runs) == [RunStatus.CANCELLED] * 5
+    assert BulkAction.objects.get().batches == 3
+    sent.assert_not_called()
 
 
 def test_the_bulk_commands_refuse_what_the_api_refuses(version, team, sent) -> None:
