@@ -22,6 +22,7 @@ reconciler (``reoffer_idle``).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -36,7 +37,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from workflows import access
-from workflows.errors import EngineError, FieldError, InvalidInput
+from workflows.errors import EngineError, FieldError, InvalidInput, NotFound, echo
 
 from . import selectors, services
 from .models import BulkAction, Run
@@ -250,3 +251,22 @@ def bulk_action_finish(*, bulk_id: Any) -> BulkAction:
         if bulk.finished_at is not None:
             return bulk
         bulk_action_batch(bulk_id=bulk_id, batch=bulk.batches, send_next=False)
+
+
+def bulk_action_get(*, bulk_id: Any, user: Any) -> BulkAction:
+    """A bulk action, for its requester (and superusers): anyone else gets the 404 of one
+    that does not exist."""
+    try:
+        key = uuid.UUID(str(bulk_id))
+    except ValueError:
+        raise NotFound(
+            errors=[FieldError("id", f"'{echo(bulk_id)}' is not a bulk action id")]
+        ) from None
+    found = BulkAction.objects.filter(id=key).first()
+    mine = found is not None and (
+        access.trusted(user)
+        or (found.requested_by_id is not None and found.requested_by_id == user.pk)
+    )
+    if found is None or not mine:
+        raise NotFound(errors=[FieldError("id", f"unknown bulk action '{key}'")])
+    return found

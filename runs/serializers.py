@@ -21,7 +21,7 @@ from rest_framework import serializers
 from workflows import secrets
 
 from .engine import unservable
-from .models import ModelCall, Run, RunAction, StepRun, ToolCall
+from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
 from .selectors import RUN_LIST_FILTERS
 from .status import RunStatus
 
@@ -165,6 +165,28 @@ class BulkRunsSerializer(StrictBodySerializer, RunListQuerySerializer):
     )
 
     body_name = "a bulk action"
+
+
+class BulkActionSerializer(serializers.ModelSerializer):
+    """A bulk action and how far its batches have got."""
+
+    requested_by = serializers.CharField(source="requested_by_name", read_only=True)
+
+    class Meta:
+        model = BulkAction
+        fields = [
+            "id",
+            "action",
+            "filters",
+            "requested_by",
+            "requested_at",
+            "affected",
+            "done",
+            "skipped",
+            "batches",
+            "finished_at",
+        ]
+        read_only_fields = fields
 
 
 class BulkResultSerializer(serializers.Serializer):

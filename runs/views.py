@@ -25,6 +25,7 @@ from workflows.views import ERRORS
 from . import bulk, selectors, services, trace
 from .models import Run
 from .serializers import (
+    BulkActionSerializer,
     BulkResultSerializer,
     BulkRunsSerializer,
     EventDeliverySerializer,
@@ -379,3 +380,24 @@ class BulkRetryView(BulkActionView):
     )
     def post(self, request: Request) -> Response:
         return super().post(request)
+
+
+class BulkActionDetailView(APIView):
+    @extend_schema(
+        operation_id="runs_bulk_read",
+        parameters=[
+            OpenApiParameter(
+                "bulk_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="its id (a UUID)"
+            )
+        ],
+        description=(
+            "A bulk cancel or retry and how far its batches have got: `done` runs cancelled or"
+            " retried, `skipped` counted but passed over (ended, retried, or no longer the"
+            " caller's to operate by the time their batch came), `finished_at` once the last"
+            " batch is done. Only its requester sees it (404 for anyone else)."
+        ),
+        responses={200: BulkActionSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, bulk_id: str) -> Response:
+        found = bulk.bulk_action_get(bulk_id=bulk_id, user=request.user)
+        return Response(BulkActionSerializer(found).data)

@@ -432,3 +432,35 @@ def test_the_bulk_actions_take_every_filter_of_the_list_and_only_those() -> None
 
     assert set(RunListQuerySerializer().fields) == set(RUN_LIST_FILTERS) == set(bulk.FILTERS)
     assert set(BulkRunsSerializer().fields) == {*RUN_LIST_FILTERS, "dry_run"}
+
+
+def test_the_requester_reads_the_actions_progress_and_no_one_else(
+    version, team, sent, admin_user
+) -> None:
+    _runs_of(version, team["bob"], 2)
+    bob = api_for(team["bob"])
+    action_id = bob.post("/api/v1/runs/cancel", {"workflow": "support_ticket"}, format="json")
+    path = f"/api/v1/runs/bulk/{action_id.json()['id']}"
+    before = bob.get(path)
+    assert before.status_code == 200
+    assert before.json() | {"requested_at": None} == {
+        "id": action_id.json()["id"],
+        "action": "cancel",
+        "filters": {"workflow": "support_ticket"},
+        "requested_by": "bob",
+        "requested_at": None,
+        "affected": 2,
+        "done": 0,
+        "skipped": 0,
+        "batches": 0,
+        "finished_at": None,
+    }
+    _all_batches(action_id.json()["id"])
+    after = bob.get(path).json()
+    assert (after["done"], after["batches"], after["finished_at"] is not None) == (2, 1, True)
+    # Another user, even the workflow's operator, does not learn it exists; a superuser does.
+    assert api_for(team["olga"]).get(path).status_code == 404
+    assert api_for(admin_user).get(path).status_code == 200
+    missing = bob.get("/api/v1/runs/bulk/not-a-uuid")
+    assert (missing.status_code, _fields(missing)) == (404, ["id"])
+    assert APIClient().get(path).status_code == 401

@@ -46,6 +46,9 @@ class Api:
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Token {token.key}"
 
+    def get(self, path: str) -> requests.Response:
+        return self.session.get(f"{self.base}{path}", timeout=30)
+
     def post(self, path: str, body: Any) -> requests.Response:
         return self.session.post(f"{self.base}{path}", json=body, timeout=30)
 
@@ -112,6 +115,8 @@ def test_a_bulk_cancel_of_1000_runs_by_a_worker_then_retention_by_beat(
     assert {row["bulk"] for row in audit.values_list("detail", flat=True)} == {str(action.id)}
     assert audit.filter(created_at__lt=action.requested_at).count() == 0
     assert set(Run.objects.filter(id__in=others).values_list("status", flat=True)) == {"waiting"}
+    shown = Api(live_server, user).get(f"/api/v1/runs/bulk/{action.id}").json()
+    assert (shown["affected"], shown["done"], shown["skipped"]) == (RUNS, RUNS, 0)
     print(
         f"\n{RUNS} runs started in {started_in:.1f} s; the bulk cancel answered in"
         f" {answered_in * 1000:.0f} ms and a worker cancelled them in {cancelled_in:.1f} s"
