@@ -527,6 +527,46 @@ def _embeddings_dimensions(value: str) -> int | None:
     return dimensions
 
 
+# The ended run statuses (runs.status.RUN_TERMINAL; tests/test_settings.py keeps them equal):
+# what retention may delete.
+_ENDED = ("completed", "failed", "cancelled", "timed_out")
+
+
+def _retention_days(value: str) -> dict[str, int]:
+    """DJFLOW_RETENTION_DAYS: empty (runs are kept forever), one number of days for every
+    ended status, or ``status=days`` pairs (``completed=30,failed=90``; a status not named is
+    kept forever). Anything else refuses to start, naming what is wrong."""
+    text = value.strip()
+    if not text:
+        return {}
+
+    def days(raw: str, what: str) -> int:
+        try:
+            number = int(raw.strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise ImproperlyConfigured(
+                f"DJFLOW_RETENTION_DAYS: {what} must be a whole number of days, at least 1, "
+                f"not {raw.strip()!r}"
+            )
+        return number
+
+    if "=" not in text:
+        return dict.fromkeys(_ENDED, days(text, "the age"))
+    found: dict[str, int] = {}
+    for pair in text.split(","):
+        status, _, raw = pair.partition("=")
+        status = status.strip()
+        if status not in _ENDED:
+            raise ImproperlyConfigured(
+                f"DJFLOW_RETENTION_DAYS: {status!r} is not an ended status (one of "
+                f"{', '.join(_ENDED)}): only ended runs are deleted"
+            )
+        found[status] = days(raw, status)
+    return found
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -666,6 +706,17 @@ DJFLOW = {
     # recipe's context passes into ${context} (the best passages first, the rest cut).
     "KB_MAX_CONTENT_BYTES": env.int("DJFLOW_KB_MAX_CONTENT_BYTES", default=102_400),
     "KB_CONTEXT_MAX_BYTES": env.int("DJFLOW_KB_CONTEXT_MAX_BYTES", default=32_768),
+    # Bulk cancel and retry (runs.bulk): the most runs one batch (one transaction of a worker)
+    # acts on.
+    "BULK_BATCH": env.int("DJFLOW_BULK_BATCH", default=100),
+    # Retention (runs.retention): ended runs are deleted this many days after they ended, per
+    # status (empty: kept forever); a beat entry purges every RETENTION_EVERY_SECONDS, for at
+    # most RETENTION_TICK_SECONDS a pass (then it hands the rest to its next message),
+    # RETENTION_BATCH run trees per transaction.
+    "RETENTION_DAYS": _retention_days(env.str("DJFLOW_RETENTION_DAYS", default="")),
+    "RETENTION_EVERY_SECONDS": env.int("DJFLOW_RETENTION_EVERY_SECONDS", default=3600),
+    "RETENTION_TICK_SECONDS": env.float("DJFLOW_RETENTION_TICK_SECONDS", default=60.0),
+    "RETENTION_BATCH": env.int("DJFLOW_RETENTION_BATCH", default=100),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
@@ -678,7 +729,10 @@ if DJFLOW["MCP_POOL_SIZE"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MCP_POOL_SIZE must be at least 1, not {DJFLOW['MCP_POOL_SIZE']}"
     )
-for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS"):
+for _name in ("BULK_BATCH", "RETENTION_BATCH", "RETENTION_EVERY_SECONDS"):
+    if DJFLOW[_name] < 1:
+        raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
+for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS", "RETENTION_TICK_SECONDS"):
     if DJFLOW[_name] <= 0:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be more than 0")
 # Pre-flight waits inside a web request (POST /runs, the admin's definition page): a longer

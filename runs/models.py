@@ -533,3 +533,53 @@ class NotifyDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event} of run {self.run_id} to entry {self.entry}"
+
+
+class BulkAction(models.Model):
+    """A cancel or retry of many runs (``POST /runs/cancel``, ``/runs/retry``, ``manage.py
+    cancel|retry``): the list's filters and who asked, done by workers a batch at a time
+    (``runs.bulk``).
+
+    The runs it acts on are those its filters match, created before ``requested_at``, newest
+    first; ``cursor_*`` is the last run a batch reached and ``batches`` how many batches are
+    done. A batch is one transaction that moves both, under this row's lock, so a batch
+    message delivered twice (or a re-offer racing the chain) finds its batch done."""
+
+    class Action(models.TextChoices):
+        CANCEL = "cancel"
+        RETRY = "retry"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    action = models.CharField(max_length=10, choices=Action.choices)
+    # The filters as given (datetimes in ISO 8601), the keywords of selectors.run_list.
+    filters = models.JSONField(default=dict)
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    requested_by_name = models.CharField(max_length=150, blank=True, default="")
+    requested_at = models.DateTimeField(default=timezone.now)
+    # Counted when it was asked for: the runs matched that the caller may operate.
+    affected = models.PositiveIntegerField(default=0)
+    # What the batches did: runs cancelled or retried, and runs passed over (counted but
+    # ended, retried, or no longer the caller's to operate by the time their batch came).
+    done = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)
+    batches = models.PositiveIntegerField(default=0)
+    cursor_created_at = models.DateTimeField(null=True, blank=True)
+    cursor_id = models.UUIDField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        indexes = [
+            # The reconciler's look for unfinished actions whose next message was lost.
+            models.Index(
+                fields=["updated_at"],
+                name="bulk_action_open",
+                condition=Q(finished_at__isnull=True),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"bulk {self.action} by {self.requested_by_name or 'the system'} ({self.id})"

@@ -23,6 +23,11 @@ SEARCH_IDEMPOTENCY_KEY = "idempotency_key"
 SEARCH_IN = (SEARCH_ANY, SEARCH_ID, SEARCH_CORRELATION, SEARCH_IDEMPOTENCY_KEY)
 
 
+# The filters the runs list takes (GET /runs, the runs page) and so the bulk actions too:
+# keywords of run_list.
+RUN_LIST_FILTERS = ("workflow", "status", "account", "created_after", "created_before")
+
+
 def run_list(
     *,
     workflow: str | None = None,

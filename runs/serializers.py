@@ -21,7 +21,8 @@ from rest_framework import serializers
 from workflows import secrets
 
 from .engine import unservable
-from .models import ModelCall, Run, RunAction, StepRun, ToolCall
+from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
+from .selectors import RUN_LIST_FILTERS
 from .status import RunStatus, StepStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -128,10 +129,75 @@ class EventDeliverySerializer(serializers.Serializer):
 
 
 class RunListQuerySerializer(serializers.Serializer):
-    """The filters of ``GET /runs``."""
+    """The filters of ``GET /runs``, and of the bulk actions (``POST /runs/cancel``,
+    ``/runs/retry``), which act on the runs the list would show: the keywords of
+    ``selectors.run_list``."""
 
     workflow = serializers.CharField(max_length=100, required=False, trim_whitespace=False)
     status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+    account = serializers.CharField(
+        max_length=150, required=False, trim_whitespace=False, help_text="the run's account"
+    )
+    created_after = serializers.DateTimeField(
+        required=False, help_text="runs created at or after this instant (ISO 8601)"
+    )
+    created_before = serializers.DateTimeField(
+        required=False, help_text="runs created before this instant (ISO 8601)"
+    )
+
+    FILTERS = RUN_LIST_FILTERS
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        after, before = attrs.get("created_after"), attrs.get("created_before")
+        if after is not None and before is not None and after >= before:
+            raise serializers.ValidationError(
+                {"created_before": ["must be later than created_after"]}
+            )
+        return attrs
+
+
+class BulkRunsSerializer(StrictBodySerializer, RunListQuerySerializer):
+    """The body of ``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters (at
+    least one: the service refuses a body that names none) and ``dry_run``."""
+
+    dry_run = serializers.BooleanField(
+        default=False, help_text="answer how many runs would be affected, and do nothing"
+    )
+
+    body_name = "a bulk action"
+
+
+class BulkActionSerializer(serializers.ModelSerializer):
+    """A bulk action and how far its batches have got."""
+
+    requested_by = serializers.CharField(source="requested_by_name", read_only=True)
+
+    class Meta:
+        model = BulkAction
+        fields = [
+            "id",
+            "action",
+            "filters",
+            "requested_by",
+            "requested_at",
+            "affected",
+            "done",
+            "skipped",
+            "batches",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class BulkResultSerializer(serializers.Serializer):
+    affected = serializers.IntegerField(
+        help_text="the runs matched that the caller may operate and the action applies to, "
+        "counted when the request was made"
+    )
+    id = serializers.UUIDField(
+        allow_null=True, help_text="the bulk action's id (null for a dry run or none affected)"
+    )
+    dry_run = serializers.BooleanField()
 
 
 # --- output ---------------------------------------------------------------------------------

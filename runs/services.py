@@ -189,15 +189,20 @@ def record_action(
 
 @transaction.atomic
 def run_cancel(
-    *, run_id: Any, reason: str = "cancelled by an operator", user: AbstractBaseUser | None = None
+    *,
+    run_id: Any,
+    reason: str = "cancelled by an operator",
+    user: AbstractBaseUser | None = None,
+    audit: Mapping[str, Any] | None = None,
 ) -> Run:
     """Cancel the run and, transitively, its children. Scheduled attempts are cancelled;
     running ones are revoked best-effort and their results will be refused. ``user`` must
-    operate the run; its children follow whoever may operate them."""
+    operate the run; its children follow whoever may operate them. ``audit`` is kept with
+    the recorded action (a bulk action's id)."""
     run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.CANCELLED)
     if user is not None:
-        record_action(run.id, "cancel", user)
+        record_action(run.id, "cancel", user, dict(audit) if audit else None)
     # A child cancelled on its own fails its subworkflow step (class cancelled).
     end_run(run, RunStatus.CANCELLED, now=timezone.now(), error=cancelled_error(reason))
     return run
@@ -251,6 +256,7 @@ def run_retry(
     from_step: str | None = None,
     input: Any = None,
     dry_run: bool = False,
+    audit: Mapping[str, Any] | None = None,
 ) -> Run | RetryPreview:
     """Retry a run; a new generation starts, the old attempts stay in the journal.
 
@@ -266,7 +272,8 @@ def run_retry(
 
     ``user`` must operate the run (404 when they may not see it, 403 when they may only see
     it); a bad ``from_step`` or ``input`` is a 400 naming it, a run in a status the retry
-    does not take a 409. A child run is retried through its parent (409).
+    does not take a 409. A child run is retried through its parent (409). ``audit`` is
+    kept with the recorded action (a bulk action's id).
     """
     errors = []
     if input is not None and not isinstance(input, Mapping):
@@ -315,7 +322,7 @@ def run_retry(
     if input is not None:
         # Kept with its tokens (the API shows them masked): the input each generation ran on.
         detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
-    record_action(run.id, "retry", user, detail)
+    record_action(run.id, "retry", user, detail | dict(audit or {}))
     move_run(
         run,
         RunStatus.RUNNING,

@@ -4,6 +4,10 @@ from . import views
 
 urlpatterns = [
     path("runs", views.RunListView.as_view(), name="runs"),
+    # Before runs/<run_id>: "cancel" and "retry" are no run ids.
+    path("runs/cancel", views.BulkCancelView.as_view(), name="runs-cancel"),
+    path("runs/retry", views.BulkRetryView.as_view(), name="runs-retry"),
+    path("runs/bulk/<str:bulk_id>", views.BulkActionDetailView.as_view(), name="runs-bulk"),
     path("runs/<str:run_id>", views.RunDetailView.as_view(), name="run"),
     path("runs/<str:run_id>/cancel", views.RunCancelView.as_view(), name="run-cancel"),
     path("runs/<str:run_id>/pause", views.RunPauseView.as_view(), name="run-pause"),

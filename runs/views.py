@@ -22,9 +22,12 @@ from config.pagination import NewestFirstPagination
 from workflows import access, secrets
 from workflows.views import ERRORS
 
-from . import selectors, services, trace
+from . import bulk, selectors, services, trace
 from .models import Run
 from .serializers import (
+    BulkActionSerializer,
+    BulkResultSerializer,
+    BulkRunsSerializer,
     EventDeliverySerializer,
     EventSerializer,
     ModelCallDetailSerializer,
@@ -342,3 +345,104 @@ class EventView(APIView):
         body.is_valid(raise_exception=True)
         event, matched = services.event_send(**body.validated_data, user=request.user)
         return Response({"id": event.id, "matched": matched})
+
+
+class BulkActionView(APIView):
+    """``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters in the body."""
+
+    action: str
+
+    def post(self, request: Request) -> Response:
+        body = BulkRunsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        filters = dict(body.validated_data)
+        dry_run = filters.pop("dry_run")
+        started = bulk.bulk_action_start(
+            action=self.action, user=request.user, dry_run=dry_run, **filters
+        )
+        action = started.action
+        return Response(
+            {
+                "affected": started.affected,
+                "id": action.id if action is not None else None,
+                "dry_run": dry_run,
+            },
+            status=status.HTTP_202_ACCEPTED if action is not None else status.HTTP_200_OK,
+        )
+
+
+_BULK_FILTERS = (
+    " Takes the filters of `GET /runs` (`workflow`, `status`, `account`, `created_after`,"
+    " `created_before`) in a JSON body, at least one of them: a body naming none is a 400."
+    " `affected` is how many runs they match that the caller may operate and that the"
+    " action applies to, counted now; runs created after the request are never touched. A"
+    " worker does the work in batches of `DJFLOW_BULK_BATCH` runs (202 with the action's"
+    " `id`); each run is recorded in its actions as the caller's, with the bulk action's"
+    " id. `dry_run: true` answers the count and does nothing (200)."
+)
+
+
+def _bulk_schema(name: str, description: str) -> Any:
+    return extend_schema(
+        operation_id=f"runs_bulk_{name}",
+        request=BulkRunsSerializer,
+        examples=[
+            OpenApiExample(
+                name,
+                value={"workflow": "support_ticket", "status": "failed", "dry_run": True},
+                request_only=True,
+            )
+        ],
+        description=description + _BULK_FILTERS,
+        responses={
+            202: BulkResultSerializer,
+            200: BulkResultSerializer,
+            **dict.fromkeys((400, 401), ERRORS),
+        },
+    )
+
+
+class BulkCancelView(BulkActionView):
+    action = bulk.CANCEL
+
+    @_bulk_schema(
+        "cancel",
+        "Cancel every matching run that has not ended (its children too), as"
+        " `POST /runs/{id}/cancel` does one. A `status` that has ended is a 400.",
+    )
+    def post(self, request: Request) -> Response:
+        return super().post(request)
+
+
+class BulkRetryView(BulkActionView):
+    action = bulk.RETRY
+
+    @_bulk_schema(
+        "retry",
+        "Retry every matching failed top-level run from its failed step, as"
+        " `POST /runs/{id}/retry` with no body does one (a failed child run is retried with"
+        " its parent). A `status` other than failed is a 400.",
+    )
+    def post(self, request: Request) -> Response:
+        return super().post(request)
+
+
+class BulkActionDetailView(APIView):
+    @extend_schema(
+        operation_id="runs_bulk_read",
+        parameters=[
+            OpenApiParameter(
+                "bulk_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="its id (a UUID)"
+            )
+        ],
+        description=(
+            "A bulk cancel or retry and how far its batches have got: `done` runs cancelled or"
+            " retried, `skipped` counted but passed over (ended, retried, or no longer the"
+            " caller's to operate by the time their batch came), `finished_at` once the last"
+            " batch is done. Only its requester sees it (404 for anyone else)."
+        ),
+        responses={200: BulkActionSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, bulk_id: str) -> Response:
+        found = bulk.bulk_action_get(bulk_id=bulk_id, user=request.user)
+        return Response(BulkActionSerializer(found).data)
