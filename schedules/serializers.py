@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from runs.serializers import MAX_VERSION, StrictBodySerializer, StrictCharField, StrictIntegerField
@@ -82,6 +84,7 @@ class ScheduleSerializer(serializers.ModelSerializer[Schedule]):
             "last_error_at",
         ]
 
+    @extend_schema_field(OpenApiTypes.ANY)
     def get_input(self, schedule: Schedule) -> Any:
         return services.shown_input(schedule)
 
