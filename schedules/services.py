@@ -19,6 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.db.models import QuerySet
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 from django_celery_beat.validators import crontab_validator
@@ -113,7 +114,7 @@ def schedule_create(
         version=version,
         input=stored_input,
         secrets=vault.encrypt(registry),
-        owner=person,
+        owner=person,  # type: ignore[misc]  # the configured user model
         task=task,
         catch_up=catch_up,
         next_run_at=_following(task)(now),
@@ -182,7 +183,7 @@ def _locked(schedule_id: Any, user: AbstractBaseUser | None) -> Schedule:
     return schedule
 
 
-def _find(schedule_id: Any, schedules: Any) -> Schedule:
+def _find(schedule_id: Any, schedules: QuerySet[Schedule]) -> Schedule:
     try:
         pk = int(str(schedule_id), 10)
     except ValueError:
