@@ -28,9 +28,10 @@ SKIP = "skip"
 ONE = "one"
 CATCH_UP = (SKIP, ONE)
 
-# Slots walked at most per fire (a cron every minute: 69 days of beat being down); past it
-# the walk's last slot stands for the latest, which only shortens what a missed count says.
-MAX_WALK = 100_000
+# Slots a fire walks at most (0.25 s of Celery's crontab arithmetic; a cron every minute:
+# a week of beat being down). Past it the latest slot is found backwards from now, and the
+# missed count says "at least".
+MAX_WALK = 10_000
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,12 @@ def due(
     horizon = now + early
     if next_run_at > horizon:
         return None
-    latest, earlier = _latest(next_run_at, horizon, following)
+    if every is not None:
+        # An interval's slots are a grid: no walk however long beat was down.
+        earlier = int((horizon - next_run_at) / every)
+        latest = next_run_at + earlier * every
+    else:
+        latest, earlier = _latest(next_run_at, horizon, following)
     late = max(now - latest, timedelta(0))
     upcoming = following(latest) if every is None else max(latest + every, now + every - early)
     if late <= grace or catch_up == ONE:
@@ -87,11 +93,18 @@ def _latest(
     first: datetime, horizon: datetime, following: Callable[[datetime], datetime]
 ) -> tuple[datetime, int]:
     """The last slot at or before ``horizon`` from ``first`` (itself one), and how many due
-    slots came before it."""
+    slots came before it (at least that many, past ``MAX_WALK``)."""
     slot, earlier = first, 0
     while earlier < MAX_WALK:
         after = following(slot)
         if after > horizon:
-            break
+            return slot, earlier
         slot, earlier = after, earlier + 1
+    # Too many to count: look back from the horizon, twice as far each time, for a slot.
+    back = timedelta(minutes=1)
+    while (candidate := following(horizon - back)) > horizon:
+        back *= 2
+    slot = max(slot, candidate)
+    while (after := following(slot)) <= horizon:
+        slot = after
     return slot, earlier

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from celery.schedules import crontab
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
@@ -246,6 +247,8 @@ def cron_problems(cron: Any) -> list[str]:
         ]
     try:
         crontab_validator(" ".join(fields))
+        # Celery's own check of the whole: a day that never comes (the 31st of February).
+        crontab(**dict(zip(CRON_FIELDS, fields, strict=True)))
     except Exception as error:  # Django's ValidationError or the parser's ValueError
         messages = getattr(error, "messages", None) or [str(error)]
         return [f"'{echo(cron)}' is not a cron expression: {'; '.join(map(str, messages))}"]

@@ -132,3 +132,42 @@ def test_an_interval_after_beat_was_down():
     assert fire.next_run_at == back + every - min(EARLY, every / 4)
     skipped = interval(back, T0, every, catch_up=SKIP)
     assert skipped is not None and skipped.slot is None and skipped.missed == 7
+
+
+def every_minute(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0) + MINUTE
+
+
+def test_a_cron_down_for_longer_than_the_walk_finds_its_latest_slot_from_now():
+    """Beat down for 30 days on a cron every minute: 43,200 slots, more than a fire walks;
+    the one start is still for the latest slot, and the schedule waits for the next."""
+    now = T0 + timedelta(days=30, seconds=20)
+    fire = due(
+        next_run_at=T0,
+        now=now,
+        following=every_minute,
+        catch_up=ONE,
+        grace=GRACE,
+        early=EARLY,
+    )
+    assert fire is not None
+    assert fire.slot == T0 + timedelta(days=30)
+    assert fire.next_run_at == T0 + timedelta(days=30, minutes=1)
+    assert fire.missed >= 10_000
+    # The next message, on time, starts the next slot only.
+    nxt = due(
+        next_run_at=fire.next_run_at,
+        now=fire.next_run_at,
+        following=every_minute,
+        catch_up=ONE,
+        grace=GRACE,
+        early=EARLY,
+    )
+    assert nxt.slot == fire.next_run_at and nxt.missed == 0
+
+
+def test_an_interval_down_for_a_year_is_arithmetic():
+    every = timedelta(seconds=60)
+    fire = interval(T0 + timedelta(days=365, seconds=30), T0, every)
+    assert fire.slot == T0 + timedelta(days=365)
+    assert fire.missed == 365 * 24 * 60

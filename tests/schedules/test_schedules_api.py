@@ -124,6 +124,7 @@ def test_an_interval_schedule_pinned_to_a_version(settings):
         ({"cron": "61 * * * *"}, "cron", "not a cron expression"),
         ({"cron": "* * *"}, "cron", "has 3 fields"),
         ({"cron": "0 2 * * * *"}, "cron", "has 6 fields"),
+        ({"cron": "0 0 31 2 *"}, "cron", "never occurs"),
         ({"cron": None}, "cron", "exactly one of cron and every_ms"),
         ({"every_ms": 60_000}, "cron", "exactly one of cron and every_ms"),
         ({"cron": None, "every_ms": 1000}, "every_ms", "DJFLOW_SCHEDULE_MIN_INTERVAL_MS"),
