@@ -134,7 +134,9 @@ def test_two_beats_each_slot_starts_one_run_and_a_returning_beat_catches_up_once
         f"after the beat came back, for the slot at {slot_of(caught)}"
     )
     assert every.missed >= 1, every.missed
-    assert down_at < slot_of(caught) < back_at
+    # (Its slot is the latest due, which may be up to a quarter period ahead: a message
+    # that comes a moment before its slot counts for it.)
+    assert down_at < slot_of(caught) <= caught.created_at + EVERY / 4
     assert (caught.created_at - back_at).total_seconds() < EVERY.total_seconds() - 0.5
     assert "slot(s) missed (beat or the workers were down); catch_up=one" in worker.logs()
     # ... and only one: the next run is the next period's.
