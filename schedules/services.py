@@ -73,6 +73,11 @@ def schedule_create(
     workflow that already has ``DJFLOW_SCHEDULES_PER_WORKFLOW`` schedules.
     """
     access.require_start(user, workflow)
+    person = user if user is not None and user.is_authenticated else None
+    if person is None:
+        # Its runs are started as its owner, checked at each fire: an ownerless schedule is
+        # one whose owner was deleted, and never fires.
+        raise Forbidden(errors=[FieldError(None, "a schedule is made by a signed-in user")])
     pinned = selectors.version_get(workflow_id=workflow, number=version)
     errors = _timing_errors(cron, every_ms)
     if catch_up is not None and catch_up not in clock.CATCH_UP:
@@ -109,7 +114,6 @@ def schedule_create(
         assert every_ms is not None
         task.interval = _interval(every_ms)
     task.save()
-    person = user if user is not None and user.is_authenticated else None
     schedule = Schedule.objects.create(
         workflow_id=workflow,
         version=version,
@@ -231,6 +235,14 @@ def _timing_errors(cron: Any, every_ms: Any) -> list[FieldError]:
                 f"(a year), not {every_ms}",
             )
         ]
+    if every_ms % 1000 and every_ms * 1000 > MAX_MICROSECONDS:
+        return [
+            FieldError(
+                "every_ms",
+                f"over {MAX_MICROSECONDS // 1000} ms must be whole seconds (a multiple of "
+                f"1000), not {every_ms}",
+            )
+        ]
     return []
 
 
@@ -262,11 +274,24 @@ def _crontab(cron: str) -> CrontabSchedule:
     return found or CrontabSchedule.objects.create(**spec, timezone=tz)
 
 
+# IntervalSchedule's periods, longest first, in milliseconds (a period's "every" is a 32-bit
+# integer: microseconds hold at most 35 minutes).
+PERIODS = (
+    (IntervalSchedule.DAYS, 86_400_000),
+    (IntervalSchedule.HOURS, 3_600_000),
+    (IntervalSchedule.MINUTES, 60_000),
+    (IntervalSchedule.SECONDS, 1000),
+)
+MAX_MICROSECONDS = 2**31 - 1
+
+
 def _interval(every_ms: int) -> IntervalSchedule:
-    if every_ms % 1000 == 0:
-        every, period = every_ms // 1000, IntervalSchedule.SECONDS
-    else:
-        every, period = every_ms * 1000, IntervalSchedule.MICROSECONDS
+    """The interval as the admin shows it best: in the longest period that divides it."""
+    every, period = every_ms * 1000, IntervalSchedule.MICROSECONDS
+    for name, length in PERIODS:
+        if every_ms % length == 0:
+            every, period = every_ms // length, name
+            break
     found = IntervalSchedule.objects.filter(every=every, period=period).order_by("id").first()
     return found or IntervalSchedule.objects.create(every=every, period=period)
 

@@ -116,6 +116,16 @@ def test_an_interval_schedule_pinned_to_a_version(settings):
     )
     task = PeriodicTask.objects.get(djflow_schedule__pk=body["id"])
     assert (task.interval.every, task.interval.period) == (90, "seconds")
+    # In the longest period that divides it, as the admin shows it; milliseconds kept.
+    for every_ms, interval in (
+        (7_200_000, (2, "hours")),
+        (86_400_000, (1, "days")),
+        (61_500, (61_500_000, "microseconds")),
+    ):
+        made = create(client_of(ada), cron=None, every_ms=every_ms).json()
+        assert made["every_ms"] == every_ms
+        task = PeriodicTask.objects.get(djflow_schedule__pk=made["id"])
+        assert (task.interval.every, task.interval.period) == interval
 
 
 @pytest.mark.parametrize(
@@ -130,6 +140,7 @@ def test_an_interval_schedule_pinned_to_a_version(settings):
         ({"cron": None, "every_ms": 1000}, "every_ms", "DJFLOW_SCHEDULE_MIN_INTERVAL_MS"),
         ({"cron": None, "every_ms": 10**13}, "every_ms", "a year"),
         ({"cron": None, "every_ms": "60000"}, "every_ms", "valid integer"),
+        ({"cron": None, "every_ms": 3_000_001}, "every_ms", "whole seconds"),
         ({"input": {"region": 7}}, "input.region", "string"),
         ({"input": {}}, "input.region", "required"),
         ({"catch_up": "all"}, "catch_up", "valid choice"),
@@ -311,6 +322,11 @@ def test_an_input_the_latest_version_refuses_fails_visibly():
     schedule.refresh_from_db()
     assert schedule.failures == 1 and "input.day" in schedule.last_error
     assert not Run.objects.exists()
+
+
+def test_trusted_code_makes_no_ownerless_schedule():
+    with pytest.raises(services.Forbidden, match="signed-in user"):
+        services.schedule_create(workflow="nightly", input={"region": "eu"}, cron="0 * * * *")
 
 
 def test_a_disabled_or_deleted_schedule_fires_nothing():
