@@ -112,7 +112,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "id",
         "workflow_id",
         "owner",
-        "timing",
+        "every_or_cron",
         "enabled",
         "next_run_at",
         "starts",
@@ -126,7 +126,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         "workflow",
         "version",
         "shown_input",
-        "timing",
+        "every_or_cron",
         "periodic_task",
         "owner",
         "next_run_at",
@@ -200,7 +200,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
         return json.dumps(services.shown_input(schedule), indent=2, ensure_ascii=False)
 
     @admin.display(description="timing")
-    def timing(self, schedule: Schedule) -> str:
+    def every_or_cron(self, schedule: Schedule) -> str:
         cron = services.cron_of(schedule.task)
         if cron is not None:
             return f"cron {cron}"

@@ -41,6 +41,10 @@ class Schedule(models.Model):
     task = models.OneToOneField(
         PeriodicTask, on_delete=models.CASCADE, related_name="djflow_schedule"
     )
+    # The periodic task's timing next_run_at was computed from ("cron:<fields> <tz>" or
+    # "every:<ms>"): a fire that finds another (edited on beat's "Periodic tasks" page)
+    # counts from the new one, from then.
+    timing = models.CharField(max_length=250, blank=True, default="")
     # Null: DJFLOW["SCHEDULE_CATCH_UP"] when the fire happens.
     catch_up = models.CharField(max_length=8, choices=CatchUp.choices, null=True, blank=True)  # noqa: DJ001
     next_run_at = models.DateTimeField()

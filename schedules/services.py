@@ -122,6 +122,7 @@ def schedule_create(
         owner=person,  # type: ignore[misc]  # the configured user model
         task=task,
         catch_up=catch_up,
+        timing=timing_of(task),
         next_run_at=_following(task)(now),
         created_at=now,
     )
@@ -302,6 +303,14 @@ def every_of(task: PeriodicTask) -> timedelta | None:
     return timedelta(seconds=task.interval.schedule.run_every.total_seconds())
 
 
+def timing_of(task: PeriodicTask) -> str:
+    cron = cron_of(task)
+    if cron is not None:
+        return f"cron:{cron} {task.crontab.timezone if task.crontab else ''}"
+    every = every_of(task)
+    return f"every:{round(every.total_seconds() * 1000)}" if every is not None else ""
+
+
 def cron_of(task: PeriodicTask) -> str | None:
     tab = task.crontab
     if tab is None:
@@ -350,6 +359,19 @@ def schedule_fire(*, schedule_id: Any, now: datetime | None = None) -> clock.Due
             return None
         every = every_of(schedule.task)
         early = EARLY if every is None else min(EARLY, every / 4)
+        timing = timing_of(schedule.task)
+        if timing != schedule.timing:
+            # Edited on beat's "Periodic tasks" page since the last fire: the slots come from
+            # the new timing, from now (a cron's slot of this minute is due: its message came).
+            logger.info(
+                "schedule %s (%s): timing changed from %s to %s",
+                schedule.pk,
+                schedule.workflow_id,
+                schedule.timing,
+                timing,
+            )
+            schedule.timing = timing
+            schedule.next_run_at = _following(schedule.task)(now - early)
         decision = clock.due(
             next_run_at=schedule.next_run_at,
             now=now,
@@ -360,6 +382,7 @@ def schedule_fire(*, schedule_id: Any, now: datetime | None = None) -> clock.Due
             every=every,
         )
         if decision is None:
+            schedule.save(update_fields=["timing", "next_run_at"])
             return None
         schedule.next_run_at = decision.next_run_at
         if decision.missed:

@@ -324,6 +324,27 @@ def test_an_input_the_latest_version_refuses_fails_visibly():
     assert not Run.objects.exists()
 
 
+def test_a_timing_edited_on_beats_page_counts_from_then():
+    """Someone changes the crontab on django-celery-beat's "Periodic tasks" page from hourly
+    to every five minutes: the next message (at a five-minute slot) fires that slot, and
+    the schedule goes on every five minutes; nothing counts as missed."""
+    from django_celery_beat.models import CrontabSchedule
+
+    ada = person("ada", starter="nightly")
+    schedule = make(ada, cron="0 * * * *")
+    hourly = schedule.next_run_at
+    task = schedule.task
+    task.crontab = CrontabSchedule.objects.create(minute="*/5", timezone="UTC")
+    task.save()
+    slot = hourly + timedelta(minutes=25)  # the hour's slot is still to come
+    fire = services.schedule_fire(schedule_id=schedule.pk, now=slot + timedelta(milliseconds=20))
+    assert fire is not None and fire.slot == slot and fire.missed == 0
+    schedule.refresh_from_db()
+    assert schedule.timing == "cron:*/5 * * * * UTC"
+    assert schedule.next_run_at == slot + timedelta(minutes=5)
+    assert Run.objects.count() == 1
+
+
 def test_trusted_code_makes_no_ownerless_schedule():
     with pytest.raises(services.Forbidden, match="signed-in user"):
         services.schedule_create(workflow="nightly", input={"region": "eu"}, cron="0 * * * *")
