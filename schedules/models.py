@@ -64,7 +64,11 @@ class Schedule(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["-created_at", "-id"], name="schedule_newest")]
+        indexes = [
+            models.Index(fields=["-created_at", "-id"], name="schedule_newest"),
+            # The sweep's look for overdue slots (schedules.services.schedules_sweep).
+            models.Index(fields=["next_run_at"], name="schedule_next_run"),
+        ]
 
     def __str__(self) -> str:
         return f"schedule {self.pk} of {self.workflow_id}"

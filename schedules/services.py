@@ -402,6 +402,27 @@ def schedule_fire(*, schedule_id: Any, now: datetime | None = None) -> clock.Due
         return decision
 
 
+def schedules_sweep(*, now: datetime | None = None) -> int:
+    """Fire the enabled schedules whose slot is more than ``LOST_MESSAGE_SECONDS`` overdue
+    (at most ``RECONCILE_BATCH``, the most overdue first), each in its own transaction as
+    beat's message would: their message was lost. Returns how many started a run or
+    recorded a miss or a failure."""
+    now = now or timezone.now()
+    overdue = now - timedelta(seconds=float(settings.DJFLOW["LOST_MESSAGE_SECONDS"]))
+    ids = list(
+        Schedule.objects.filter(task__enabled=True, next_run_at__lt=overdue)
+        .order_by("next_run_at")
+        .values_list("pk", flat=True)[: int(settings.DJFLOW["RECONCILE_BATCH"])]
+    )
+    fired = 0
+    for schedule_id in ids:
+        if schedule_fire(schedule_id=schedule_id, now=now) is not None:
+            fired += 1
+    if fired:
+        logger.warning("schedules: fired %d schedule(s) whose message was lost", fired)
+    return fired
+
+
 def catch_up_of(schedule: Schedule) -> str:
     return schedule.catch_up or str(settings.DJFLOW["SCHEDULE_CATCH_UP"])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from .services import schedule_fire
+from .services import schedule_fire, schedules_sweep
 
 
 # Beat sends one message per periodic task when it is due; two beats send two, and the
@@ -13,3 +13,9 @@ from .services import schedule_fire
 @shared_task(name="schedules.fire", ignore_result=True)
 def fire(schedule_id: int) -> None:
     schedule_fire(schedule_id=schedule_id)
+
+
+@shared_task(name="schedules.sweep", ignore_result=True)
+def sweep() -> int:
+    """Every RECONCILE_SECONDS (beat): fire schedules whose message was lost."""
+    return schedules_sweep()

@@ -400,3 +400,41 @@ def test_turned_back_on_a_schedule_waits_for_its_next_slot():
     bob = person("bob", starter="nightly")
     with pytest.raises(services.Forbidden):
         services.schedule_change(schedule_id=schedule.pk, user=bob, enabled=False)
+
+
+def test_the_sweep_fires_a_slot_whose_message_was_lost(settings):
+    """Beat's message for the 10:00 slot was lost (a broker restart): the sweep, every
+    RECONCILE_SECONDS, fires it once it is LOST_MESSAGE_SECONDS overdue, and only once."""
+    ada = person("ada", starter="nightly")
+    lost = make(ada, cron="0 * * * *")
+    fine = make(ada, cron="0 * * * *")
+    off = make(ada, cron="0 * * * *", enabled=False)
+    slot = lost.next_run_at
+    # The message for ``fine`` came.
+    services.schedule_fire(schedule_id=fine.pk, now=slot + timedelta(milliseconds=50))
+    assert services.schedules_sweep(now=slot + timedelta(seconds=5)) == 0  # not overdue yet
+    assert services.schedules_sweep(now=slot + timedelta(seconds=25)) == 1
+    assert services.schedules_sweep(now=slot + timedelta(seconds=55)) == 0
+    started = {run.correlation: run for run in Run.objects.all()}
+    assert set(started) == {f"schedule:{lost.pk}", f"schedule:{fine.pk}"}
+    assert started[f"schedule:{lost.pk}"].idempotency_key == services.slot_key(lost, slot)
+    lost.refresh_from_db()
+    assert lost.missed == 0 and lost.next_run_at == slot + timedelta(hours=1)
+    off.refresh_from_db()
+    assert off.next_run_at == slot
+
+
+def test_the_sweeps_beat_entry_is_installed_and_repaired(db):
+    from django_celery_beat.models import IntervalSchedule
+
+    from schedules.beat import SWEEP, install_beat_entry
+
+    install_beat_entry(IntervalSchedule, PeriodicTask, reconcile_seconds=7)
+    install_beat_entry(IntervalSchedule, PeriodicTask, reconcile_seconds=7)
+    entry = PeriodicTask.objects.get(name=SWEEP)
+    assert (entry.task, entry.queue, entry.interval.every, entry.enabled) == (
+        "schedules.sweep",
+        "timers",
+        7,
+        True,
+    )
