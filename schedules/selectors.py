@@ -7,10 +7,10 @@ from typing import Any
 from django.db.models import QuerySet
 
 from workflows import access
+from workflows.errors import FieldError, NotFound, echo
 from workflows.models import Workflow
 
 from .models import Schedule
-from .services import _find, require_view
 
 
 def schedule_list(*, user: Any, workflow: str | None = None) -> QuerySet[Schedule]:
@@ -28,6 +28,29 @@ def schedule_list(*, user: Any, workflow: str | None = None) -> QuerySet[Schedul
 
 def schedule_get(*, schedule_id: Any, user: Any) -> Schedule:
     """One schedule; 404 naming ``id`` when it does not exist or ``user`` may not see it."""
-    schedule = _find(schedule_id, Schedule.objects.select_related("owner"))
+    schedule = schedule_row(schedule_id, Schedule.objects.select_related("owner"))
     require_view(user, schedule)
     return schedule
+
+
+def schedule_row(schedule_id: Any, schedules: QuerySet[Schedule]) -> Schedule:
+    """The schedule ``schedule_id`` names, from ``schedules``; 404 naming ``id`` for none (or
+    an id that is not a number)."""
+    try:
+        pk = int(str(schedule_id), 10)
+    except ValueError:
+        pk = None
+    found = (
+        schedules.select_related("task", "task__crontab", "task__interval").filter(pk=pk).first()
+        if pk is not None and 0 < pk < 2**63
+        else None
+    )
+    if found is None:
+        raise NotFound(errors=[FieldError("id", f"unknown schedule '{echo(schedule_id)}'")])
+    return found
+
+
+def require_view(user: Any, schedule: Schedule) -> None:
+    """404 naming ``id`` unless ``user`` may see the schedule's workflow."""
+    if not access.may_see_definition(user, schedule.workflow_id):
+        raise NotFound(errors=[FieldError("id", f"unknown schedule '{schedule.pk}'")])

@@ -20,19 +20,19 @@ from celery.schedules import crontab
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
-from django.db.models import QuerySet
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 from django_celery_beat.validators import crontab_validator
 
 from runs import services as run_services
 from runs import vault
-from workflows import access, secrets, selectors
-from workflows.errors import EngineError, FieldError, Forbidden, InvalidInput, NotFound, echo
+from workflows import access, secrets
+from workflows import selectors as workflow_selectors
+from workflows.errors import EngineError, FieldError, Forbidden, InvalidInput, echo
 from workflows.inputs import input_errors
 from workflows.models import Workflow
 
-from . import clock
+from . import clock, selectors
 from .models import Schedule
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def schedule_create(
         # Its runs are started as its owner, checked at each fire: an ownerless schedule is
         # one whose owner was deleted, and never fires.
         raise Forbidden(errors=[FieldError(None, "a schedule is made by a signed-in user")])
-    pinned = selectors.version_get(workflow_id=workflow, number=version)
+    pinned = workflow_selectors.version_get(workflow_id=workflow, number=version)
     errors = _timing_errors(cron, every_ms)
     if catch_up is not None and catch_up not in clock.CATCH_UP:
         errors.append(FieldError("catch_up", f"must be one of {', '.join(clock.CATCH_UP)}"))
@@ -174,8 +174,8 @@ def schedule_delete(*, schedule_id: Any, user: AbstractBaseUser | None = None) -
 def _locked(schedule_id: Any, user: AbstractBaseUser | None) -> Schedule:
     """The schedule, locked, once ``user`` may change it: 404 when they may not see it, 403
     when they may see it but neither own it nor operate its workflow."""
-    schedule = _find(schedule_id, Schedule.objects.select_for_update(of=("self",)))
-    require_view(user, schedule)
+    schedule = selectors.schedule_row(schedule_id, Schedule.objects.select_for_update(of=("self",)))
+    selectors.require_view(user, schedule)
     if not may_change(user, schedule):
         raise Forbidden(
             errors=[
@@ -187,27 +187,6 @@ def _locked(schedule_id: Any, user: AbstractBaseUser | None) -> Schedule:
             ]
         )
     return schedule
-
-
-def _find(schedule_id: Any, schedules: QuerySet[Schedule]) -> Schedule:
-    try:
-        pk = int(str(schedule_id), 10)
-    except ValueError:
-        pk = None
-    found = (
-        schedules.select_related("task", "task__crontab", "task__interval").filter(pk=pk).first()
-        if pk is not None and 0 < pk < 2**63
-        else None
-    )
-    if found is None:
-        raise NotFound(errors=[FieldError("id", f"unknown schedule '{echo(schedule_id)}'")])
-    return found
-
-
-def require_view(user: Any, schedule: Schedule) -> None:
-    """404 naming ``id`` unless ``user`` may see the schedule's workflow."""
-    if not access.may_see_definition(user, schedule.workflow_id):
-        raise NotFound(errors=[FieldError("id", f"unknown schedule '{schedule.pk}'")])
 
 
 def may_change(user: Any, schedule: Schedule) -> bool:
