@@ -70,6 +70,7 @@ def install_beat_entries(**_: object) -> None:
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
     from runs.beat import install_beat_entries as install
+    from schedules.beat import install_beat_entry as install_schedules
 
     with transaction.atomic():
         install(
@@ -78,6 +79,7 @@ def install_beat_entries(**_: object) -> None:
             settings.DJFLOW["RECONCILE_SECONDS"],
             settings.DJFLOW["RETENTION_EVERY_SECONDS"],
         )
+        install_schedules(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
 
 
 @beat_init.connect

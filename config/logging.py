@@ -3,13 +3,14 @@ with ``DJFLOW_LOG_FORMAT=json``, one JSON object a line carrying the run, step, 
 trace ids (:class:`RunIds`, :func:`json_formatter`).
 
 Beat sends the timer tick (``runs.fire_timers``) every second, and the reconciler
-(``runs.reconcile``) and the knowledge-base embedding sweep (``workers.sweep_kb_embeddings``)
-every ``RECONCILE_SECONDS``; Celery logs three info lines for each
-(beat's "Sending due task", the worker's "received" and "succeeded"), about 186 lines a
-minute of an idle ``manage.py standalone``, burying everything else (console e-mails
-included). :class:`QuietClock` drops those lines below WARNING; an error or a retry of the
-tick still shows, and the engine itself logs at info when a tick fired timers or the
-reconciler repaired something (``runs.tasks``), so nothing that happened goes unsaid.
+(``runs.reconcile``), the knowledge-base embedding sweep (``workers.sweep_kb_embeddings``) and
+the sweep for schedules' lost messages (``schedules.sweep``) every ``RECONCILE_SECONDS``;
+Celery logs three info lines for each (beat's "Sending due task", the worker's "received"
+and "succeeded"), about 186 lines a minute of an idle ``manage.py standalone``, burying
+everything else (console e-mails included). :class:`QuietClock` drops those lines below
+WARNING; an error or a retry of the tick still shows, and the engine itself logs at info when
+a tick fired timers or the reconciler repaired something (``runs.tasks``), so nothing that
+happened goes unsaid.
 
 It is attached as a filter to the loggers that emit those lines (a logger's filter sees only
 records logged to that very logger, not those propagated from below), and it applies in
@@ -29,7 +30,9 @@ from pythonjsonlogger.json import JsonFormatter
 from runs import tracing
 
 # The tasks whose routine Celery lines are dropped.
-CLOCK_TASKS = frozenset({"runs.fire_timers", "runs.reconcile", "workers.sweep_kb_embeddings"})
+CLOCK_TASKS = frozenset(
+    {"runs.fire_timers", "runs.reconcile", "workers.sweep_kb_embeddings", "schedules.sweep"}
+)
 # The loggers emitting them: "Task ... received" (the worker's consumer), "Task ... succeeded
 # in ..." (the pool process running it), "Scheduler: Sending due task ..." (beat).
 CELERY_TASK_LOGGERS = ("celery.worker.strategy", "celery.app.trace", "celery.beat")

@@ -126,6 +126,7 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
     "workers",
+    "schedules",
 ]
 
 MIDDLEWARE = [
@@ -717,6 +718,14 @@ DJFLOW = {
     "RETENTION_EVERY_SECONDS": env.int("DJFLOW_RETENTION_EVERY_SECONDS", default=3600),
     "RETENTION_TICK_SECONDS": env.float("DJFLOW_RETENTION_TICK_SECONDS", default=60.0),
     "RETENTION_BATCH": env.int("DJFLOW_RETENTION_BATCH", default=100),
+    # Schedules (README "Schedules"): the shortest every_ms a schedule may have (a cron's
+    # finest is a minute too), the most schedules one workflow may have, what a fire does
+    # with slots missed while beat or every worker was down ("one": one start for all of
+    # them; "skip": none), and how late a fire may come and still count as on time.
+    "SCHEDULE_MIN_INTERVAL_MS": env.int("DJFLOW_SCHEDULE_MIN_INTERVAL_MS", default=60_000),
+    "SCHEDULES_PER_WORKFLOW": env.int("DJFLOW_SCHEDULES_PER_WORKFLOW", default=20),
+    "SCHEDULE_CATCH_UP": env.str("DJFLOW_SCHEDULE_CATCH_UP", default="one"),
+    "SCHEDULE_GRACE_SECONDS": env.float("DJFLOW_SCHEDULE_GRACE_SECONDS", default=60.0),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
@@ -725,6 +734,12 @@ if DJFLOW["MODEL_CONCURRENCY"] < 1:
     )
 if DJFLOW["MODEL_SLOT_WAIT_SECONDS"] < 0:
     raise ImproperlyConfigured("DJFLOW_MODEL_SLOT_WAIT_SECONDS must not be negative")
+if DJFLOW["SCHEDULE_CATCH_UP"] not in ("skip", "one"):
+    raise ImproperlyConfigured(
+        f"DJFLOW_SCHEDULE_CATCH_UP must be skip or one, not {DJFLOW['SCHEDULE_CATCH_UP']!r}"
+    )
+if DJFLOW["SCHEDULE_MIN_INTERVAL_MS"] < 1000:
+    raise ImproperlyConfigured("DJFLOW_SCHEDULE_MIN_INTERVAL_MS must be at least 1000")
 if DJFLOW["MCP_POOL_SIZE"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MCP_POOL_SIZE must be at least 1, not {DJFLOW['MCP_POOL_SIZE']}"

@@ -10,6 +10,7 @@ api_v1 = [
     path("", include("workflows.urls")),
     path("", include("runs.urls")),
     path("", include("approvals.api_urls")),
+    path("", include("schedules.urls")),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     # The split view serves Swagger UI's start-up script as a file (docs/?script), not inline:
     # the page runs under the Content-Security-Policy's script-src 'self'.

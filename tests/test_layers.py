@@ -119,7 +119,14 @@ def cycles_of(graph: grimp.ImportGraph) -> list[str]:
 
 
 def test_the_project_graph_is_the_one_import_linter_checks() -> None:
-    assert set(ROOT_PACKAGES) == {"config", "workflows", "runs", "workers", "approvals"}
+    assert set(ROOT_PACKAGES) == {
+        "config",
+        "workflows",
+        "runs",
+        "workers",
+        "approvals",
+        "schedules",
+    }
     assert IMPORT_LINTER["exclude_type_checking_imports"] is True
 
 
