@@ -109,6 +109,7 @@ class Workflow:
         description: str | None = None,
         input_schema: Mapping[str, Any] | None = None,
         limits: Mapping[str, Any] | None = None,
+        concurrency: Mapping[str, Any] | None = None,
         version: int | None = None,
         module: str | None = None,
     ) -> None:
@@ -118,6 +119,7 @@ class Workflow:
         self.description = description
         self.input_schema = copy.deepcopy(input_schema)
         self.limits = copy.deepcopy(limits)
+        self.concurrency = copy.deepcopy(concurrency)
         # The module that defined the builder: a reload of it replaces the builder, another
         # module defining the same id is an error (see workflows.registry).
         self.module = module or sys._getframe(1).f_globals.get("__name__", "?")
@@ -210,6 +212,8 @@ class Workflow:
             doc["input_schema"] = self.input_schema
         if self.limits is not None:
             doc["limits"] = self.limits
+        if self.concurrency is not None:
+            doc["concurrency"] = self.concurrency
         doc["steps"] = self._steps
         if self._output is not None:
             doc["output"] = self._output
@@ -219,7 +223,9 @@ class Workflow:
         """Save the document as a version: the same body again returns the same version."""
         return client.document_save(document=self.document(), user=user)
 
-    def start(self, input: Any, idempotency_key: str | None = None) -> Any:
+    def start(
+        self, input: Any, idempotency_key: str | None = None, *, priority: int | None = None
+    ) -> Any:
         """Start a run of the version this builder defines; returns the run.
 
         The document is saved on the first call in this process (the same body keeps its
@@ -232,6 +238,7 @@ class Workflow:
             input=input,
             version=self._saved_version,
             idempotency_key=idempotency_key,
+            priority=priority,
         )
 
 
@@ -241,6 +248,7 @@ def workflow(
     description: str | None = None,
     input_schema: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
+    concurrency: Mapping[str, Any] | None = None,
     version: int | None = None,
 ) -> Workflow:
     """A builder for the workflow ``id``; the arguments are the document's top-level fields."""
@@ -249,6 +257,7 @@ def workflow(
         description=description,
         input_schema=input_schema,
         limits=limits,
+        concurrency=concurrency,
         version=version,
         module=sys._getframe(1).f_globals.get("__name__", "?"),
     )

@@ -153,9 +153,16 @@ def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
     monkeypatch.setattr(redis.Redis, "execute_command", real_execute)
     assert "LPUSH" not in direct
     with app.connection_for_write() as conn:
-        client = conn.default_channel.client
+        channel = conn.default_channel
+        client = channel.client
+        # One list per priority step (a run's priority): the default's messages are on its.
+        lists = [channel._q_for_pri(queue, step) for step in channel.priority_steps]
         try:
-            waiting = [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+            waiting = [
+                json.loads(m)["headers"]["id"] for key in lists for m in client.lrange(key, 0, -1)
+            ]
+            on_default = client.llen(channel._q_for_pri(queue, dispatch.broker_priority(None)))
         finally:
-            client.delete(queue)
+            client.delete(*lists)
     assert sorted(waiting) == [f"fan-task-{n}" for n in range(5)]
+    assert on_default == 5

@@ -1,0 +1,283 @@
+"""Concurrency keys and priority (CONTRACT section 13; runs.engine.slots) on the real
+database: who waits, who is admitted when a run ends, in which order, what the run says, the
+reconciler's re-check, and two starts at once racing for the last slot."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+from unittest import mock
+
+import pytest
+from django.db import connection, transaction
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from runs import services
+from runs.engine import slots
+from runs.engine.advance import run_advance
+from runs.engine.reconcile import reconcile
+from runs.models import ConcurrencyGate, Run
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db
+
+
+def per_customer(limit: int = 2, **changes: Any) -> dict[str, Any]:
+    """Runs that hold their slot while they wait for an event named by their own id."""
+    document = {
+        "id": "per_customer",
+        "concurrency": {"key": "${input.customer}", "limit": limit},
+        "steps": [{"id": "hold", "kind": "wait_event", "event": "go", "key": "${input.n}"}],
+    }
+    document.update(changes)
+    return document
+
+
+def start(customer: str, n: str, **kwargs: Any) -> Run:
+    run = services.run_start(
+        workflow="per_customer", input={"customer": customer, "n": n}, **kwargs
+    ).run
+    run.refresh_from_db()
+    return run
+
+
+def admitted(run: Run) -> bool:
+    run.refresh_from_db()
+    return run.admitted_at is not None
+
+
+def test_runs_over_the_limit_wait_pending_with_nothing_planned_and_say_why(
+    api: APIClient,
+) -> None:
+    definition_save(document=per_customer(limit=2))
+    first, second, third = (start("acme", str(n)) for n in range(3))
+    other = start("globex", "9")
+    assert [r.status for r in (first, second, third, other)] == [
+        "waiting",
+        "waiting",
+        "pending",
+        "waiting",
+    ]
+    assert third.concurrency_key == "acme" and third.admitted_at is None
+    assert not third.steps.exists()
+    shown = api.get(f"/api/v1/runs/{third.id}").json()
+    assert shown["status"] == "pending"
+    assert shown["reason"] == "waiting for a concurrency slot of key 'acme' (2 of 2 running)"
+    assert shown["concurrency_key"] == "acme"
+    # A run that holds its slot says nothing of the sort.
+    assert api.get(f"/api/v1/runs/{first.id}").json()["reason"] is None
+    # An advance of a waiting run (a stray message) plans nothing.
+    run_advance(run_id=third.id)
+    third.refresh_from_db()
+    assert third.status == "pending" and not third.steps.exists()
+
+
+def test_a_limit_without_a_key_is_one_per_workflow(api: APIClient) -> None:
+    definition_save(document=per_customer(limit=1, concurrency={"limit": 1}))
+    first, second = start("acme", "1"), start("globex", "2")
+    assert (first.status, second.status) == ("waiting", "pending")
+    assert second.concurrency_key == ""
+    reason = api.get(f"/api/v1/runs/{second.id}").json()["reason"]
+    assert reason == "waiting for a concurrency slot of workflow per_customer (1 of 1 running)"
+
+
+def test_an_end_admits_the_highest_priority_then_the_first_come(
+    django_capture_on_commit_callbacks,
+) -> None:
+    definition_save(document=per_customer(limit=1))
+    holder = start("acme", "0")
+    waiting = {
+        "a5": start("acme", "a5", priority=5),
+        "b9": start("acme", "b9", priority=9),
+        "c5": start("acme", "c5", priority=5),
+        "d0": start("acme", "d0", priority=0),
+        "e9": start("acme", "e9", priority=9),
+    }
+    assert not any(admitted(run) for run in waiting.values())
+    order = []
+    current = holder
+    for _ in waiting:
+        with (
+            mock.patch.object(slots.dispatch, "advance_on_commit") as advance,
+            django_capture_on_commit_callbacks(execute=True),
+        ):
+            services.run_cancel(run_id=current.id)
+        nxt = [name for name, run in waiting.items() if name not in order and admitted(run)]
+        assert len(nxt) == 1, nxt  # one slot freed, one run admitted
+        order.append(nxt[0])
+        current = waiting[nxt[0]]
+        # Sent its advance, at its priority.
+        advance.assert_called_once_with(current.id, priority=current.priority)
+    assert order == ["b9", "e9", "a5", "c5", "d0"]
+
+
+def test_every_end_frees_the_slot_and_the_admitted_run_starts() -> None:
+    """A run that completes (an event ends its wait) admits the next; that run's advance
+    plans its first step."""
+    definition_save(document=per_customer(limit=1))
+    first, second = start("acme", "1"), start("acme", "2")
+    assert second.status == "pending"
+    services.event_send(name="go", key="1", payload={"ok": True})
+    first.refresh_from_db()
+    assert first.status == "completed"
+    assert admitted(second)
+    run_advance(run_id=second.id)  # the message sent on commit
+    second.refresh_from_db()
+    assert second.status == "waiting" and second.steps.get().step_id == "hold"
+
+
+def test_a_cancelled_waiting_run_leaves_the_queue_and_frees_nothing() -> None:
+    definition_save(document=per_customer(limit=1))
+    holder, first, second = start("acme", "0"), start("acme", "1"), start("acme", "2")
+    services.run_cancel(run_id=first.id)
+    assert not admitted(second)
+    services.run_cancel(run_id=holder.id)
+    assert admitted(second)
+    first.refresh_from_db()
+    assert first.status == "cancelled" and first.admitted_at is None
+
+
+def test_a_waiting_run_cannot_be_paused(api: APIClient) -> None:
+    definition_save(document=per_customer(limit=1))
+    start("acme", "0")
+    waiting = start("acme", "1")
+    response = api.post(f"/api/v1/runs/{waiting.id}/pause")
+    assert response.status_code == 409
+    assert "concurrency slot" in response.json()["errors"][0]["message"]
+
+
+def test_the_reconciler_admits_a_run_left_waiting_beside_a_free_slot_and_leaves_others() -> None:
+    definition_save(document=per_customer(limit=1))
+    holder, waiting = start("acme", "0"), start("acme", "1")
+    full = start("globex", "0")
+    queued = start("globex", "1")
+    old = timezone.now() - timedelta(hours=1)
+    Run.objects.filter(id__in=[waiting.id, queued.id]).update(updated_at=old)
+    # The reconciler's look for stuck runs leaves quiet waiting runs alone.
+    counts = reconcile(budget_seconds=30)
+    assert counts["admitted"] == 0
+    assert not admitted(waiting) and not admitted(queued)
+    waiting.refresh_from_db()
+    assert not waiting.steps.exists()
+    # A slot freed without its end's admission (as a document's raised limit would leave).
+    Run.objects.filter(id=holder.id).update(status="cancelled")
+    with mock.patch.object(slots.dispatch, "advance_on_commit") as advance:
+        counts = reconcile(budget_seconds=30)
+    assert counts["admitted"] == 1
+    assert admitted(waiting) and not admitted(queued)
+    advance.assert_called_once_with(waiting.id, priority=5)
+    assert full.admitted_at is not None
+
+
+def test_the_reconcilers_pass_serves_the_keys_in_turn_longest_unserved_first() -> None:
+    """Round robin: each key gets one admission per round, the key served longest ago (or
+    never) first, so a key with a long queue does not take the whole batch."""
+    version = definition_save(document=per_customer(limit=5)).version
+    # Runs left waiting with free slots (as an end that failed to admit would leave them).
+    made = timezone.now()
+    names: dict[Any, str] = {}
+    for key, count in (("a", 4), ("b", 2), ("c", 2)):
+        for n in range(count):
+            run = Run.objects.create(
+                workflow_id="per_customer",
+                version=version,
+                input={"customer": key, "n": str(n)},
+                concurrency_key=key,
+                created_at=made + timedelta(seconds=n),
+            )
+            names[run.id] = f"{key}{n}"
+    now = timezone.now()
+    ConcurrencyGate.objects.create(workflow_id="per_customer", key="b", served_at=now)
+    ConcurrencyGate.objects.create(
+        workflow_id="per_customer", key="c", served_at=now - timedelta(hours=1)
+    )
+    with mock.patch.object(slots.dispatch, "advance_on_commit") as advance:
+        assert slots.admit_waiting(now, batch=6) == 6
+    order = [names[call.args[0]] for call in advance.call_args_list]
+    # a never served, then c (an hour ago), then b (just now); round after round.
+    assert order == ["a0", "c0", "b0", "a1", "c1", "b1"]
+    assert ConcurrencyGate.objects.get(key="a").served_at == now
+
+
+def test_a_key_is_text_and_a_long_one_keeps_its_digest() -> None:
+    limit = slots.Limit(key="${input.customer}", limit=1)
+    assert slots.key_for(limit, {"customer": 42}) == "42"
+    assert slots.key_for(limit, {}) == ""
+    assert slots.key_for(slots.Limit(key="t-${input.a}-${input.b}", limit=1), {"a": "x"}) == "t-x-"
+    long_a, long_b = slots.key_for(limit, {"customer": "x" * 400 + "a"}), slots.key_for(
+        limit, {"customer": "x" * 400 + "b"}
+    )
+    assert len(long_a) == slots.KEY_MAX and long_a != long_b
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_starts_at_once_never_both_take_the_last_slot() -> None:
+    """The race: one start holds the key's gate in an open transaction; a second start at
+    the same moment waits for that lock, then counts the first's run and waits pending.
+    Neither transaction can admit past the limit, whichever commits first."""
+    definition_save(document=per_customer(limit=1))
+    inside = threading.Event()
+    release = threading.Event()
+    results: dict[str, Any] = {}
+
+    def first() -> None:
+        try:
+            with transaction.atomic():
+                results["first"] = start("acme", "1").id
+                inside.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def second() -> None:
+        try:
+            inside.wait(10)
+            results["second"] = start("acme", "2").id
+            results["second_done"] = timezone.now()
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    assert inside.wait(10)
+    # The second start is blocked on the gate's row lock while the first is uncommitted.
+    threads[1].join(1.0)
+    assert threads[1].is_alive(), "the second start did not wait for the first's lock"
+    released = timezone.now()
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert results["second_done"] >= released
+    runs = {name: Run.objects.get(id=results[name]) for name in ("first", "second")}
+    assert runs["first"].admitted_at is not None and runs["first"].status == "waiting"
+    assert runs["second"].admitted_at is None and runs["second"].status == "pending"
+    assert slots.holders("per_customer", "acme") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_many_starts_at_once_admit_exactly_the_limit() -> None:
+    """Eight starts in eight threads for a limit of 3: exactly three hold slots."""
+    definition_save(document=per_customer(limit=3))
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def go(n: int) -> None:
+        try:
+            barrier.wait(10)
+            start("acme", str(n))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=go, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors
+    assert Run.objects.filter(admitted_at__isnull=False).count() == 3
+    assert Run.objects.filter(admitted_at__isnull=True, status="pending").count() == 5
