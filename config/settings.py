@@ -398,7 +398,7 @@ CELERY_TASK_DEFAULT_QUEUE = "default"
 # Message priority (a run's priority, POST /runs): RabbitMQ orders a queue's messages only
 # when the queue is declared with x-max-priority, which Celery does for every queue it
 # declares when this is set. RabbitMQ refuses to declare an existing queue with other
-# arguments: queues made by an older djflow must be deleted once (README, Priority), or
+# arguments: queues made by an older djflow must be deleted once (README, Running on RabbitMQ), or
 # this set empty to keep them without priority.
 _max_priority = env.str("CELERY_TASK_QUEUE_MAX_PRIORITY", default="10").strip()
 CELERY_TASK_QUEUE_MAX_PRIORITY = int(_max_priority) if _max_priority else None

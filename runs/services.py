@@ -358,10 +358,12 @@ def run_retry(
     if input is not None:
         # Kept with its tokens (the API shows them masked): the input each generation ran on.
         detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
+    slot = _retry_slot(run)
     record_action(run.id, "retry", user, detail)
     move_run(
         run,
         RunStatus.RUNNING,
+        **slot,
         generation=run.generation + 1,
         input=stored_input,
         secrets=sealed,
@@ -374,6 +376,30 @@ def run_retry(
     )
     dispatch.advance_on_commit(run.id)
     return run
+
+
+def _retry_slot(run: Run) -> dict[str, Any]:
+    """A retried run of a workflow with concurrency runs again: it needs a slot of its key
+    like a start does, taken now (the run's fields to write), or the retry is a 409 naming
+    the key and its holders (retry once one ends). An ended run holds no slot, and waiting
+    in the queue is a start's (a retried run keeps its operator's move to ``running``)."""
+    if run.concurrency_key is None:
+        return {}
+    limit = slots.limit_of(journal.document_of(run.version_id))
+    now = timezone.now()
+    if limit is not None and not slots.take(run.workflow_id, run.concurrency_key, limit.limit):
+        key = run.concurrency_key
+        named = f"key '{key}'" if key else f"workflow {run.workflow_id}"
+        raise IllegalTransition(
+            errors=[
+                FieldError(
+                    "status",
+                    f"every concurrency slot of {named} is taken ({limit.limit} running): "
+                    "retry once one of them ends",
+                )
+            ]
+        )
+    return {"admitted_at": now}
 
 
 def _json_name(value: Any) -> str:

@@ -149,6 +149,14 @@ def admit(workflow_id: str, key: str, *, now: datetime, most: int = ADMIT_BATCH)
     return admitted
 
 
+def take(workflow_id: str, key: str, limit: int) -> bool:
+    """Whether one more run may hold a slot of the key now (under the gate's lock, in the
+    caller's transaction, which then writes that run's ``admitted_at``): a retried run,
+    which does not queue. Runs already waiting go first: a free slot is theirs."""
+    _gate(workflow_id, key)
+    return holders(workflow_id, key) < limit and not waiting(workflow_id, key).exists()
+
+
 def admit_and_advance(
     workflow_id: str, key: str, *, now: datetime, skip: Any = None, most: int = ADMIT_BATCH
 ) -> list[Run]:

@@ -148,6 +148,28 @@ def test_a_waiting_run_cannot_be_paused(api: APIClient) -> None:
     assert "concurrency slot" in response.json()["errors"][0]["message"]
 
 
+def test_a_retry_takes_a_slot_like_a_start_or_is_refused(api: APIClient) -> None:
+    definition_save(document=per_customer(limit=1))
+    ended = start("acme", "0")
+    services.run_cancel(run_id=ended.id)
+    holder = start("acme", "1")
+    response = api.post(f"/api/v1/runs/{ended.id}/retry", {"from_step": "hold"}, format="json")
+    assert response.status_code == 409
+    assert response.json()["errors"] == [
+        {
+            "field": "status",
+            "message": "every concurrency slot of key 'acme' is taken (1 running): retry "
+            "once one of them ends",
+        }
+    ]
+    services.run_cancel(run_id=holder.id)
+    response = api.post(f"/api/v1/runs/{ended.id}/retry", {"from_step": "hold"}, format="json")
+    assert response.status_code == 200, response.json()
+    assert slots.holders("per_customer", "acme") == 1
+    # The retried run holds the slot: the next start waits.
+    assert start("acme", "2").status == "pending"
+
+
 def test_the_reconciler_admits_a_run_left_waiting_beside_a_free_slot_and_leaves_others() -> None:
     definition_save(document=per_customer(limit=1))
     holder, waiting = start("acme", "0"), start("acme", "1")
@@ -281,3 +303,103 @@ def test_many_starts_at_once_admit_exactly_the_limit() -> None:
     assert not errors
     assert Run.objects.filter(admitted_at__isnull=False).count() == 3
     assert Run.objects.filter(admitted_at__isnull=True, status="pending").count() == 5
+
+
+# --- priority on POST /runs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [10, -1, "5", True, 1.5, [5]])
+def test_a_priority_out_of_range_or_not_an_integer_is_a_400_naming_it(
+    api: APIClient, bad: Any
+) -> None:
+    definition_save(document=per_customer())
+    response = api.post(
+        "/api/v1/runs",
+        {"workflow": "per_customer", "input": {"customer": "a", "n": "1"}, "priority": bad},
+        format="json",
+    )
+    assert response.status_code == 400
+    assert [error["field"] for error in response.json()["errors"]] == ["priority"]
+    assert not Run.objects.exists()
+
+
+def test_the_service_refuses_a_bad_priority_too() -> None:
+    definition_save(document=per_customer())
+    with pytest.raises(services.InvalidInput) as caught:
+        start("acme", "1", priority=12)
+    assert caught.value.errors[0].field == "priority"
+
+
+def test_a_priority_is_stored_shown_and_sent_with_the_runs_messages(
+    api: APIClient, django_capture_on_commit_callbacks
+) -> None:
+    """The first step's offer carries the broker's priority for the run's (9: Redis's 0)."""
+    from celery.canvas import Signature
+
+    from runs import dispatch
+
+    definition_save(
+        document={
+            "id": "urgent",
+            "steps": [{"id": "work", "kind": "task", "handler": "urgent.work"}],
+        }
+    )
+    with (
+        mock.patch.object(Signature, "apply_async", autospec=True) as sent,
+        django_capture_on_commit_callbacks(execute=True),
+    ):
+        response = api.post(
+            "/api/v1/runs", {"workflow": "urgent", "input": {}, "priority": 9}, format="json"
+        )
+        default = api.post("/api/v1/runs", {"workflow": "urgent", "input": {}}, format="json")
+    assert response.status_code == 201, response.json()
+    assert response.json()["priority"] == 9 and default.json()["priority"] == 5
+    priorities = [call.args[0].options.get("priority") for call in sent.call_args_list]
+    assert priorities == [dispatch.broker_priority(9), dispatch.broker_priority(5)]
+    assert Run.objects.get(id=response.json()["id"]).priority == 9
+
+
+# --- validation at save ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "field", "words"),
+    [
+        ({"key": "${input.customer}", "limit": 0}, "concurrency.limit", "at least 1; got 0"),
+        ({"key": "${input.customer}", "limit": 10001}, "concurrency.limit", "at most 10000"),
+        ({"key": "${input.customer}"}, "concurrency.limit", "missing"),
+        ({"limit": 2, "max": 3}, "concurrency.max", "unknown field"),
+        ({"key": "${steps.hold.output}", "limit": 2}, "concurrency.key", "only the run's input"),
+        ({"key": "${run.id}", "limit": 2}, "concurrency.key", "only the run's input"),
+        ({"key": "${input.customer", "limit": 2}, "concurrency.key", "unclosed reference"),
+        ({"key": "${input.nobody}", "limit": 2}, "concurrency.key", "input_schema"),
+        ({"key": "", "limit": 2}, "concurrency.key", "non-empty"),
+    ],
+)
+def test_a_bad_concurrency_is_a_400_naming_the_field(
+    api: APIClient, concurrency: Any, field: str, words: str
+) -> None:
+    document = per_customer(
+        concurrency=concurrency,
+        input_schema={
+            "type": "object",
+            "properties": {"customer": {"type": "string"}, "n": {"type": "string"}},
+            "additionalProperties": False,
+        },
+    )
+    response = api.post("/api/v1/definitions", document, format="json")
+    assert response.status_code == 400, response.json()
+    errors = response.json()["errors"]
+    assert [error["field"] for error in errors] == [field], errors
+    assert words in errors[0]["message"]
+
+
+def test_the_builder_writes_concurrency_and_starts_with_a_priority() -> None:
+    from workflows.sdk import workflow
+
+    built = workflow("built_limited", concurrency={"key": "${input.customer}", "limit": 3})
+    built.wait_for("hold", event="go", key="${input.customer}")
+    assert built.document()["concurrency"] == {"key": "${input.customer}", "limit": 3}
+    run = built.start({"customer": "acme"}, priority=7)
+    run.refresh_from_db()
+    assert (run.priority, run.concurrency_key, run.status) == (7, "acme", "waiting")
