@@ -346,6 +346,10 @@ CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
 CELERY_RESULT_BACKEND = env(
     "CELERY_RESULT_BACKEND", default=f"db+sqlite:///{VAR_DIR / 'celery-results.sqlite3'}"
 )
+# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
+_REDIS_BROKER = CELERY_BROKER_URL.startswith(
+    ("redis://", "rediss://", "redis+socket://", "sentinel://")
+)
 if CELERY_BROKER_URL.startswith("filesystem://"):
     _broker_dir = VAR_DIR / "broker"
     # kombu's file-system transport does not create its folders; a bare `celery worker`
@@ -372,7 +376,7 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # has no fanout, so `celery inspect`, remote control and Flower's events would not reach
     # the worker. An explicit filesystem:// gets it too.
     CELERY_BROKER_TRANSPORT = "config.broker:Transport"
-elif CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+elif _REDIS_BROKER:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Redis redelivers an unacknowledged message after this long. Keep it above the
         # longest step time limit: leases in Postgres, not redelivery, recover lost work.
@@ -405,10 +409,7 @@ CELERY_TASK_QUEUE_MAX_PRIORITY = int(_max_priority) if _max_priority else None
 # Messages that belong to no one run (the clock's, the reconciler's, batches of fired
 # timers) go at the middle of the scale, as a run of the default priority 5 does; unset, they
 # would be the lowest on RabbitMQ and the highest on Redis.
-CELERY_TASK_DEFAULT_PRIORITY = (
-    4 if CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://"))
-    else 5
-)
+CELERY_TASK_DEFAULT_PRIORITY = 4 if _REDIS_BROKER else 5
 # The engine's own tasks (advance, the timer tick, the reconciler) have a queue of their own
 # so a backlog of step bodies never delays planning. `celery -A config worker` with no -Q
 # consumes every queue below.

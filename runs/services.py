@@ -388,13 +388,12 @@ def _retry_slot(run: Run) -> dict[str, Any]:
     limit = slots.limit_of(journal.document_of(run.version_id))
     now = timezone.now()
     if limit is not None and not slots.take(run.workflow_id, run.concurrency_key, limit.limit):
-        key = run.concurrency_key
-        named = f"key '{key}'" if key else f"workflow {run.workflow_id}"
         raise IllegalTransition(
             errors=[
                 FieldError(
                     "status",
-                    f"every concurrency slot of {named} is taken ({limit.limit} running): "
+                    f"every concurrency slot of {slots.key_name(run)} is taken "
+                    f"({limit.limit} running): "
                     "retry once one of them ends",
                 )
             ]

@@ -235,7 +235,12 @@ def waiting_reason(run: Run) -> str | None:
     limit = limit_of(journal.document_of(run.version_id))
     held = holders(run.workflow_id, run.concurrency_key)
     of = f" of {limit.limit}" if limit is not None else ""
-    named = (
-        f"key '{run.concurrency_key}'" if run.concurrency_key else f"workflow {run.workflow_id}"
-    )
-    return f"waiting for a concurrency slot of {named} ({held}{of} running)"
+    return f"waiting for a concurrency slot of {key_name(run)} ({held}{of} running)"
+
+
+def key_name(run: Run) -> str:
+    """The run's key as messages name it: "key 'acme'", or "workflow w" for a limit per
+    workflow."""
+    if run.concurrency_key:
+        return f"key '{run.concurrency_key}'"
+    return f"workflow {run.workflow_id}"
