@@ -17,7 +17,10 @@ from django.utils import timezone
 
 from workflows.models import Workflow, WorkflowVersion
 
-from .status import RunStatus, StepStatus
+from .status import RUN_TERMINAL, RunStatus, StepStatus
+
+# Every status but the ends, as the partial indexes name them (in the table's order).
+RUN_NOT_ENDED = [str(status) for status in RunStatus if status not in RUN_TERMINAL]
 
 
 class Effect(models.TextChoices):
@@ -156,7 +159,7 @@ class Run(models.Model):
                 condition=Q(
                     concurrency_key__isnull=False,
                     admitted_at__isnull=False,
-                    status__in=["pending", "running", "waiting", "pending_approval", "paused"],
+                    status__in=RUN_NOT_ENDED,
                 ),
             ),
         ]
@@ -392,17 +395,29 @@ class EventScope(models.Model):
 class ConcurrencyGate(models.Model):
     """One concurrency key of a workflow (``concurrency.key`` resolved, "" for a limit per
     workflow): the row admissions of that key lock, so two starts or ends at once count the
-    key's runs in turn and never both take its last slot (runs.engine.slots). ``served_at``
-    is when the key last admitted a run: the reconciler's pass serves the keys that waited
-    longest first, one run each in turn."""
+    key's runs in turn and never both take its last slot (runs.engine.slots).
+
+    ``waiting``: the key has runs waiting for a slot (written under the lock by every
+    admission). ``turn_at``: when the key last admitted a run or had its turn in the
+    reconciler's pass, which visits the keys with runs waiting longest-untouched first."""
 
     workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="+")
     key = models.CharField(max_length=255)
-    served_at = models.DateTimeField(null=True, blank=True)
+    waiting = models.BooleanField(default=False)
+    turn_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(fields=["workflow", "key"], name="concurrency_gate_key")
+        ]
+        indexes = [
+            # The reconciler's pass: keys with runs waiting, their turns in order.
+            models.Index(
+                models.F("turn_at").asc(nulls_first=True),
+                "id",
+                name="concurrency_gate_turn",
+                condition=Q(waiting=True),
+            )
         ]
 
     def __str__(self) -> str:

@@ -20,10 +20,10 @@ Invariants:
 - Admission is durable: ``admitted_at`` is written in the transaction that frees the slot
   (a run's end) or starts the run, and the advance message follows on commit. Should that
   message be lost, the reconciler advances an admitted run left ``pending``
-  (``reconcile.advance_stuck``); should a slot be free while runs wait (a new version
-  raised the limit), the reconciler's pass (:func:`admit_waiting`) admits them, the keys
-  that were served longest ago first, one run each in turn, so a key with a long queue
-  never keeps the others waiting.
+  (``reconcile.advance_stuck``); should a slot be free while runs wait (however that
+  came about: rows changed by hand, a restored backup), the reconciler's pass
+  (:func:`admit_waiting`) admits them, the keys whose turn came longest ago first, one run
+  each in turn, so a key with a long queue never keeps the others waiting.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from django.db import connection, transaction
@@ -42,8 +42,8 @@ from django.utils import timezone
 from workflows.templates import interpolate
 
 from .. import dispatch
-from ..models import ConcurrencyGate, Run
-from ..status import RUN_TERMINAL, RunStatus
+from ..models import RUN_NOT_ENDED, ConcurrencyGate, Run
+from ..status import RunStatus
 from . import journal
 
 logger = logging.getLogger(__name__)
@@ -98,11 +98,13 @@ def _gate(workflow_id: str, key: str) -> ConcurrencyGate:
 
 def holders(workflow_id: str, key: str) -> int:
     """How many runs hold a slot of the key (admitted, not ended)."""
-    return (
-        Run.objects.filter(workflow_id=workflow_id, concurrency_key=key, admitted_at__isnull=False)
-        .exclude(status__in=RUN_TERMINAL)
-        .count()
-    )
+    return Run.objects.filter(
+        workflow_id=workflow_id,
+        concurrency_key=key,
+        admitted_at__isnull=False,
+        # Named as the partial index run_slot_holders names them.
+        status__in=RUN_NOT_ENDED,
+    ).count()
 
 
 def waiting(workflow_id: str, key: str) -> Any:
@@ -144,8 +146,13 @@ def admit(workflow_id: str, key: str, *, now: datetime, most: int = ADMIT_BATCH)
         run.admitted_at = run.updated_at = now
         held += 1
         admitted.append(run)
-    if admitted:
-        ConcurrencyGate.objects.filter(id=gate.id).update(served_at=now)
+    # Whether runs still wait, for the reconciler's pass (under the lock, so it is true).
+    left = waiting(workflow_id, key).exists()
+    if admitted or left != gate.waiting:
+        changes: dict[str, Any] = {"waiting": left}
+        if admitted:
+            changes["turn_at"] = now
+        ConcurrencyGate.objects.filter(id=gate.id).update(**changes)
     return admitted
 
 
@@ -181,10 +188,19 @@ def release(run: Run, *, now: datetime) -> None:
 
 def admit_waiting(now: datetime | None = None, batch: int = 100) -> int:
     """The reconciler's pass: admit runs waiting while their key has a free slot, at most
-    ``batch``. Keys take turns: the keys served longest ago (or never) first, one run each
-    per round, each admission its own transaction. Returns how many runs were admitted."""
+    ``batch``. Keys take turns: the ``batch`` keys with runs waiting whose turn came longest
+    ago (or never) are visited, in that order, one admission each per round (each its own
+    transaction); each visited key's turn is then now, so a later pass visits the next keys
+    and a key whose slots stay taken does not hold the pass's head. Returns how many runs
+    were admitted."""
     now = now or timezone.now()
-    keys = _waiting_keys(batch)
+    turns = list(
+        ConcurrencyGate.objects.filter(waiting=True)
+        .order_by(F("turn_at").asc(nulls_first=True), "id")
+        .values_list("id", "workflow_id", "key")[:batch]
+    )
+    ConcurrencyGate.objects.filter(id__in=[gate for gate, _, _ in turns]).update(turn_at=now)
+    keys = [(workflow_id, key) for _, workflow_id, key in turns]
     admitted = 0
     while keys and admitted < batch:
         served = []
@@ -198,32 +214,6 @@ def admit_waiting(now: datetime | None = None, batch: int = 100) -> int:
                 served.append((workflow_id, key))
         keys = served
     return admitted
-
-
-def _waiting_keys(batch: int) -> list[tuple[str, str]]:
-    """Up to ``batch`` keys with runs waiting, the ones served longest ago (never: first)."""
-    rows = (
-        Run.objects.filter(
-            status=RunStatus.PENDING,
-            concurrency_key__isnull=False,
-            admitted_at__isnull=True,
-        )
-        .order_by()
-        .values_list("workflow_id", "concurrency_key")
-        .distinct()[: batch * 10]
-    )
-    found = [(str(w), str(k)) for w, k in rows]
-    if not found:
-        return []
-    served = {
-        (gate.workflow_id, gate.key): gate.served_at
-        for gate in ConcurrencyGate.objects.filter(
-            workflow_id__in={w for w, _ in found}, key__in={k for _, k in found}
-        )
-    }
-    never = datetime.min.replace(tzinfo=UTC)
-    found.sort(key=lambda wk: (served.get(wk) or never, wk))
-    return found[:batch]
 
 
 def waiting_reason(run: Run) -> str | None:

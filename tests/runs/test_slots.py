@@ -211,16 +211,39 @@ def test_the_reconcilers_pass_serves_the_keys_in_turn_longest_unserved_first() -
             )
             names[run.id] = f"{key}{n}"
     now = timezone.now()
-    ConcurrencyGate.objects.create(workflow_id="per_customer", key="b", served_at=now)
-    ConcurrencyGate.objects.create(
-        workflow_id="per_customer", key="c", served_at=now - timedelta(hours=1)
-    )
+    gate = ConcurrencyGate.objects.create
+    gate(workflow_id="per_customer", key="a", waiting=True)
+    gate(workflow_id="per_customer", key="b", waiting=True, turn_at=now - timedelta(seconds=1))
+    gate(workflow_id="per_customer", key="c", waiting=True, turn_at=now - timedelta(hours=1))
+    # A key whose runs all started is not visited.
+    gate(workflow_id="per_customer", key="idle", waiting=False)
     with mock.patch.object(slots.dispatch, "advance_on_commit") as advance:
         assert slots.admit_waiting(now, batch=6) == 6
     order = [names[call.args[0]] for call in advance.call_args_list]
-    # a never served, then c (an hour ago), then b (just now); round after round.
+    # a never had a turn, then c (an hour ago), then b (a second ago); round after round.
     assert order == ["a0", "c0", "b0", "a1", "c1", "b1"]
-    assert ConcurrencyGate.objects.get(key="a").served_at == now
+    gates = {g.key: g for g in ConcurrencyGate.objects.all()}
+    assert all(gates[key].turn_at == now for key in "abc")
+    # a still has runs waiting; b and c have none left.
+    assert [gates[key].waiting for key in ("a", "b", "c", "idle")] == [True, False, False, False]
+
+
+def test_the_reconcilers_pass_visits_keys_in_turn_even_when_their_slots_stay_taken() -> None:
+    """Keys whose slots stay taken have their turn too, and go to the back: a later pass
+    visits the keys after them, so a pass's batch never sticks on the same full keys."""
+    definition_save(document=per_customer(limit=1))
+    for key in ("a", "b", "c"):
+        start(key, "0")
+        start(key, "1")  # waits: the key's one slot is taken
+    now = timezone.now()
+    with mock.patch.object(slots.dispatch, "advance_on_commit") as advance:
+        assert slots.admit_waiting(now, batch=2) == 0
+        first = set(ConcurrencyGate.objects.filter(turn_at=now).values_list("key", flat=True))
+        later = now + timedelta(seconds=30)
+        assert slots.admit_waiting(later, batch=2) == 0
+        second = set(ConcurrencyGate.objects.filter(turn_at=later).values_list("key", flat=True))
+    advance.assert_not_called()
+    assert len(first) == 2 and (set("abc") - first) <= second
 
 
 def test_a_key_is_text_and_a_long_one_keeps_its_digest() -> None:
@@ -404,3 +427,12 @@ def test_the_builder_writes_concurrency_and_starts_with_a_priority() -> None:
     run = built.start({"customer": "acme"}, priority=7)
     run.refresh_from_db()
     assert (run.priority, run.concurrency_key, run.status) == (7, "acme", "waiting")
+
+
+def test_the_admin_shows_why_a_run_waits(admin_user, client) -> None:
+    definition_save(document=per_customer(limit=1))
+    start("acme", "0")
+    waiting = start("acme", "1", priority=7)
+    client.force_login(admin_user)
+    page = client.get(f"/admin/runs/run/{waiting.id}/change/").content.decode()
+    assert "waiting for a concurrency slot of key &#x27;acme&#x27; (1 of 1 running)" in page
