@@ -399,12 +399,14 @@ class ConcurrencyGate(models.Model):
 
     ``waiting``: the key has runs waiting for a slot (written under the lock by every
     admission). ``turn_at``: when the key last admitted a run or had its turn in the
-    reconciler's pass, which visits the keys with runs waiting longest-untouched first."""
+    reconciler's pass (its first run's start until then), which visits the keys with runs
+    waiting in that order."""
 
     workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="+")
     key = models.CharField(max_length=255)
     waiting = models.BooleanField(default=False)
-    turn_at = models.DateTimeField(null=True, blank=True)
+    # From the key's first run: a new key takes its turn after those that had theirs first.
+    turn_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         constraints = [
@@ -413,10 +415,7 @@ class ConcurrencyGate(models.Model):
         indexes = [
             # The reconciler's pass: keys with runs waiting, their turns in order.
             models.Index(
-                models.F("turn_at").asc(nulls_first=True),
-                "id",
-                name="concurrency_gate_turn",
-                condition=Q(waiting=True),
+                fields=["turn_at", "id"], name="concurrency_gate_turn", condition=Q(waiting=True)
             )
         ]
 

@@ -189,14 +189,14 @@ def release(run: Run, *, now: datetime) -> None:
 def admit_waiting(now: datetime | None = None, batch: int = 100) -> int:
     """The reconciler's pass: admit runs waiting while their key has a free slot, at most
     ``batch``. Keys take turns: the ``batch`` keys with runs waiting whose turn came longest
-    ago (or never) are visited, in that order, one admission each per round (each its own
+    ago are visited, in that order, one admission each per round (each its own
     transaction); each visited key's turn is then now, so a later pass visits the next keys
     and a key whose slots stay taken does not hold the pass's head. Returns how many runs
     were admitted."""
     now = now or timezone.now()
     turns = list(
         ConcurrencyGate.objects.filter(waiting=True)
-        .order_by(F("turn_at").asc(nulls_first=True), "id")
+        .order_by("turn_at", "id")
         .values_list("id", "workflow_id", "key")[:batch]
     )
     ConcurrencyGate.objects.filter(id__in=[gate for gate, _, _ in turns]).update(turn_at=now)

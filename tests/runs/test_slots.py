@@ -128,6 +128,19 @@ def test_every_end_frees_the_slot_and_the_admitted_run_starts() -> None:
     assert second.status == "waiting" and second.steps.get().step_id == "hold"
 
 
+def test_an_admitted_run_whose_advance_message_was_lost_is_advanced_by_the_reconciler() -> None:
+    definition_save(document=per_customer(limit=1))
+    holder, waiting = start("acme", "0"), start("acme", "1")
+    # The end admits the waiting run in its transaction; its advance message never arrives
+    # (on-commit callbacks do not run in this test's transaction).
+    services.run_cancel(run_id=holder.id)
+    assert admitted(waiting) and waiting.status == "pending" and not waiting.steps.exists()
+    Run.objects.filter(id=waiting.id).update(updated_at=timezone.now() - timedelta(hours=1))
+    reconcile(budget_seconds=30)
+    waiting.refresh_from_db()
+    assert waiting.status == "waiting" and waiting.steps.get().step_id == "hold"
+
+
 def test_a_cancelled_waiting_run_leaves_the_queue_and_frees_nothing() -> None:
     definition_save(document=per_customer(limit=1))
     holder, first, second = start("acme", "0"), start("acme", "1"), start("acme", "2")
@@ -194,8 +207,8 @@ def test_the_reconciler_admits_a_run_left_waiting_beside_a_free_slot_and_leaves_
 
 
 def test_the_reconcilers_pass_serves_the_keys_in_turn_longest_unserved_first() -> None:
-    """Round robin: each key gets one admission per round, the key served longest ago (or
-    never) first, so a key with a long queue does not take the whole batch."""
+    """Round robin: each key gets one admission per round, the key whose turn came longest
+    ago first, so a key with a long queue does not take the whole batch."""
     version = definition_save(document=per_customer(limit=5)).version
     # Runs left waiting with free slots (as an end that failed to admit would leave them).
     made = timezone.now()
@@ -212,7 +225,7 @@ def test_the_reconcilers_pass_serves_the_keys_in_turn_longest_unserved_first() -
             names[run.id] = f"{key}{n}"
     now = timezone.now()
     gate = ConcurrencyGate.objects.create
-    gate(workflow_id="per_customer", key="a", waiting=True)
+    gate(workflow_id="per_customer", key="a", waiting=True, turn_at=now - timedelta(days=1))
     gate(workflow_id="per_customer", key="b", waiting=True, turn_at=now - timedelta(seconds=1))
     gate(workflow_id="per_customer", key="c", waiting=True, turn_at=now - timedelta(hours=1))
     # A key whose runs all started is not visited.
@@ -220,7 +233,7 @@ def test_the_reconcilers_pass_serves_the_keys_in_turn_longest_unserved_first() -
     with mock.patch.object(slots.dispatch, "advance_on_commit") as advance:
         assert slots.admit_waiting(now, batch=6) == 6
     order = [names[call.args[0]] for call in advance.call_args_list]
-    # a never had a turn, then c (an hour ago), then b (a second ago); round after round.
+    # a (a day ago), then c (an hour ago), then b (a second ago); round after round.
     assert order == ["a0", "c0", "b0", "a1", "c1", "b1"]
     gates = {g.key: g for g in ConcurrencyGate.objects.all()}
     assert all(gates[key].turn_at == now for key in "abc")
