@@ -386,19 +386,18 @@ def _retry_slot(run: Run) -> dict[str, Any]:
     if run.concurrency_key is None:
         return {}
     limit = slots.limit_of(journal.document_of(run.version_id))
-    now = timezone.now()
-    if limit is not None and not slots.take(run.workflow_id, run.concurrency_key, limit.limit):
+    refused = limit and slots.refusal(run.workflow_id, run.concurrency_key, limit.limit)
+    if refused:
         raise IllegalTransition(
             errors=[
                 FieldError(
                     "status",
-                    f"every concurrency slot of {slots.key_name(run)} is taken "
-                    f"({limit.limit} running): "
-                    "retry once one of them ends",
+                    f"no concurrency slot of {slots.key_name(run)} for a retry now: {refused}; "
+                    "retry once one is free",
                 )
             ]
         )
-    return {"admitted_at": now}
+    return {"admitted_at": timezone.now()}
 
 
 def _json_name(value: Any) -> str:

@@ -50,8 +50,8 @@ logger = logging.getLogger(__name__)
 
 # The longest key kept as it is; a longer one is kept as its beginning and its digest.
 KEY_MAX = 255
-# At most this many runs admitted by one call (one end, one start): a limit raised a lot
-# in one version admits the rest in the reconciler's passes.
+# At most this many runs admitted by one call (one end, one start): should more slots be
+# free at once, the reconciler's passes admit the rest.
 ADMIT_BATCH = 100
 
 
@@ -119,8 +119,8 @@ def waiting(workflow_id: str, key: str) -> Any:
 
 def admit(workflow_id: str, key: str, *, now: datetime, most: int = ADMIT_BATCH) -> list[Run]:
     """Give the key's free slots to its waiting runs (highest priority first, then arrival),
-    at most ``most`` of them, in the caller's transaction; each admitted run is sent an
-    advance after commit. Returns the runs admitted.
+    at most ``most`` of them, in the caller's transaction (which sends their advances: see
+    :func:`admit_and_advance`). Returns the runs admitted.
 
     Each waiting run is admitted within the limit of its own version's document (a version
     without ``concurrency`` admits at once). A waiting run another transaction holds locked
@@ -156,12 +156,19 @@ def admit(workflow_id: str, key: str, *, now: datetime, most: int = ADMIT_BATCH)
     return admitted
 
 
-def take(workflow_id: str, key: str, limit: int) -> bool:
-    """Whether one more run may hold a slot of the key now (under the gate's lock, in the
-    caller's transaction, which then writes that run's ``admitted_at``): a retried run,
-    which does not queue. Runs already waiting go first: a free slot is theirs."""
+def refusal(workflow_id: str, key: str, limit: int) -> str | None:
+    """Why one more run may not hold a slot of the key now, or None when it may (under the
+    gate's lock, in the caller's transaction, which then writes that run's
+    ``admitted_at``): a retried run, which does not queue. Runs already waiting go first: a
+    free slot is theirs."""
     _gate(workflow_id, key)
-    return holders(workflow_id, key) < limit and not waiting(workflow_id, key).exists()
+    held = holders(workflow_id, key)
+    if held >= limit:
+        return f"every slot is taken ({held} of {limit} running)"
+    queued = waiting(workflow_id, key).count()
+    if queued:
+        return f"{queued} run(s) wait for a slot and go first ({held} of {limit} running)"
+    return None
 
 
 def admit_and_advance(

@@ -165,22 +165,34 @@ def test_a_retry_takes_a_slot_like_a_start_or_is_refused(api: APIClient) -> None
     definition_save(document=per_customer(limit=1))
     ended = start("acme", "0")
     services.run_cancel(run_id=ended.id)
+
+    def retry() -> Any:
+        return api.post(f"/api/v1/runs/{ended.id}/retry", {"from_step": "hold"}, format="json")
+
     holder = start("acme", "1")
-    response = api.post(f"/api/v1/runs/{ended.id}/retry", {"from_step": "hold"}, format="json")
+    response = retry()
     assert response.status_code == 409
     assert response.json()["errors"] == [
         {
             "field": "status",
-            "message": "every concurrency slot of key 'acme' is taken (1 running): retry "
-            "once one of them ends",
+            "message": "no concurrency slot of key 'acme' for a retry now: every slot is "
+            "taken (1 of 1 running); retry once one is free",
         }
     ]
-    services.run_cancel(run_id=holder.id)
-    response = api.post(f"/api/v1/runs/{ended.id}/retry", {"from_step": "hold"}, format="json")
+    # A free slot with runs waiting is theirs (a slot freed without its end's admission).
+    queued = start("acme", "2")
+    Run.objects.filter(id=holder.id).update(status="cancelled")
+    response = retry()
+    assert response.status_code == 409
+    assert "1 run(s) wait for a slot and go first (0 of 1 running)" in str(response.json())
+    reconcile(budget_seconds=30)
+    assert admitted(queued)
+    services.run_cancel(run_id=queued.id)
+    response = retry()
     assert response.status_code == 200, response.json()
     assert slots.holders("per_customer", "acme") == 1
     # The retried run holds the slot: the next start waits.
-    assert start("acme", "2").status == "pending"
+    assert start("acme", "3").status == "pending"
 
 
 def test_the_reconciler_admits_a_run_left_waiting_beside_a_free_slot_and_leaves_others() -> None:
