@@ -461,3 +461,29 @@ def test_the_admin_shows_why_a_run_waits(admin_user, client) -> None:
     client.force_login(admin_user)
     page = client.get(f"/admin/runs/run/{waiting.id}/change/").content.decode()
     assert "waiting for a concurrency slot of key &#x27;acme&#x27; (1 of 1 running)" in page
+
+
+def test_the_runs_waiting_for_a_slot_are_a_gauge_by_workflow(settings) -> None:
+    from django.test import Client
+
+    from tests.scrape import samples
+
+    settings.DJFLOW_METRICS_TOKEN = "t0k3n-for-the-slot-gauge"
+    definition_save(document=per_customer(limit=1))
+    for n in range(4):
+        start("acme", str(n))
+    start("globex", "0")
+    response = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer t0k3n-for-the-slot-gauge")
+    found = samples(response.content)
+    assert found[("djflow_runs_waiting_for_slot", (("workflow", "per_customer"),))] == 3
+
+
+def test_the_inspector_shows_why_a_run_waits_and_offers_no_pause(client, user) -> None:
+    definition_save(document=per_customer(limit=1))
+    start("acme", "0")
+    waiting = start("acme", "1")
+    client.force_login(user)
+    page = client.get(f"/runs/{waiting.id}/").content.decode()
+    assert "waiting for a concurrency slot of key &#x27;acme&#x27; (1 of 1 running)" in page
+    assert 'id="run-queued"' in page
+    assert "/pause" not in page and "/cancel" in page
