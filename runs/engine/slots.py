@@ -133,13 +133,17 @@ def admit(workflow_id: str, key: str, *, now: datetime, most: int = ADMIT_BATCH)
     queue = waiting(workflow_id, key)
     if connection.features.has_select_for_update_skip_locked:
         queue = queue.select_for_update(skip_locked=True)
-    while len(admitted) < most:
+    # The limit of the last run admitted: with the key full at it, the next read is spared
+    # (a start of a busy key admits itself and stops there).
+    cap: int | None = None
+    while len(admitted) < most and (cap is None or held < cap):
         run = queue.exclude(id__in=[r.id for r in admitted]).first()
         if run is None:
             break
         limit = limit_of(journal.document_of(run.version_id))
         if limit is not None and held >= limit.limit:
             break
+        cap = limit.limit if limit is not None else None
         Run.objects.filter(id=run.id, admitted_at__isnull=True).update(
             admitted_at=now, updated_at=now
         )
