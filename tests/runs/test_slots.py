@@ -289,6 +289,9 @@ def test_two_starts_at_once_never_both_take_the_last_slot() -> None:
     the same moment waits for that lock, then counts the first's run and waits pending.
     Neither transaction can admit past the limit, whichever commits first."""
     definition_save(document=per_customer(limit=1))
+    # The key's gate exists (a key seen before): its row lock, not the insert of a new
+    # gate, is what the second start waits for.
+    ConcurrencyGate.objects.create(workflow_id="per_customer", key="acme")
     inside = threading.Event()
     release = threading.Event()
     results: dict[str, Any] = {}
