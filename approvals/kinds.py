@@ -25,6 +25,7 @@ from runs.models import Run, StepRun, TimerPurpose
 from workflows.kinds import Ending, Kind, Opening, Role, Scope, register
 
 from . import gates, outbox, selectors
+from .models import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +114,15 @@ def plug_in() -> None:
     hooks.repair("reminders_restored", gates.restore_reminders)
     # The run inspector links a run waiting for approval to its request's page.
     inspection.on_page_links(selectors.run_page_links)
+    # Runs deleted by retention take their approvals' decisions with them.
+    hooks.on_purge("approval_decisions", purge_decisions)
+
+
+def purge_decisions(run_ids: list[Any]) -> dict[str, int]:
+    """Delete the decisions of the approval requests of these runs, which retention is
+    deleting (``runs.retention``). A decision is append-only and protected from a cascade,
+    so that nothing deletes one by accident: a run's end of retention is the one deliberate
+    exception, and it takes the whole run's record, the decisions with the rest. One
+    statement; the requests, their approvers and mails follow the runs by cascade."""
+    deleted, _ = Decision.objects.filter(request__run_id__in=run_ids).delete()
+    return {Decision._meta.label: deleted} if deleted else {}

@@ -378,6 +378,11 @@ def profile(side: str, count: int, *, plan_now: bool) -> None:
         pid=0,
         started_at=timezone.now(),
     )
+    # The bench's flows, as a worker saves them at start-up (there is no worker here).
+    from bench import engine
+    from workflows.sync import sync_modules
+
+    sync_modules(engine.WORKFLOW_MODULES)
     client = Client(HTTP_AUTHORIZATION=f"Token {starter_tokens(1)[0]}")
 
     def http() -> None:

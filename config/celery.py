@@ -72,7 +72,12 @@ def install_beat_entries(**_: object) -> None:
     from runs.beat import install_beat_entries as install
 
     with transaction.atomic():
-        install(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
+        install(
+            IntervalSchedule,
+            PeriodicTask,
+            settings.DJFLOW["RECONCILE_SECONDS"],
+            settings.DJFLOW["RETENTION_EVERY_SECONDS"],
+        )
 
 
 @beat_init.connect

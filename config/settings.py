@@ -424,6 +424,8 @@ CELERY_TASK_ROUTES = {
     "approvals.send_mail": {"queue": "mail"},
     "runs.fire_timers": {"queue": "timers"},
     "runs.reconcile": {"queue": "timers"},
+    # Run-end webhooks go out beside the mail: a slow receiver delays only outbound messages.
+    "workers.deliver_notification": {"queue": "mail"},
     # Fired timers' runs, advanced in batches (and their next steps run) by a worker.
     "workers.advance_runs": {"queue": "engine"},
     "runs.*": {"queue": "engine"},
@@ -544,6 +546,46 @@ def _embeddings_dimensions(value: str) -> int | None:
     return dimensions
 
 
+# The ended run statuses (runs.status.RUN_TERMINAL; tests/test_settings.py keeps them equal):
+# what retention may delete.
+_ENDED = ("completed", "failed", "cancelled", "timed_out")
+
+
+def _retention_days(value: str) -> dict[str, int]:
+    """DJFLOW_RETENTION_DAYS: empty (runs are kept forever), one number of days for every
+    ended status, or ``status=days`` pairs (``completed=30,failed=90``; a status not named is
+    kept forever). Anything else refuses to start, naming what is wrong."""
+    text = value.strip()
+    if not text:
+        return {}
+
+    def days(raw: str, what: str) -> int:
+        try:
+            number = int(raw.strip())
+        except ValueError:
+            number = 0
+        if number < 1:
+            raise ImproperlyConfigured(
+                f"DJFLOW_RETENTION_DAYS: {what} must be a whole number of days, at least 1, "
+                f"not {raw.strip()!r}"
+            )
+        return number
+
+    if "=" not in text:
+        return dict.fromkeys(_ENDED, days(text, "the age"))
+    found: dict[str, int] = {}
+    for pair in text.split(","):
+        status, _, raw = pair.partition("=")
+        status = status.strip()
+        if status not in _ENDED:
+            raise ImproperlyConfigured(
+                f"DJFLOW_RETENTION_DAYS: {status!r} is not an ended status (one of "
+                f"{', '.join(_ENDED)}): only ended runs are deleted"
+            )
+        found[status] = days(raw, status)
+    return found
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -551,8 +593,12 @@ DJFLOW = {
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
     # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
-    # again, at_most_once ones fail). Never renewed past the attempt's deadline plus grace.
+    # again, at_most_once ones become in_doubt). Never renewed past the attempt's deadline
+    # plus grace.
     "LEASE_SECONDS": env.float("DJFLOW_LEASE_SECONDS", default=30.0),
+    # An in_doubt attempt (an at_most_once one whose worker was lost after it started) that
+    # no operator resolves within this long fails (class in_doubt); a durable timer row.
+    "IN_DOUBT_SECONDS": env.float("DJFLOW_IN_DOUBT_SECONDS", default=86_400.0),
     # How long past an attempt's timeout_ms the engine waits for the worker's own time-out
     # report (Celery's soft time limit) before it times the attempt out itself.
     "DEADLINE_GRACE_SECONDS": env.float("DJFLOW_DEADLINE_GRACE_SECONDS", default=5.0),
@@ -636,6 +682,15 @@ DJFLOW = {
     # they read, in bytes (past it the step fails, class fatal).
     "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
     "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
+    # Run-end webhooks (a document's notify; workers/notify.py): attempts at most, the wait
+    # after the first failed one (doubled after each, at most NOTIFY_BACKOFF_MAX_SECONDS),
+    # each attempt's time-out, and the largest body (past it the run is sent without its
+    # journal). Their addresses follow HTTP_ALLOW, as http steps' do.
+    "NOTIFY_MAX_ATTEMPTS": env.int("DJFLOW_NOTIFY_MAX_ATTEMPTS", default=8),
+    "NOTIFY_BACKOFF_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_SECONDS", default=10.0),
+    "NOTIFY_BACKOFF_MAX_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_MAX_SECONDS", default=600.0),
+    "NOTIFY_TIMEOUT_SECONDS": env.float("DJFLOW_NOTIFY_TIMEOUT_SECONDS", default=10.0),
+    "NOTIFY_MAX_BODY_BYTES": env.int("DJFLOW_NOTIFY_MAX_BODY_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
     # "provider:model" or "model": {"input": x, "output": y, "cached_input": z}; a model
@@ -670,6 +725,17 @@ DJFLOW = {
     # recipe's context passes into ${context} (the best passages first, the rest cut).
     "KB_MAX_CONTENT_BYTES": env.int("DJFLOW_KB_MAX_CONTENT_BYTES", default=102_400),
     "KB_CONTEXT_MAX_BYTES": env.int("DJFLOW_KB_CONTEXT_MAX_BYTES", default=32_768),
+    # Bulk cancel and retry (runs.bulk): the most runs one batch (one transaction of a worker)
+    # acts on.
+    "BULK_BATCH": env.int("DJFLOW_BULK_BATCH", default=100),
+    # Retention (runs.retention): ended runs are deleted this many days after they ended, per
+    # status (empty: kept forever); a beat entry purges every RETENTION_EVERY_SECONDS, for at
+    # most RETENTION_TICK_SECONDS a pass (then it hands the rest to its next message),
+    # RETENTION_BATCH run trees per transaction.
+    "RETENTION_DAYS": _retention_days(env.str("DJFLOW_RETENTION_DAYS", default="")),
+    "RETENTION_EVERY_SECONDS": env.int("DJFLOW_RETENTION_EVERY_SECONDS", default=3600),
+    "RETENTION_TICK_SECONDS": env.float("DJFLOW_RETENTION_TICK_SECONDS", default=60.0),
+    "RETENTION_BATCH": env.int("DJFLOW_RETENTION_BATCH", default=100),
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
@@ -682,7 +748,10 @@ if DJFLOW["MCP_POOL_SIZE"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MCP_POOL_SIZE must be at least 1, not {DJFLOW['MCP_POOL_SIZE']}"
     )
-for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS"):
+for _name in ("BULK_BATCH", "RETENTION_BATCH", "RETENTION_EVERY_SECONDS"):
+    if DJFLOW[_name] < 1:
+        raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
+for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS", "RETENTION_TICK_SECONDS"):
     if DJFLOW[_name] <= 0:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be more than 0")
 # Pre-flight waits inside a web request (POST /runs, the admin's definition page): a longer

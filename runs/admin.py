@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from django.contrib import admin, messages
 from django.db.models import Exists, OuterRef, Q, QuerySet
@@ -24,7 +25,7 @@ from workflows.errors import EngineError
 from workflows.secrets import shown, shown_text
 
 from .engine import slots, unservable
-from .models import Event, ModelCall, Run, RunAction, StepRun, Timer, ToolCall
+from .models import Event, ModelCall, NotifyDelivery, Run, RunAction, StepRun, Timer, ToolCall
 from .services import run_cancel, run_retry
 from .status import StepStatus
 
@@ -518,3 +519,39 @@ class TimerAdmin(RunScopedAdmin):
     @admin.display(description="run")
     def run_link(self, timer: Timer) -> str:
         return _run_link(timer.run_id)
+
+
+@admin.register(NotifyDelivery)
+class NotifyDeliveryAdmin(RunScopedAdmin):
+    """Run-end webhooks (a document's notify): which were delivered, which are still being
+    tried, and which failed for good and why. Shown to whoever may read the run; the URL
+    without its query (it may carry a token), never the entry's secret."""
+
+    run_prefix = "run__"
+
+    list_display = ("id", "event", "status", "url_shown", "attempts", "response_status", "run_link")
+    list_filter = ("status", "event")
+    list_select_related = ("run",)
+    fields = (
+        "run_link",
+        "event",
+        "url_shown",
+        "status",
+        "attempts",
+        "response_status",
+        "last_error",
+        "due_at",
+        "created_at",
+        "delivered_at",
+        "body",
+    )
+    readonly_fields = fields
+
+    @admin.display(description="run")
+    def run_link(self, delivery: NotifyDelivery) -> str:
+        return _run_link(delivery.run_id)
+
+    @admin.display(description="url")
+    def url_shown(self, delivery: NotifyDelivery) -> str:
+        parts = urlsplit(delivery.url)
+        return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))

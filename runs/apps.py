@@ -32,7 +32,12 @@ class RunsConfig(AppConfig):
 
         connection_created.connect(generic_plans, weak=False, dispatch_uid="djflow-generic-plans")
 
+        from . import bulk
+        from .engine import hooks
         from .models import Run
+
+        # Bulk actions whose next batch message was lost are offered again (runs.bulk).
+        hooks.repair("bulk_actions_reoffered", bulk.reoffer_idle)
 
         # Idempotency keys are per (workflow, caller). Deleting a user would set their runs'
         # created_by to NULL and move their keys into the no-user scope that trusted code

@@ -12,11 +12,17 @@ from typing import Any
 TIMERS = "djflow: fire timers (every second)"
 RECONCILE = "djflow: reconcile"
 KB_EMBEDDINGS = "djflow: embed knowledge-base documents a lost message left"
+RETENTION = "djflow: delete ended runs past DJFLOW_RETENTION_DAYS"
 # The 1-second sweep of earlier versions, replaced by the two entries above.
 OLD_SWEEP = "djflow: sweep (every second)"
 
 
-def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds: int = 30) -> None:
+def install_beat_entries(
+    interval_model: Any,
+    task_model: Any,
+    reconcile_seconds: int = 30,
+    retention_seconds: int = 3600,
+) -> None:
     """Create or repair the engine's entries, given the two django-celery-beat models
     (historical ones in a migration, the real ones at run time)."""
     every_second = _interval(interval_model, 1)
@@ -59,6 +65,22 @@ def install_beat_entries(interval_model: Any, task_model: Any, reconcile_seconds
             "expire_seconds": max(5, int(reconcile_seconds)),
             "description": "Sends knowledge-base document versions still missing an embedding "
             "(DJFLOW_EMBEDDINGS_MODEL) to be embedded.",
+        },
+    )
+
+    # Retention (runs.retention): does nothing while DJFLOW_RETENTION_DAYS is empty. On the
+    # default queue: a pass may take RETENTION_TICK_SECONDS, which neither the clock nor the
+    # engine's planning should wait behind.
+    task_model.objects.update_or_create(
+        name=RETENTION,
+        defaults={
+            "task": "runs.purge_expired",
+            "interval": _interval(interval_model, max(1, int(retention_seconds))),
+            "queue": "default",
+            "enabled": True,
+            "expire_seconds": max(5, int(retention_seconds)),
+            "description": "Deletes ended runs (whole trees, with everything of theirs) past "
+            "their status's age in DJFLOW_RETENTION_DAYS.",
         },
     )
 

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 ADVANCE = "runs.advance"
 EXECUTE_STEP = "workers.execute_step"
 ADVANCE_RUNS = "workers.advance_runs"
+DELIVER_NOTIFICATION = "workers.deliver_notification"
 
 
 # A run's priority when nothing says otherwise (POST /runs's default).
@@ -203,3 +204,20 @@ def advance_in_batches(run_ids: list[Any], *, size: int) -> None:
                 )
     except Exception:
         logger.warning("could not send advance for %d runs", len(run_ids), exc_info=True)
+
+
+def notify_on_commit(delivery_ids: list[int], *, countdown: float | None = None) -> None:
+    """Offer run-end webhooks (``runs.models.NotifyDelivery`` rows) to a worker once the
+    transaction commits, ``countdown`` seconds later when given (a retry's back-off; the
+    row's ``due_at`` is the durable time, and the reconciler offers a row whose message was
+    lost)."""
+
+    def send() -> None:
+        with current_app.producer_or_acquire() as producer:
+            for delivery_id in delivery_ids:
+                current_app.signature(
+                    DELIVER_NOTIFICATION, (delivery_id,), ignore_result=True
+                ).apply_async(producer=producer, countdown=countdown)
+
+    # robust: a broker outage leaves the rows pending; the reconciler offers them again.
+    transaction.on_commit(send, robust=True)

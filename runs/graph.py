@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BODY = "_body"  # runs.engine.plan.BODY: the stand-in row of a body of several steps
+# runs.engine.plan.ON_FAILURE: where the rows of a document's on_failure steps live
+# (``_on_failure[<generation>]/``), and the id of the node that holds them.
+ON_FAILURE = "_on_failure"
 _INDEX = re.compile(r"\[\d+\]")
 
 # The order a node's colour is chosen in: one failed item of fifty makes the node look failed,
@@ -31,6 +34,8 @@ _INDEX = re.compile(r"\[\d+\]")
 SEVERITY = (
     "failed",
     "timed_out",
+    # An attempt in doubt waits for a person: its node shows it above work in flight.
+    "in_doubt",
     "running",
     "waiting",
     "scheduled",
@@ -130,8 +135,16 @@ def _body_steps(body: Any) -> list[Mapping[str, Any]]:
 
 
 def outline(document: Mapping[str, Any]) -> list[Node]:
-    """The document's steps as nodes, nested as they are nested (without statuses)."""
-    return _sequence(document.get("steps") or [], body="", path="")
+    """The document's steps as nodes, nested as they are nested (without statuses); its
+    on_failure steps, when it has some, last, in a lane below a node of their own."""
+    nodes = _sequence(document.get("steps") or [], body="", path="")
+    handler = document.get("on_failure")
+    if isinstance(handler, list) and handler:
+        node = Node(key("", "", ON_FAILURE), "on_failure", "on_failure")
+        lane = _sequence(handler, body="", path=f"{ON_FAILURE}[]/")
+        node.lanes = [Lane("when a step fails the run", lane)]
+        nodes.append(node)
+    return nodes
 
 
 def _sequence(steps: Iterable[Any], *, body: str, path: str) -> list[Node]:
@@ -197,6 +210,11 @@ def colour(nodes: list[Node], latest: Iterable[tuple[str, str, str, str, str]]) 
         node.taken = sorted(taken.get(node.key, ()))
         if node.items_key is not None:
             node.items = dict(counts.get(node.items_key, {}))
+        if node.kind == "on_failure":
+            # No row of its own: it shows how its steps went.
+            for inner in node.lanes[0].steps:
+                for status, n in counts.get(inner.key, {}).items():
+                    node.counts[status] = node.counts.get(status, 0) + n
 
 
 def walk(nodes: Iterable[Node]) -> Iterable[Node]:

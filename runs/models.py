@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from workflows.models import Workflow, WorkflowVersion
 
-from .status import RUN_TERMINAL, RunStatus, StepStatus
+from .status import RUN_TERMINAL, DeliveryStatus, RunStatus, StepStatus
 
 # Every status but the ends, as the partial indexes name them (in the table's order).
 RUN_NOT_ENDED = [str(status) for status in RunStatus if status not in RUN_TERMINAL]
@@ -47,11 +47,23 @@ class Run(models.Model):
     # NULL, not "", means "none given": the unique constraint below only binds given keys.
     correlation = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    # Indexed by the partial indexes below, not by a full foreign-key index each: most runs
+    # have no parent, and every run insert wrote those NULLs into two more indexes.
     parent_run = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="children"
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.PROTECT,
+        related_name="children",
+        db_index=False,
     )
     parent_step_run = models.ForeignKey(
-        "StepRun", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        "StepRun",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+        db_index=False,
     )
     # The run at the top of this run's tree (null for a root run), and how many subworkflows
     # below it this run is (a body run is as deep as the run it is a body of): the root's
@@ -121,6 +133,12 @@ class Run(models.Model):
             ),
             models.Index(
                 fields=["parent_run"], name="run_parent", condition=Q(parent_run__isnull=False)
+            ),
+            # Deleting a step run sets this to NULL where it is the step run (SET_NULL).
+            models.Index(
+                fields=["parent_step_run"],
+                name="run_parent_step_run",
+                condition=Q(parent_step_run__isnull=False),
             ),
             # Counting a tree's attempts (runs.engine.journal.tree_budget).
             models.Index(fields=["root_run"], name="run_root", condition=Q(root_run__isnull=False)),
@@ -213,13 +231,16 @@ class StepRun(models.Model):
     claim = models.UUIDField(null=True, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     deadline_at = models.DateTimeField(null=True, blank=True)
-    # For a sleep, when it is over; for a wait_event, when it times out.
+    # For a sleep, when it is over; for a wait_event, when it times out; for an in_doubt
+    # attempt, when its doubt expires and it fails (unless an operator resolved it first).
     not_before = models.DateTimeField(null=True, blank=True)
     # For a wait_event: digest of its (event name, resolved key), what deliveries look up.
     wait_key = models.CharField(max_length=64, blank=True, default="")
     # For a wait_event that took an event: that event (taken at most once per run).
+    # Almost always NULL: a partial index (below) instead of a full foreign-key index, which
+    # every attempt's insert wrote to.
     event = models.ForeignKey(
-        "Event", null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+        "Event", null=True, blank=True, on_delete=models.PROTECT, related_name="+", db_index=False
     )
     # Times a worker without the handler handed the attempt back (class unservable).
     refusals = models.PositiveIntegerField(default=0)
@@ -260,6 +281,8 @@ class StepRun(models.Model):
             # A run's journal in order, and its rows after a settled prefix (journal_of(after=)):
             # on the run alone, reading a 2,000-step run's last rows visited all 2,000.
             models.Index(fields=["run", "id"], name="step_run_journal"),
+            # Deleting an event checks no step run took it (PROTECT).
+            models.Index(fields=["event"], name="step_run_event", condition=Q(event__isnull=False)),
             models.Index(
                 fields=["lease_expires_at"],
                 name="step_run_lease",
@@ -299,6 +322,8 @@ class TimerPurpose(models.TextChoices):
     APPROVAL_REMINDER = "approval_reminder"
     # Fails a scheduled attempt no live worker has served since its waiting_since.
     UNSERVABLE = "unservable"
+    # Fails an in_doubt attempt nobody resolved within DJFLOW_IN_DOUBT_SECONDS.
+    IN_DOUBT = "in_doubt"
 
 
 class Timer(models.Model):
@@ -533,3 +558,95 @@ class ToolCall(models.Model):
 
     def __str__(self) -> str:
         return f"{self.server}.{self.tool} ({self.status})"
+
+
+class NotifyDelivery(models.Model):
+    """One webhook of a run's end: a ``notify`` entry of its document whose ``events`` list
+    the end (contract section 13). Written in the transaction that ends the run
+    (``runs.engine.ending``), sent by ``workers.notify`` after commit, at least once.
+
+    ``due_at`` is when the next attempt may be made: an attempt claims the row by moving it
+    (and ``attempts``) conditionally, so of two messages for one row one sends; a row still
+    pending ``LOST_MESSAGE_SECONDS`` past it has lost its message and the reconciler offers
+    it again. ``body`` is the exact bytes sent, rendered at the first attempt and sent again
+    as they are by every retry (the signature is of them)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="deliveries")
+    # The entry's index in the pinned version's notify (its secret is the version's).
+    entry = models.PositiveSmallIntegerField()
+    event = models.CharField(max_length=20)
+    url = models.TextField()
+    status = models.CharField(
+        max_length=20, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    due_at = models.DateTimeField()
+    body = models.TextField(blank=True, default="")
+    # The receiver's last HTTP status (null: none answered) and what went wrong last.
+    response_status = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        verbose_name_plural = "notify deliveries"
+        indexes = [
+            # The reconciler's look for pending deliveries whose message was lost.
+            models.Index(
+                fields=["due_at"], name="notify_pending_due", condition=Q(status="pending")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event} of run {self.run_id} to entry {self.entry}"
+
+
+class BulkAction(models.Model):
+    """A cancel or retry of many runs (``POST /runs/cancel``, ``/runs/retry``, ``manage.py
+    cancel|retry``): the list's filters and who asked, done by workers a batch at a time
+    (``runs.bulk``).
+
+    The runs it acts on are those its filters match, created before ``requested_at``, newest
+    first; ``cursor_*`` is the last run a batch reached and ``batches`` how many batches are
+    done. A batch is one transaction that moves both, under this row's lock, so a batch
+    message delivered twice (or a re-offer racing the chain) finds its batch done."""
+
+    class Action(models.TextChoices):
+        CANCEL = "cancel"
+        RETRY = "retry"
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    action = models.CharField(max_length=10, choices=Action.choices)
+    # The filters as given (datetimes in ISO 8601), the keywords of selectors.run_list.
+    filters = models.JSONField(default=dict)
+    requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    requested_by_name = models.CharField(max_length=150, blank=True, default="")
+    requested_at = models.DateTimeField(default=timezone.now)
+    # Counted when it was asked for: the runs matched that the caller may operate.
+    affected = models.PositiveIntegerField(default=0)
+    # What the batches did: runs cancelled or retried, and runs passed over (counted but
+    # ended, retried, or no longer the caller's to operate by the time their batch came).
+    done = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)
+    batches = models.PositiveIntegerField(default=0)
+    cursor_created_at = models.DateTimeField(null=True, blank=True)
+    cursor_id = models.UUIDField(null=True, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        indexes = [
+            # The reconciler's look for unfinished actions whose next message was lost.
+            models.Index(
+                fields=["updated_at"],
+                name="bulk_action_open",
+                condition=Q(finished_at__isnull=True),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"bulk {self.action} by {self.requested_by_name or 'the system'} ({self.id})"

@@ -23,6 +23,11 @@ SEARCH_IDEMPOTENCY_KEY = "idempotency_key"
 SEARCH_IN = (SEARCH_ANY, SEARCH_ID, SEARCH_CORRELATION, SEARCH_IDEMPOTENCY_KEY)
 
 
+# The filters the runs list takes (GET /runs, the runs page) and so the bulk actions too:
+# keywords of run_list.
+RUN_LIST_FILTERS = ("workflow", "status", "account", "created_after", "created_before")
+
+
 def run_list(
     *,
     workflow: str | None = None,
@@ -88,12 +93,7 @@ def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
     """Runs with their journal (every attempt, in the order it was written) and the children
     ``user`` may read (``None``: all): a child of a workflow they may not see is not theirs to
     know of, by id or status (CONTRACT section 8), though its output is their step's."""
-    children = Run.objects.order_by("created_at", "id").only(
-        "id", "workflow", "status", "parent_run", "created_by"
-    )
-    readable = access.run_filter(user)
-    if readable is not None:
-        children = children.filter(readable)
+    children = _readable_children(user)
     return Run.objects.select_related("version", "parent_step_run").prefetch_related(
         Prefetch(
             "steps",
@@ -117,6 +117,14 @@ def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
         Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
         Prefetch("children", queryset=children),
     )
+
+
+def _readable_children(user: Any) -> QuerySet[Run]:
+    children = Run.objects.order_by("created_at", "id").only(
+        "id", "workflow", "status", "parent_run", "created_by"
+    )
+    readable = access.run_filter(user)
+    return children if readable is None else children.filter(readable)
 
 
 def run_get(*, run_id: Any, user: Any = None) -> Run:
@@ -147,10 +155,40 @@ def run_as_started(run: Run) -> Run:
     return run
 
 
-def _fetched(queryset: QuerySet[Any]) -> QuerySet[Any]:
-    """``queryset`` as a prefetch leaves it: its (empty) rows in hand, so reading it compiles
-    no SQL."""
-    queryset._result_cache = []
+def run_as_planned(*, run_id: Any, user: Any = None) -> Run:
+    """A run the caller has just created, with its first steps planned in the same request
+    (``run_start(plan_now=True)``), ready to render as :func:`run_get` renders a run, in two
+    or three statements where run_get took six and guardian's look-up for the children:
+    reading a run back was half of such a POST /runs (bench.starts --profile http-inline).
+
+    What an inline plan can have written: the run, its first attempts, and child runs (a
+    subworkflow planned at once); no operator action, and no model or tool call (a plan runs
+    no worker's body; the rows of a worker that raced us to the attempt are the next read's,
+    as in :func:`run_as_started`). The caller started the run, so it may read it (CONTRACT
+    section 8); children stay filtered to those ``user`` may read, looked up only when the
+    run has any."""
+    run = Run.objects.select_related("version", "parent_step_run").get(id=run_id)
+    steps = list(StepRun.objects.filter(run_id=run.id).order_by("id"))
+    for step in steps:
+        step._prefetched_objects_cache = {
+            "model_calls": _fetched(ModelCall.objects.none()),
+            "tool_calls": _fetched(ToolCall.objects.none()),
+        }
+    children: list[Run] = []
+    if Run.objects.filter(parent_run_id=run.id).exists():
+        children = list(_readable_children(user).filter(parent_run_id=run.id))
+    run._prefetched_objects_cache = {
+        "steps": _fetched(StepRun.objects.none(), steps),
+        "actions": _fetched(RunAction.objects.none()),
+        "children": _fetched(Run.objects.none(), children),
+    }
+    return run
+
+
+def _fetched(queryset: QuerySet[Any], rows: list[Any] | None = None) -> QuerySet[Any]:
+    """``queryset`` as a prefetch leaves it: its rows (``rows``, or none) in hand, so reading
+    it compiles no SQL."""
+    queryset._result_cache = rows if rows is not None else []
     queryset._prefetch_done = True
     return queryset
 

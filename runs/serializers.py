@@ -21,8 +21,9 @@ from rest_framework import serializers
 from workflows import secrets
 
 from .engine import slots, unservable
-from .models import ModelCall, Run, RunAction, StepRun, ToolCall
-from .status import RunStatus
+from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
+from .selectors import RUN_LIST_FILTERS
+from .status import RunStatus, StepStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
 
@@ -136,10 +137,75 @@ class EventDeliverySerializer(serializers.Serializer):
 
 
 class RunListQuerySerializer(serializers.Serializer):
-    """The filters of ``GET /runs``."""
+    """The filters of ``GET /runs``, and of the bulk actions (``POST /runs/cancel``,
+    ``/runs/retry``), which act on the runs the list would show: the keywords of
+    ``selectors.run_list``."""
 
     workflow = serializers.CharField(max_length=100, required=False, trim_whitespace=False)
     status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
+    account = serializers.CharField(
+        max_length=150, required=False, trim_whitespace=False, help_text="the run's account"
+    )
+    created_after = serializers.DateTimeField(
+        required=False, help_text="runs created at or after this instant (ISO 8601)"
+    )
+    created_before = serializers.DateTimeField(
+        required=False, help_text="runs created before this instant (ISO 8601)"
+    )
+
+    FILTERS = RUN_LIST_FILTERS
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        after, before = attrs.get("created_after"), attrs.get("created_before")
+        if after is not None and before is not None and after >= before:
+            raise serializers.ValidationError(
+                {"created_before": ["must be later than created_after"]}
+            )
+        return attrs
+
+
+class BulkRunsSerializer(StrictBodySerializer, RunListQuerySerializer):
+    """The body of ``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters (at
+    least one: the service refuses a body that names none) and ``dry_run``."""
+
+    dry_run = serializers.BooleanField(
+        default=False, help_text="answer how many runs would be affected, and do nothing"
+    )
+
+    body_name = "a bulk action"
+
+
+class BulkActionSerializer(serializers.ModelSerializer):
+    """A bulk action and how far its batches have got."""
+
+    requested_by = serializers.CharField(source="requested_by_name", read_only=True)
+
+    class Meta:
+        model = BulkAction
+        fields = [
+            "id",
+            "action",
+            "filters",
+            "requested_by",
+            "requested_at",
+            "affected",
+            "done",
+            "skipped",
+            "batches",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+
+class BulkResultSerializer(serializers.Serializer):
+    affected = serializers.IntegerField(
+        help_text="the runs matched that the caller may operate and the action applies to, "
+        "counted when the request was made"
+    )
+    id = serializers.UUIDField(
+        allow_null=True, help_text="the bulk action's id (null for a dry run or none affected)"
+    )
+    dry_run = serializers.BooleanField()
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -152,6 +218,16 @@ RUN_ERROR_SCHEMA = {
         "class": {"type": "string"},
         "message": {"type": "string"},
         "step": {"type": "string", "nullable": True},
+        "on_failure": {
+            "type": "object",
+            "description": "when the document's on_failure steps failed too: their error "
+            "(class, message, step); the run's own error stays the original one",
+            "properties": {
+                "class": {"type": "string"},
+                "message": {"type": "string"},
+                "step": {"type": "string", "nullable": True},
+            },
+        },
     },
     "required": ["class", "message", "step"],
 }
@@ -339,9 +415,19 @@ class StepRunSerializer(serializers.ModelSerializer):
             "tool_calls",
             "waiting_for",
             "waiting_since",
+            "idempotency_key",
+            "not_before",
         ]
         read_only_fields = fields
         extra_kwargs = {
+            "idempotency_key": {
+                "help_text": "ctx.idempotency_key of the attempt's handler: what to check with "
+                "the third party before resolving an in_doubt attempt"
+            },
+            "not_before": {
+                "help_text": "a sleep's end, a wait's time-out, or when an in_doubt attempt "
+                "fails unless resolved"
+            },
             "waiting_for": {
                 "help_text": "while no live worker serves this scheduled attempt: its handler"
             },
@@ -465,12 +551,13 @@ class RunSerializer(RunListSerializer):
     actions = RunActionSerializer(
         many=True,
         read_only=True,
-        help_text="who cancelled, paused, resumed, retried or sent events",
+        help_text="who cancelled, paused, resumed, retried, resolved an attempt in doubt or "
+        "sent events",
     )
     reason = serializers.SerializerMethodField(
         help_text="null, or why the run does not move on (it waits for a concurrency slot of "
         "its key; a step waits for a worker that serves its handler, and when it fails if "
-        "none comes)"
+        "none comes; an attempt in doubt waits for an operator to resolve it)"
     )
 
     class Meta(RunListSerializer.Meta):
@@ -482,8 +569,51 @@ class RunSerializer(RunListSerializer):
         if queued is not None:
             return queued
         # The journal is prefetched (selectors.run_detail_queryset): no query.
-        reasons = (unservable.waiting_reason(step) for step in run.steps.all())
+        reasons = (
+            in_doubt_reason(run, step) or unservable.waiting_reason(step)
+            for step in run.steps.all()
+        )
         return next((reason for reason in reasons if reason), None)
+
+
+def in_doubt_reason(run: Run, step: StepRun) -> str | None:
+    """Why the run waits on an in_doubt attempt, and what an operator does about it."""
+    if step.status != StepStatus.IN_DOUBT:
+        return None
+    deadline = step.not_before.isoformat(timespec="seconds") if step.not_before else "never"
+    return (
+        f"step '{step.step_id}' (step run {step.id}) is in doubt: its worker was lost after the "
+        f"at_most_once attempt started. Check idempotency key '{step.idempotency_key}' with "
+        f"the third party, then POST /api/v1/runs/{run.id}/steps/{step.id}/resolve with "
+        f'{{"outcome": "succeeded", "output": ...}} or {{"outcome": "failed"}}; it fails at '
+        f"{deadline} otherwise"
+    )
+
+
+class StepResolveSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/steps/{step_run_id}/resolve``."""
+
+    outcome = serializers.ChoiceField(
+        choices=["succeeded", "failed"],
+        help_text="succeeded: the step's effect happened (the run goes on with `output`); "
+        "failed: it did not (the step fails, class in_doubt, never retried; its on_error "
+        "applies)",
+    )
+    output = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="the step's output when it succeeded (what the handler would have returned)",
+    )
+
+    body_name = "a resolution"
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["outcome"] == "failed" and data.get("output") is not None:
+            raise serializers.ValidationError(
+                {"output": ["only an attempt that succeeded has one"]}
+            )
+        return data
 
 
 # --- retry and trace ------------------------------------------------------------------------

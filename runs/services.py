@@ -19,15 +19,16 @@ from workflows import access, secrets, selectors
 from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems
+from workflows.templates import TooLarge, check_size
 
 from . import dispatch, retries, tracing, vault
 from .engine import delivery, journal, slots
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
-from .engine.plan import Schedule, plan
-from .models import Event, Run, RunAction, StepRun
-from .moves import move_run
-from .status import RUN_TERMINAL, IllegalTransition, RunStatus, check_run_move
+from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
+from .models import Event, Run, RunAction, StepRun, Timer, TimerPurpose
+from .moves import move_run, move_steps
+from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
 
 
 @dataclass(frozen=True)
@@ -222,15 +223,20 @@ def record_action(
 
 @transaction.atomic
 def run_cancel(
-    *, run_id: Any, reason: str = "cancelled by an operator", user: AbstractBaseUser | None = None
+    *,
+    run_id: Any,
+    reason: str = "cancelled by an operator",
+    user: AbstractBaseUser | None = None,
+    audit: Mapping[str, Any] | None = None,
 ) -> Run:
     """Cancel the run and, transitively, its children. Scheduled attempts are cancelled;
     running ones are revoked best-effort and their results will be refused. ``user`` must
-    operate the run; its children follow whoever may operate them."""
+    operate the run; its children follow whoever may operate them. ``audit`` is kept with
+    the recorded action (a bulk action's id)."""
     run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.CANCELLED)
     if user is not None:
-        record_action(run.id, "cancel", user)
+        record_action(run.id, "cancel", user, dict(audit) if audit else None)
     # A child cancelled on its own fails its subworkflow step (class cancelled).
     end_run(run, RunStatus.CANCELLED, now=timezone.now(), error=cancelled_error(reason))
     return run
@@ -295,6 +301,7 @@ def run_retry(
     from_step: str | None = None,
     input: Any = None,
     dry_run: bool = False,
+    audit: Mapping[str, Any] | None = None,
 ) -> Run | RetryPreview:
     """Retry a run; a new generation starts, the old attempts stay in the journal.
 
@@ -310,7 +317,8 @@ def run_retry(
 
     ``user`` must operate the run (404 when they may not see it, 403 when they may only see
     it); a bad ``from_step`` or ``input`` is a 400 naming it, a run in a status the retry
-    does not take a 409. A child run is retried through its parent (409).
+    does not take a 409. A child run is retried through its parent (409). ``audit`` is
+    kept with the recorded action (a bulk action's id).
     """
     errors = []
     if input is not None and not isinstance(input, Mapping):
@@ -323,16 +331,17 @@ def run_retry(
     # workers from recording while it plans.
     run = _locked(run_id, user, lock=not dry_run)
     document = journal.document_of(run.version_id)
-    if from_step is not None and from_step not in journal.steps_of(run.version_id):
-        raise InvalidInput(
-            errors=[
-                FieldError(
-                    "from_step",
-                    f"'{echo(from_step)}' is not a step of {run.workflow_id} version "
-                    f"{run.version.number}",
-                )
-            ]
+    if from_step is not None and from_step not in top_level_ids(document["steps"]):
+        message = (
+            f"'{echo(from_step)}' is not a step of {run.workflow_id} version {run.version.number}"
         )
+        if from_step in journal.steps_of(run.version_id):
+            # The handler is no place to start from: it runs again if the run fails again.
+            message = (
+                f"'{echo(from_step)}' is an on_failure step; retry from one of the run's "
+                "steps (the handler runs again should the run fail again)"
+            )
+        raise InvalidInput(errors=[FieldError("from_step", message)])
     _check_retryable(run, from_step=from_step is not None, edit=input is not None)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
@@ -359,7 +368,7 @@ def run_retry(
         # Kept with its tokens (the API shows them masked): the input each generation ran on.
         detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
     slot = _retry_slot(run)
-    record_action(run.id, "retry", user, detail)
+    record_action(run.id, "retry", user, detail | dict(audit or {}))
     move_run(
         run,
         RunStatus.RUNNING,
@@ -540,6 +549,79 @@ def _last_inputs(run: Run, keys: list[tuple[str, str]]) -> dict[tuple[str, str],
         .values_list("path", "step_id", "input")
     )
     return {(path, step): value for path, step, value in rows}
+
+
+@transaction.atomic
+def step_run_resolve(
+    *,
+    run_id: Any,
+    step_run_id: Any,
+    outcome: str,
+    output: Any = None,
+    user: AbstractBaseUser | None = None,
+) -> Run:
+    """An operator's answer for an in_doubt attempt (an at_most_once one whose worker was lost
+    after it started), after checking its idempotency key with the third party:
+    ``succeeded`` with the ``output`` the handler would have returned (the run goes on as if
+    the attempt had succeeded), or ``failed`` (class in_doubt: never retried, whatever the
+    step's retry policy, since its effect may be half done; the step's on_error applies).
+    Recorded on the run (who and when); 409 when the attempt is not in doubt (any more)."""
+    run = _locked(run_id, user)
+    try:
+        row_id = int(step_run_id)
+    except (TypeError, ValueError):
+        raise NotFound(
+            errors=[FieldError("step_run_id", f"'{echo(step_run_id)}' is not a step run id")]
+        ) from None
+    step_run = StepRun.objects.filter(id=row_id, run=run).first()
+    if step_run is None:
+        raise NotFound(errors=[FieldError("step_run_id", f"run {run.id} has no step run {row_id}")])
+    if step_run.status != StepStatus.IN_DOUBT:
+        raise IllegalTransition(
+            errors=[
+                FieldError(
+                    "status", f"step run {row_id} is {step_run.status}, not {StepStatus.IN_DOUBT}"
+                )
+            ]
+        )
+    if outcome == StepStatus.SUCCEEDED:
+        try:
+            check_size(output, MAX_VALUE_BYTES)
+        except TooLarge as error:
+            message = f"is {error}; a step's output is at most 1 MiB"
+            raise InvalidInput(errors=[FieldError("output", message)]) from None
+        # As if the attempt had succeeded: the doubt is in the run's actions, not its error.
+        fields: dict[str, Any] = {"output": output, "error": None}
+    elif outcome == StepStatus.FAILED:
+        by = user.get_username() if user is not None and user.is_authenticated else "the system"
+        fields = {
+            "error": {
+                "class": IN_DOUBT,
+                "message": f"in doubt since its worker was lost; resolved as failed by {by}",
+            }
+        }
+    else:
+        raise InvalidInput(errors=[FieldError("outcome", "must be succeeded or failed")])
+    now = timezone.now()
+    move_steps(
+        StepRun.objects.filter(id=row_id),
+        outcome,
+        sources=[StepStatus.IN_DOUBT],
+        finished_at=now,
+        **fields,
+    )
+    record_action(
+        run.id,
+        "resolve",
+        user,
+        {"step_run": row_id, "step_id": step_run.step_id, "outcome": outcome},
+    )
+    # Its deadline is moot now; the run plans on from the answer.
+    Timer.objects.filter(
+        step_run_id=row_id, purpose=TimerPurpose.IN_DOUBT, fired_at__isnull=True
+    ).delete()
+    dispatch.advance_on_commit(run.id)
+    return run
 
 
 EVENT_NAME_MAX = Event._meta.get_field("name").max_length

@@ -37,6 +37,10 @@ class StepStatus(models.TextChoices):
     SKIPPED = "skipped"
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"
+    # An at_most_once attempt whose worker was lost after it started: it may or may not have
+    # had its effect, so it is neither run again nor failed blindly. The run waits until an
+    # operator resolves it (runs.services.step_run_resolve) or its deadline fails it.
+    IN_DOUBT = "in_doubt"
 
 
 RUN_TERMINAL = frozenset(
@@ -54,7 +58,10 @@ STEP_TERMINAL = frozenset(
         StepStatus.TIMED_OUT,
     }
 )
-STEP_IN_FLIGHT = frozenset({StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING})
+# Not over yet: a run that ends cancels them.
+STEP_IN_FLIGHT = frozenset(
+    {StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING, StepStatus.IN_DOUBT}
+)
 
 _S = RunStatus
 RUN_MOVES: dict[str, frozenset[str]] = {
@@ -114,10 +121,23 @@ STEP_MOVES: dict[str, frozenset[str]] = {
     # unservable: it lacks the handler, or the handler said so), and the same attempt is
     # requeued for another worker with its budget untouched (contract section 5). A new
     # attempt instead would spend the budget and change what the journal shows.
+    # running -> in_doubt: an at_most_once attempt whose worker's lease lapsed (the planner's
+    # Expire); never run again, never failed without an operator or a deadline.
     _T.RUNNING: frozenset(
-        {_T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT, _T.WAITING, _T.SCHEDULED}
+        {
+            _T.SUCCEEDED,
+            _T.FAILED,
+            _T.CANCELLED,
+            _T.TIMED_OUT,
+            _T.WAITING,
+            _T.SCHEDULED,
+            _T.IN_DOUBT,
+        }
     ),
     _T.WAITING: frozenset({_T.RUNNING, _T.SUCCEEDED, _T.FAILED, _T.CANCELLED, _T.TIMED_OUT}),
+    # An operator resolves it (succeeded with an output, or failed), its deadline fails it,
+    # or the run ends around it (cancelled).
+    _T.IN_DOUBT: frozenset({_T.SUCCEEDED, _T.FAILED, _T.CANCELLED}),
     _T.SUCCEEDED: frozenset(),
     _T.FAILED: frozenset(),
     _T.SKIPPED: frozenset(),
@@ -177,3 +197,13 @@ def _sources(
             ]
         )
     return wanted
+
+
+class DeliveryStatus(models.TextChoices):
+    """A run-end webhook's delivery (``runs.models.NotifyDelivery``): pending until the
+    receiver answers 2xx (delivered) or the attempts run out or its address is refused
+    (failed). Moves: pending → delivered | failed, each a conditional update on pending."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"

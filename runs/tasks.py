@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 
 from celery import shared_task
+from django.conf import settings
+from django.db import DatabaseError
 
-from . import metrics
+from . import bulk, metrics, retention
 from .engine.advance import run_advance
 from .engine.reconcile import reconcile as reconcile_once
 from .engine.timers import fire_due
@@ -47,3 +49,36 @@ def reconcile() -> dict[str, int]:
     else:
         logger.debug("reconcile: nothing to repair %s", counts)
     return counts
+
+
+@shared_task(name="runs.bulk_action", ignore_result=True, acks_late=True)
+def bulk_action(bulk_id: str, batch: int) -> None:
+    """One batch of a bulk cancel or retry; it sends the next. A batch delivered again
+    finds itself done and does nothing (runs.bulk)."""
+    bulk.bulk_action_batch(bulk_id=bulk_id, batch=batch)
+
+
+@shared_task(name="runs.purge_expired", ignore_result=True)
+def purge_expired() -> dict[str, int]:
+    """Retention (beat, every RETENTION_EVERY_SECONDS): delete ended runs past their
+    status's age, for at most RETENTION_TICK_SECONDS; what is left is handed to the next
+    message at once. Nothing while DJFLOW_RETENTION_DAYS is empty."""
+    tunables = settings.DJFLOW
+    ages = retention.retention_ages(tunables["RETENTION_DAYS"])
+    if not ages:
+        return {}
+    try:
+        report = retention.retention_purge(
+            older_than=ages,
+            batch=tunables["RETENTION_BATCH"],
+            seconds=tunables["RETENTION_TICK_SECONDS"],
+        )
+    except DatabaseError:
+        # Log and go on: the next pass tries again (a scheduler must not die on a blip).
+        logger.exception("retention: a purge failed; the next pass tries again")
+        return {}
+    if report.more:
+        purge_expired.apply_async(queue="default")
+    if report.runs:
+        logger.info("retention: deleted %s", ", ".join(report.lines()))
+    return dict(report.deleted)

@@ -22,9 +22,12 @@ from config.pagination import NewestFirstPagination
 from workflows import access, secrets
 from workflows.views import ERRORS
 
-from . import selectors, services, trace
+from . import bulk, selectors, services, trace
 from .models import Run
 from .serializers import (
+    BulkActionSerializer,
+    BulkResultSerializer,
+    BulkRunsSerializer,
     EventDeliverySerializer,
     EventSerializer,
     ModelCallDetailSerializer,
@@ -35,6 +38,7 @@ from .serializers import (
     RunSerializer,
     RunStartSerializer,
     RunTraceSerializer,
+    StepResolveSerializer,
 )
 from .status import RunStatus
 
@@ -111,6 +115,8 @@ class RunListView(APIView):
         if result.created and not plan_now:
             # Its starter may read it; nothing else has been written for it in this request.
             run = selectors.run_as_started(result.run)
+        elif result.created:
+            run = selectors.run_as_planned(run_id=result.run.id, user=request.user)
         else:
             run = selectors.run_get(run_id=result.run.id, user=request.user)
         return Response(
@@ -254,6 +260,48 @@ class RunRetryView(APIView):
         return Response(_render(request, selectors.run_get(run_id=result.id, user=request.user)))
 
 
+class StepResolveView(APIView):
+    @extend_schema(
+        operation_id="runs_step_resolve",
+        parameters=[
+            RUN_ID,
+            OpenApiParameter(
+                "step_run_id",
+                OpenApiTypes.INT,
+                OpenApiParameter.PATH,
+                description="the in_doubt attempt's id (a step run of the run)",
+            ),
+        ],
+        request=StepResolveSerializer,
+        examples=[
+            OpenApiExample(
+                "succeeded",
+                value={"outcome": "succeeded", "output": {"sent": True}},
+                request_only=True,
+            ),
+            OpenApiExample("failed", value={"outcome": "failed"}, request_only=True),
+        ],
+        description=(
+            "Resolve an `in_doubt` attempt: an at_most_once attempt whose worker was lost after"
+            " it started, so it may or may not have had its effect. Check the attempt's"
+            " `idempotency_key` with the third party first. `succeeded` with an `output`: the"
+            " run goes on as if the attempt had succeeded with it. `failed`: the step fails"
+            " (class `in_doubt`, never retried) and its `on_error` applies. For the workflow's"
+            " operators (403 for its viewers); recorded on the run. An attempt that is not in"
+            " doubt is a 409."
+        ),
+        responses={200: RunSerializer, **dict.fromkeys((400, 401, 403, 404, 409), ERRORS)},
+    )
+    def post(self, request: Request, run_id: str, step_run_id: str) -> Response:
+        body = StepResolveSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        # The service checks, under the run's lock, that the caller may operate it.
+        run = services.step_run_resolve(
+            run_id=run_id, step_run_id=step_run_id, user=request.user, **body.validated_data
+        )
+        return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
+
+
 class RunTraceView(APIView):
     @extend_schema(
         operation_id="runs_trace",
@@ -297,3 +345,104 @@ class EventView(APIView):
         body.is_valid(raise_exception=True)
         event, matched = services.event_send(**body.validated_data, user=request.user)
         return Response({"id": event.id, "matched": matched})
+
+
+class BulkActionView(APIView):
+    """``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters in the body."""
+
+    action: str
+
+    def post(self, request: Request) -> Response:
+        body = BulkRunsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        filters = dict(body.validated_data)
+        dry_run = filters.pop("dry_run")
+        started = bulk.bulk_action_start(
+            action=self.action, user=request.user, dry_run=dry_run, **filters
+        )
+        action = started.action
+        return Response(
+            {
+                "affected": started.affected,
+                "id": action.id if action is not None else None,
+                "dry_run": dry_run,
+            },
+            status=status.HTTP_202_ACCEPTED if action is not None else status.HTTP_200_OK,
+        )
+
+
+_BULK_FILTERS = (
+    " Takes the filters of `GET /runs` (`workflow`, `status`, `account`, `created_after`,"
+    " `created_before`) in a JSON body, at least one of them: a body naming none is a 400."
+    " `affected` is how many runs they match that the caller may operate and that the"
+    " action applies to, counted now; runs created after the request are never touched. A"
+    " worker does the work in batches of `DJFLOW_BULK_BATCH` runs (202 with the action's"
+    " `id`); each run is recorded in its actions as the caller's, with the bulk action's"
+    " id. `dry_run: true` answers the count and does nothing (200)."
+)
+
+
+def _bulk_schema(name: str, description: str) -> Any:
+    return extend_schema(
+        operation_id=f"runs_bulk_{name}",
+        request=BulkRunsSerializer,
+        examples=[
+            OpenApiExample(
+                name,
+                value={"workflow": "support_ticket", "status": "failed", "dry_run": True},
+                request_only=True,
+            )
+        ],
+        description=description + _BULK_FILTERS,
+        responses={
+            202: BulkResultSerializer,
+            200: BulkResultSerializer,
+            **dict.fromkeys((400, 401), ERRORS),
+        },
+    )
+
+
+class BulkCancelView(BulkActionView):
+    action = bulk.CANCEL
+
+    @_bulk_schema(
+        "cancel",
+        "Cancel every matching run that has not ended (its children too), as"
+        " `POST /runs/{id}/cancel` does one. A `status` that has ended is a 400.",
+    )
+    def post(self, request: Request) -> Response:
+        return super().post(request)
+
+
+class BulkRetryView(BulkActionView):
+    action = bulk.RETRY
+
+    @_bulk_schema(
+        "retry",
+        "Retry every matching failed top-level run from its failed step, as"
+        " `POST /runs/{id}/retry` with no body does one (a failed child run is retried with"
+        " its parent). A `status` other than failed is a 400.",
+    )
+    def post(self, request: Request) -> Response:
+        return super().post(request)
+
+
+class BulkActionDetailView(APIView):
+    @extend_schema(
+        operation_id="runs_bulk_read",
+        parameters=[
+            OpenApiParameter(
+                "bulk_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="its id (a UUID)"
+            )
+        ],
+        description=(
+            "A bulk cancel or retry and how far its batches have got: `done` runs cancelled or"
+            " retried, `skipped` counted but passed over (ended, retried, or no longer the"
+            " caller's to operate by the time their batch came), `finished_at` once the last"
+            " batch is done. Only its requester sees it (404 for anyone else)."
+        ),
+        responses={200: BulkActionSerializer, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, bulk_id: str) -> Response:
+        found = bulk.bulk_action_get(bulk_id=bulk_id, user=request.user)
+        return Response(BulkActionSerializer(found).data)

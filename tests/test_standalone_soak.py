@@ -117,13 +117,15 @@ def _failed_runs(database: Path) -> list[tuple[str, str]]:
 def test_a_worker_killed_mid_burst_is_restarted_and_every_run_ends(tmp_path: Path) -> None:
     """kill -9 of the worker (its whole process group: the pool too) while 200 runs are
     being started: the standalone restarts it, and every run ends. A run whose
-    ``at_most_once`` step (the example's ``send``) was running when the worker died fails
-    with class ``lost`` instead of sending twice; every other run completes. Short leases and
-    reconciler period, so lost work is found in seconds, not the default minute."""
+    ``at_most_once`` step (the example's ``send``) was running when the worker died is in
+    doubt instead of sending twice, and, with nobody to resolve it, fails at its deadline
+    (class ``in_doubt``); every other run completes. Short leases, reconciler period and
+    in-doubt deadline, so lost work is found in seconds, not the default minute (or day)."""
     quick = {
         "DJFLOW_LEASE_SECONDS": "3",
         "DJFLOW_RECONCILE_SECONDS": "3",
         "DJFLOW_LOST_MESSAGE_SECONDS": "3",
+        "DJFLOW_IN_DOUBT_SECONDS": "3",
     }
     runs = 200
     with running_standalone(tmp_path / "var", tmp_path / "standalone.log", env=quick) as sa:
@@ -149,5 +151,5 @@ def test_a_worker_killed_mid_burst_is_restarted_and_every_run_ends(tmp_path: Pat
         assert "Restarted worker" in output, output
         assert set(statuses) <= {"completed", "failed"}, (statuses, output[-5000:])
         assert statuses["completed"] >= runs - 4, statuses  # at most one lost send per slot
-        assert set(_failed_runs(sa.database)) <= {("lost", "send")}
+        assert set(_failed_runs(sa.database)) <= {("in_doubt", "send")}
         print(f"worker killed a quarter into {runs} runs: {dict(statuses)}")

@@ -8,7 +8,12 @@ class WorkersConfig(AppConfig):
     def ready(self) -> None:
         from celery.signals import task_received, worker_ready
 
-        from . import kinds, slots, task_events
+        from runs.engine import hooks
+
+        from . import kinds, notify, slots, task_events
+
+        # Run-end webhooks whose message was lost: offered again on every reconciler tick.
+        hooks.repair("notify_reoffered", notify.reoffer_lost)
 
         # The worker step kinds that call models, HTTP and MCP tools (recipe, http, mcp_tool).
         kinds.plug_in()

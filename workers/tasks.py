@@ -10,7 +10,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
-from . import execution, kb_embed, providers
+from . import execution, kb_embed, notify, providers
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +92,11 @@ def embed_kb_document(self: Task[Any, Any], document_id: int) -> str:
 def sweep_kb_embeddings() -> int:
     """Beat: send the current versions still missing an embedding (kb_embed.sweep)."""
     return kb_embed.sweep()
+
+
+@shared_task(name="workers.deliver_notification", ignore_result=True, acks_late=True)
+def deliver_notification(delivery_id: int) -> str:
+    """One attempt at a run-end webhook; a failed attempt sends the next itself, after its
+    back-off (workers.notify). Idempotent: a message for a row claimed, not due or settled
+    sends nothing."""
+    return notify.deliver(delivery_id)

@@ -269,6 +269,21 @@ def run_filter(user: Any, prefix: str = "") -> Q | None:
     return readable | Q(**{workflow: started, owner: user.pk})
 
 
+def run_operate_filter(user: Any) -> Q | None:
+    """A filter on runs to those ``user`` may operate (cancel, retry, ...: ``may_operate_run``
+    as a query, for actions on many runs at once); ``None`` when they may operate every run."""
+    held = global_roles(user)
+    if OPERATOR in held:
+        return None
+    if not _person(user):
+        return Q(pk__in=[])
+    operated = Q(workflow_id__in=_workflows_with(user, {OPERATOR}).values("pk"))
+    if STARTER in held:
+        return operated | Q(created_by_id=user.pk)
+    started = _workflows_with(user, {STARTER}).values("pk")
+    return operated | Q(workflow_id__in=started, created_by_id=user.pk)
+
+
 def operates_some(user: Any) -> bool:
     """May ``user`` operate any run at all (what the admin asks before offering actions)?"""
     if {OPERATOR, STARTER} & global_roles(user):

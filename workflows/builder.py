@@ -17,7 +17,7 @@ import copy
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from . import client, registry, steps
@@ -110,6 +110,7 @@ class Workflow:
         input_schema: Mapping[str, Any] | None = None,
         limits: Mapping[str, Any] | None = None,
         concurrency: Mapping[str, Any] | None = None,
+        notify: Sequence[Mapping[str, Any]] | None = None,
         version: int | None = None,
         module: str | None = None,
     ) -> None:
@@ -120,12 +121,14 @@ class Workflow:
         self.input_schema = copy.deepcopy(input_schema)
         self.limits = copy.deepcopy(limits)
         self.concurrency = copy.deepcopy(concurrency)
+        self.notify = None if notify is None else [dict(entry) for entry in notify]
         # The module that defined the builder: a reload of it replaces the builder, another
         # module defining the same id is an error (see workflows.registry).
         self.module = module or sys._getframe(1).f_globals.get("__name__", "?")
         self._steps: list[StepSpec] = []
         self._ids: set[str] = set()
         self._output: Any = None
+        self._on_failure: list[StepSpec] = []
         # The version start() runs, saved on its first call in this process.
         self._saved_version: int | None = None
         registry.add_builder(self)
@@ -194,6 +197,24 @@ class Workflow:
     write_kb = _adds_step(steps.write_kb)
     handoff = _adds_step(steps.handoff)
 
+    def on_failure(self, *specs: Mapping[str, Any]) -> Workflow:
+        """Set the document's ``on_failure`` steps (step specs of :mod:`workflows.steps`):
+        they run when a step's failure would fail the run, read ``${error}``, and complete
+        the run with the last one's output. Register the handlers of their task steps with
+        :meth:`handler`. Calling it again replaces them."""
+        built = [steps.one_step(spec, f"workflow '{self.id}' on_failure step") for spec in specs]
+        if not built:
+            raise ValueError(f"workflow '{self.id}': on_failure takes at least one step")
+        previous = {step_id for spec in self._on_failure for step_id in steps.step_ids(spec)}
+        seen = self._ids - previous
+        for spec in built:
+            for step_id in steps.step_ids(spec):
+                if step_id in seen:
+                    raise ValueError(f"step id '{step_id}' is used twice in workflow '{self.id}'")
+                seen.add(step_id)
+        self._on_failure, self._ids = built, seen
+        return self
+
     def output(self, template: Any) -> Workflow:
         """Set the run's ``output`` template."""
         self._output = copy.deepcopy(template)
@@ -214,9 +235,13 @@ class Workflow:
             doc["limits"] = self.limits
         if self.concurrency is not None:
             doc["concurrency"] = self.concurrency
+        if self.notify is not None:
+            doc["notify"] = self.notify
         doc["steps"] = self._steps
         if self._output is not None:
             doc["output"] = self._output
+        if self._on_failure:
+            doc["on_failure"] = self._on_failure
         return copy.deepcopy(doc)
 
     def save(self, user: AbstractBaseUser | None = None) -> SaveResult:
@@ -249,6 +274,7 @@ def workflow(
     input_schema: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
     concurrency: Mapping[str, Any] | None = None,
+    notify: Sequence[Mapping[str, Any]] | None = None,
     version: int | None = None,
 ) -> Workflow:
     """A builder for the workflow ``id``; the arguments are the document's top-level fields."""
@@ -258,6 +284,7 @@ def workflow(
         input_schema=input_schema,
         limits=limits,
         concurrency=concurrency,
+        notify=notify,
         version=version,
         module=sys._getframe(1).f_globals.get("__name__", "?"),
     )

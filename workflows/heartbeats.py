@@ -48,7 +48,11 @@ def step_handlers(document: Mapping[str, Any]) -> list[StepHandler]:
     found = []
     # The kinds whose body is a handler a worker must have.
     handler_kinds = kinds.handler_kinds()
-    for path, step in walk_steps(document.get("steps", []), ["steps"]):
+    walked = [
+        *walk_steps(document.get("steps", []), ["steps"]),
+        *walk_steps(document.get("on_failure", []), ["on_failure"]),
+    ]
+    for path, step in walked:
         if step.get("kind") in handler_kinds:
             found.append(
                 StepHandler(

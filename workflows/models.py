@@ -61,6 +61,9 @@ class WorkflowVersion(models.Model):
     number = models.PositiveIntegerField()
     document = models.JSONField()
     content_hash = models.CharField(max_length=64)
+    # The secrets of the document's notify entries, by entry index, encrypted: the document
+    # shows •••• in their place (workflows.notify).
+    secrets = models.TextField(blank=True, default="", db_default="", editable=False)
     description = models.TextField(blank=True, default="")
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,

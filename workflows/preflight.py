@@ -43,7 +43,10 @@ def start_problems(version: Any, input: Any = NO_INPUT) -> list[FieldError]:
 
 def preflight_errors(document: Mapping[str, Any]) -> list[FieldError]:
     errors = []
-    walked = list(walk_steps(document.get("steps", []), ["steps"]))
+    walked = [
+        *walk_steps(document.get("steps", []), ["steps"]),
+        *walk_steps(document.get("on_failure", []), ["on_failure"]),
+    ]
     every = tuple(step for _, step in walked)
     memo: dict[str, Any] = {}
     for index, (path, step) in enumerate(walked):

@@ -6,13 +6,14 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 
-from . import access, heartbeats, kinds, knowledge
+from . import access, heartbeats, kinds, knowledge, notify
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
 from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
@@ -100,25 +101,51 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
             *kb_name_errors(prepared, user),
         ]
     )
-    digest = content_hash(prepared)
+    # notify secrets leave the document here: it stores ••••, the version keeps them
+    # encrypted, and the hash holds their keyed fingerprints (workflows.notify).
+    prepared, secrets = notify.seal(
+        prepared, partial(_latest_with_secrets, prepared["id"], user=user)
+    )
+    digests = notify.hashes(prepared, secrets, content_hash)
     requested = prepared.get("version")
+    sealed = _Sealed(digests, notify.encrypt(secrets))
     try:
         with transaction.atomic():
-            return _save_and_reserve(prepared, digest, requested, user)
+            return _save_and_reserve(prepared, sealed, requested, user)
     except IntegrityError:
         # Only a concurrent save of the same explicit version number gets here; the row it
         # wrote is now visible, so the second pass answers 200 or 409 from it.
         with transaction.atomic():
-            return _save_and_reserve(prepared, digest, requested, user)
+            return _save_and_reserve(prepared, sealed, requested, user)
+
+
+@dataclass(frozen=True)
+class _Sealed:
+    """A document's content hashes (the current key's first) and its notify secrets'
+    stored form."""
+
+    digests: list[str]
+    secrets: str
+
+
+def _latest_with_secrets(
+    workflow_id: str, *, user: AbstractBaseUser | None
+) -> tuple[dict[str, Any], str] | None:
+    """The latest version's document and notify secrets, for a ••••: only an author's
+    (otherwise whether •••• is taken would tell a non-author the URLs it lists)."""
+    if not access.may_author(user, workflow_id, exists=True):
+        return None
+    latest = WorkflowVersion.objects.resolve(workflow_id)
+    return None if latest is None else (latest.document, latest.secrets)
 
 
 def _save_and_reserve(
     document: dict[str, Any],
-    digest: str,
+    sealed: _Sealed,
     requested: int | None,
     user: AbstractBaseUser | None,
 ) -> SaveResult:
-    saved = _save_locked(document, digest, requested, user)
+    saved = _save_locked(document, sealed, requested, user)
     reserve_kbs(document, user)
     return saved
 
@@ -152,7 +179,7 @@ def _literal_write_kb(step: Mapping[str, Any]) -> str | None:
 
 def _save_locked(
     document: dict[str, Any],
-    digest: str,
+    sealed: _Sealed,
     requested: int | None,
     user: AbstractBaseUser | None,
 ) -> SaveResult:
@@ -187,7 +214,7 @@ def _save_locked(
     if requested is not None:
         existing = versions.filter(number=requested).first()
         if existing is not None:
-            if existing.content_hash == digest:
+            if existing.content_hash in sealed.digests:
                 return SaveResult(existing, created=False)
             raise Conflict(
                 errors=[
@@ -201,7 +228,7 @@ def _save_locked(
             )
         number = requested
     else:
-        same = versions.filter(content_hash=digest).order_by("-number").first()
+        same = versions.filter(content_hash__in=sealed.digests).order_by("-number").first()
         if same is not None:
             return SaveResult(same, created=False)
         latest = versions.order_by("-number").values_list("number", flat=True).first()
@@ -214,7 +241,8 @@ def _save_locked(
         workflow_id=workflow_id,
         number=number,
         document=stored,
-        content_hash=digest,
+        content_hash=sealed.digests[0],
+        secrets=sealed.secrets,
         description=document.get("description", ""),
         created_by=user if user is not None and user.is_authenticated else None,
     )

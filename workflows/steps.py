@@ -316,15 +316,23 @@ def approval(
     return _spec(step_id, "approval", own, common)
 
 
-def parallel(step_id: str, *, branches: Mapping[str, Steps], **common: Unpack[_Common]) -> StepSpec:
-    """A ``parallel`` step: ``branches`` maps a branch name to a step spec (or a list)."""
+def parallel(
+    step_id: str,
+    *,
+    branches: Mapping[str, Steps],
+    mode: str | None = None,
+    **common: Unpack[_Common],
+) -> StepSpec:
+    """A ``parallel`` step: ``branches`` maps a branch name to a step spec (or a list);
+    ``mode`` is ``"fail_fast"`` (the default) or ``"all_settled"``."""
     if not isinstance(branches, Mapping):
         raise TypeError(f"step '{step_id}' branches must be a dict, got {branches!r}")
     own = {
         "branches": {
             name: _step_or_steps(spec, f"step '{step_id}' branches['{name}']")
             for name, spec in branches.items()
-        }
+        },
+        "mode": mode,
     }
     return _spec(step_id, "parallel", own, common)
 

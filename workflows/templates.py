@@ -26,6 +26,7 @@ At run time templates and guards read one context, whose roots are ``ROOTS``::
         "item": <the current foreach item>,      # inside foreach only
         "index": <int, the foreach item index>,  # inside foreach only
         "iter": {"index": <int>, "previous": <the previous iteration's output>},  # loop only
+        "error": {"class": "...", "message": "...", "step": "..."},  # on_failure steps only
     }
 
 Invariants
@@ -75,7 +76,9 @@ __all__ = [
     "translate_legacy",
 ]
 
-ROOTS: Final[frozenset[str]] = frozenset({"input", "steps", "run", "item", "index", "iter"})
+ROOTS: Final[frozenset[str]] = frozenset(
+    {"input", "steps", "run", "item", "index", "iter", "error"}
+)
 
 # The lookbehind is what makes ``$${`` an escape: any ``${`` right after a ``$`` is literal.
 REFERENCE: Final[re.Pattern[str]] = re.compile(r"(?<!\$)\$\{\s*(?P<path>[^{}]*?)\s*\}")

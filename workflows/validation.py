@@ -31,6 +31,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from jsonschema.exceptions import ValidationError
 
@@ -100,9 +101,13 @@ _FIXED_OUTPUT: dict[str, frozenset[str] | None] = {
     "http": frozenset({"status", "headers", "body"}),
 }
 _STEP_ATTRIBUTES = ("output", "status", "error")
+# What an all_settled parallel's output holds for each branch.
+_SETTLED_KEYS = ("status", "output", "error")
 _ERROR_KEYS = ("class", "message")
 _RUN_KEYS = ("id", "correlation")
-_ROOTS = ("input", "steps", "run", "item", "index", "iter")
+_ROOTS = ("input", "steps", "run", "item", "index", "iter", "error")
+# What ``${error}`` holds in an on_failure step: the failure the run would have failed with.
+_FAILURE_KEYS = ("class", "message", "step")
 # Fields holding templates, per kind (``input`` is common to every kind). A recipe step's
 # ``system`` and ``prompt`` are rendered with the step input by the step itself: their roots
 # are the recipe's (``workflows.recipes``), checked by ``_kind_recipe``.
@@ -175,7 +180,11 @@ def _size_errors(document: dict[str, Any], max_steps: int) -> list[FieldError]:
     errors: list[FieldError] = []
     count = 0
     # (a list of steps or one step, where it is, the level of the steps in it)
-    stack: list[tuple[Any, str, int]] = [(document.get("steps"), "steps", 1)]
+    stack: list[tuple[Any, str, int]] = [
+        (document.get("steps"), "steps", 1),
+        # The handler's steps count against the same limits as the main ones.
+        (document.get("on_failure"), "on_failure", 1),
+    ]
     while stack:
         body, where, level = stack.pop()
         steps = list(enumerate(body)) if isinstance(body, list) else [(None, body)]
@@ -344,6 +353,8 @@ class _Scope:
     # How many times a body here may run for one run of the outermost loop or foreach: the
     # product of the enclosing loops' and foreach's bounds.
     repeats: int = 1
+    # Inside the document's on_failure steps, where ``${error}`` is defined.
+    on_failure: bool = False
 
     def child(self, **changes: Any) -> _Scope:
         return replace(self, steps=dict(self.steps), **changes)
@@ -364,7 +375,7 @@ class _Checker:
         self.steps = document.get("steps")
         if not isinstance(self.steps, list):
             self.steps = []
-        self.all_ids = {step["id"]: step for step, _ in _every_step(self.steps, "steps")}
+        self.all_ids = {step["id"]: step for step, _ in every_step(document)}
         limits = document.get("limits")
         timeout = limits.get("run_timeout_ms") if isinstance(limits, dict) else None
         self.run_timeout_ms = timeout if _is_duration_value(timeout) else DEFAULT_RUN_TIMEOUT_MS
@@ -376,6 +387,12 @@ class _Checker:
         self._walk(self.steps, "steps", scope)
         if "output" in self.document:
             self._safely(self._check_template, self.document["output"], "output", scope)
+        self._safely(self._check_notify)
+        handler = self.document.get("on_failure")
+        if isinstance(handler, list):
+            # The handler runs after any top-level step may have failed: it may read each of
+            # them (a step that did not run reads null), and ${error}.
+            self._walk(handler, "on_failure", scope.child(on_failure=True))
         concurrency = self.document.get("concurrency")
         if isinstance(concurrency, dict) and isinstance(concurrency.get("key"), str):
             self._safely(self._check_concurrency_key, concurrency["key"])
@@ -400,6 +417,14 @@ class _Checker:
             problem = self._path_problem(path, _Scope())
             if problem:
                 self.fail(where, problem)
+
+    def _check_notify(self) -> None:
+        """Each ``notify`` URL names a host over http or https (the schema checks the rest;
+        which addresses it may reach is the delivering worker's check, as for http steps)."""
+        for index, entry in enumerate(self.document.get("notify") or []):
+            problem = notify_url_problem(entry["url"])
+            if problem:
+                self.fail(f"notify[{index}].url", problem)
 
     def _safely(self, check: Callable[..., None], *args: Any) -> None:
         """Run one check; a shape the schema refused ends this check only."""
@@ -665,6 +690,12 @@ class _Checker:
             if root == "index" and rest:
                 return f"'{path}': index is a number"
             return None
+        if root == "error":
+            if not scope.on_failure:
+                return f"'{path}': 'error' is only defined inside the on_failure steps"
+            if len(rest) > 1 or (rest and rest[0] not in _FAILURE_KEYS):
+                return f"'{path}': error has only error.class, error.message and error.step"
+            return None
         if root == "iter":
             if not scope.in_loop:
                 return f"'{path}': 'iter' is only defined inside a loop's 'do' and 'until'"
@@ -717,8 +748,28 @@ def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | N
     ):
         names = ", ".join(step["branches"])
         return f"'{path}': parallel step '{step['id']}' has no branch '{tail[0]}' ({names})"
+    if kind == "parallel" and step.get("mode") == "all_settled" and len(tail) > 1:
+        if tail[1] not in _SETTLED_KEYS:
+            return f"'{path}': an all_settled branch's outcome has only status, output and error"
+        return None
     if kind == "foreach" and not tail[0].isdigit():
         return f"'{path}': a foreach step's output is an array; index it with a number"
+    return None
+
+
+def notify_url_problem(url: str) -> str | None:
+    """What is wrong with a ``notify`` entry's URL, or None."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (a port out of range raises here)
+    except ValueError as error:
+        return f"is not a URL ({error})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"only http and https URLs may be called, not {parts.scheme or 'none'}:"
+    if not parts.hostname:
+        return "names no host"
+    if any(c.isspace() for c in url):
+        return "may not hold white space"
     return None
 
 
@@ -772,5 +823,6 @@ def _every_body(body: Any, where: str) -> Iterator[tuple[dict[str, Any], str]]:
 
 def every_step(document: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
     """Every step of a prepared document, nested ones too, with its field path
-    (``steps[2].do[0]``)."""
-    return _every_step(document.get("steps"), "steps")
+    (``steps[2].do[0]``), the on_failure steps' last (``on_failure[0]``)."""
+    yield from _every_step(document.get("steps"), "steps")
+    yield from _every_step(document.get("on_failure"), "on_failure")

@@ -26,14 +26,24 @@ from workflows.models import WorkflowVersion
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
 from ..moves import move_steps
-from ..status import RunStatus, StepStatus, check_run_move, check_step_move, step_sources
+from ..status import (
+    STEP_MOVES,
+    RunStatus,
+    StepStatus,
+    check_run_move,
+    check_step_move,
+    step_sources,
+)
 from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import insert_attempts, prep_value, request_advance, update_run
 
-IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING]
+IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING, StepStatus.IN_DOUBT]
 OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
+# What a planner's Close ends: an open engine row, or an in_doubt attempt past its deadline
+# (each only into the statuses the table lets it take: runs.status.STEP_MOVES).
+CLOSABLE = [*OPEN, StepStatus.IN_DOUBT]
 
 
 @dataclass
@@ -164,14 +174,28 @@ class _Writer:
     def expire(self, action: p.Expire) -> None:
         attempt = StepRun.objects.filter(id=action.attempt_id)
         task_ids = list(attempt.values_list("celery_task_id", flat=True))
+        doubt = action.status == StepStatus.IN_DOUBT
         changed = move_steps(
             attempt,
             action.status,
             sources=[StepStatus.RUNNING],
             error=action.error,
-            finished_at=self.now,
+            # An in_doubt attempt is not over: it ends when resolved or at its deadline.
+            finished_at=None if doubt else self.now,
+            not_before=action.not_before if doubt else None,
             claim=None,
         )
+        if changed and doubt and action.not_before is not None:
+            # Its deadline: a durable timer row, whose advance fails the attempt then.
+            self.timers.append(
+                Timer(
+                    run=self.run,
+                    step_run_id=action.attempt_id,
+                    purpose=TimerPurpose.IN_DOUBT,
+                    key=f"in_doubt:{action.attempt_id}",
+                    fire_at=action.not_before,
+                )
+            )
         if changed:
             dispatch.revoke_on_commit(task_ids)
             # What a lost model call held is charged now, before a retry reserves.
@@ -239,16 +263,17 @@ def _close(action: p.Close, now: datetime) -> int:
     """Close an open row (a sleep over, a wait timed out): ``move_steps`` from OPEN, as a
     prepared statement on Postgres (every fired sleep sends it; the ORM's was planned each
     time, 0.14 ms of Postgres's time a fired run)."""
+    closable = [source for source in CLOSABLE if action.status in STEP_MOVES[source]]
     if connection.vendor != "postgresql":
         return move_steps(
             StepRun.objects.filter(id=action.attempt_id),
             action.status,
-            sources=OPEN,
+            sources=closable,
             output=action.output,
             error=action.error,
             finished_at=now,
         )
-    sources = ", ".join(f"'{source}'" for source in sorted(step_sources(action.status, OPEN)))
+    sources = ", ".join(f"'{source}'" for source in sorted(step_sources(action.status, closable)))
     with prepared_cursor() as cursor:
         cursor.execute(
             f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"

@@ -19,7 +19,9 @@ rows the planner cancelled. With the run locked by the caller, in the caller's t
 - its end is counted (``runs.metrics``) once the transaction commits;
 - its parent is asked to advance (after commit, never planned here): a child's end is its
   subworkflow step's. A child ended because its parent is ending asks nothing of it;
-- with tracing on, its spans are emitted after commit (``runs.tracing``).
+- with tracing on, its spans are emitted after commit (``runs.tracing``);
+- each ``notify`` entry of its document that lists this end gets a delivery row, offered to
+  a worker after commit (``workers.notify`` sends it, at least once).
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from workflows import kinds
 from workflows.kinds import Role
 
 from .. import dispatch, metrics, tracing
-from ..models import Run, StepRun, Timer
+from ..models import NotifyDelivery, Run, StepRun, Timer
 from ..moves import move_run, move_steps
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
 from . import slots
+from .journal import document_of
 from .sql import cursor as prepared_cursor
 from .store import request_advance
 
@@ -118,6 +121,9 @@ def _end(
     )
     # Its spans (run, steps, the attempts no worker ran) once the end commits, if traced.
     tracing.on_run_end(run.id)
+    if not run.body:
+        # A body run is its parent's business: only a workflow's own run tells its hooks.
+        _queue_notifications(run, status, now)
     # The run's unfired timers are deleted in the same round trip: an ended run needs none.
     left, children = _left(run.id, drop_timers=True)
     if left:
@@ -137,6 +143,25 @@ def _end(
         # Deleted again after what closing the rows and children did (a kind's close may
         # arm a timer of the run); a run that completes has nothing left and skips this.
         Timer.objects.filter(run=run, fired_at__isnull=True).delete()
+
+
+def _queue_notifications(run: Run, status: str, now: datetime) -> None:
+    """The document's notify entries that list this end: a delivery row each, in this
+    transaction, offered to a worker once it commits (``workers.notify``)."""
+    wanted = [
+        (index, entry)
+        for index, entry in enumerate(document_of(run.version_id).get("notify") or ())
+        if status in entry.get("events", ())
+    ]
+    if not wanted:
+        return
+    rows = NotifyDelivery.objects.bulk_create(
+        NotifyDelivery(
+            run=run, entry=index, event=status, url=entry["url"], due_at=now, created_at=now
+        )
+        for index, entry in wanted
+    )
+    dispatch.notify_on_commit([row.id for row in rows])
 
 
 _STEPS, _RUNS, _TIMERS = StepRun._meta.db_table, Run._meta.db_table, Timer._meta.db_table

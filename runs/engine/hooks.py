@@ -5,17 +5,23 @@ its ``AppConfig.ready()``): the engine calls them and never imports those apps.
   never advance their run: they only send something.
 - A reconciler repair: a pass over what a lost message or a crash left behind (mails never
   sent), run on every reconciler tick after the engine's own, in registration order.
+- A purge step: what an app deletes of its own, in the transaction that deletes runs
+  (``runs.retention``), before the runs' rows go (the rows that would block their deletion,
+  such as an approval's decisions, which are protected from a cascade on purpose).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 # purpose -> fire(step_run_id)
 _timers: dict[str, Callable[[int], None]] = {}
 # name -> repair(now, batch) -> rows acted on
 _repairs: dict[str, Callable[[datetime, int], int]] = {}
+# name -> purge(run ids) -> {model label: rows deleted}
+_purges: dict[str, Callable[[list[Any]], dict[str, int]]] = {}
 
 
 def on_timer(purpose: str, fire: Callable[[int], None]) -> None:
@@ -36,3 +42,11 @@ def repair(name: str, part: Callable[[datetime, int], int]) -> None:
 
 def repairs() -> list[tuple[str, Callable[[datetime, int], int]]]:
     return list(_repairs.items())
+
+
+def on_purge(name: str, purge: Callable[[list[Any]], dict[str, int]]) -> None:
+    _purges[name] = purge
+
+
+def purges() -> list[tuple[str, Callable[[list[Any]], dict[str, int]]]]:
+    return list(_purges.items())

@@ -142,7 +142,7 @@ SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.bra
        CASE WHEN s.status IN ('failed', 'timed_out') THEN s.finished_at END,
        CASE WHEN s.status = 'running' THEN s.lease_expires_at END,
        CASE WHEN s.status = 'running' THEN s.deadline_at END,
-       CASE WHEN s.status = 'waiting' THEN s.not_before END,
+       CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM {table} AS s
   LEFT JOIN {runs} AS c
@@ -174,7 +174,7 @@ SELECT s.run_id, s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.sta
        CASE WHEN s.status IN ('failed', 'timed_out') THEN s.finished_at END,
        CASE WHEN s.status = 'running' THEN s.lease_expires_at END,
        CASE WHEN s.status = 'running' THEN s.deadline_at END,
-       CASE WHEN s.status = 'waiting' THEN s.not_before END,
+       CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM unnest(%s::uuid[], %s::bigint[]) AS a(run_id, after)
   JOIN {table} AS s ON s.run_id = a.run_id AND s.id > a.after
@@ -338,6 +338,7 @@ def from_timestamp(value: Any) -> datetime | None:
 def planner_settings() -> Settings:
     return Settings(
         deadline_grace=timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"]),
+        in_doubt=timedelta(seconds=settings.DJFLOW["IN_DOUBT_SECONDS"]),
     )
 
 
@@ -357,5 +358,8 @@ def steps_of(version_id: int) -> dict[str, dict[str, Any]]:
                 elif isinstance(body, dict):
                     visit([body])
 
-    visit(document_of(version_id)["steps"])
+    document = document_of(version_id)
+    visit(document["steps"])
+    # The on_failure handler's steps are run by workers like any (their ids are unique too).
+    visit(document.get("on_failure") or [])
     return found

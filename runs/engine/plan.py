@@ -76,8 +76,15 @@ LIMIT = "limit"
 INVALID_INPUT = "invalid_input"
 REJECTED = "rejected"  # an approver rejected an approval step
 UNSUPPORTED = "unsupported"
+# An in_doubt attempt that failed: its deadline passed, or an operator resolved it so. Never
+# retried (the body may have had its effect), whatever the step's retry policy.
+IN_DOUBT = "in_doubt"
 
-IN_FLIGHT = frozenset({"scheduled", "running", "waiting"})
+IN_FLIGHT = frozenset({"scheduled", "running", "waiting", IN_DOUBT})
+# Where the rows of a document's ``on_failure`` handler live: ``_on_failure[<generation>]/``.
+# No step id starts with "_", so no path of a main step (which starts with its top-level
+# step's id) can be one of these, and each generation (a retry of the run) gets its own.
+ON_FAILURE = "_on_failure"
 # The roles of steps that hold other steps: their rows are not attempts.
 HOLDERS = frozenset({Role.COMPOSITE, Role.BRANCH})
 
@@ -245,11 +252,14 @@ class Close:
 @dataclass(frozen=True)
 class Expire:
     """A running attempt is given up: past its deadline (``timed_out``, class timeout) or its
-    worker's lease lapsed (``failed``, class lost). Its worker can no longer record a result."""
+    worker's lease lapsed (``failed``, class lost); either way ``in_doubt`` for an at_most_once
+    attempt, which waits for an operator until ``not_before``, when a timer fails it. Its
+    worker can no longer record a result."""
 
     attempt_id: int
     status: str
     error: Mapping[str, Any]
+    not_before: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -311,6 +321,8 @@ class Settings:
     # How long past an attempt's deadline the engine waits for the worker's own time-out
     # report before it expires the attempt itself.
     deadline_grace: timedelta = timedelta(seconds=5)
+    # How long an in_doubt attempt waits for an operator before it fails (IN_DOUBT_SECONDS).
+    in_doubt: timedelta = timedelta(days=1)
 
 
 # --- the walk -----------------------------------------------------------------------------
@@ -483,6 +495,8 @@ class _Planner:
         if self._over_cost():
             return self.out
         go = self._walk_top()
+        if go is _Go.FAILED and self._handled():
+            go = self._on_failure()
         if go is _Go.CONTINUE:
             self._complete()
         elif go is _Go.FAILED:
@@ -492,6 +506,47 @@ class _Planner:
             self.out.approval = self.out.waiting and self.approval
             self.out.prefix = self._next_prefix()
         return self.out
+
+    def _handled(self) -> bool:
+        """Whether the document's ``on_failure`` handler runs for this failure: a step's
+        failure that fails the run (whatever its class, a step's time-out included), but not
+        a run limit (``max_steps``, ``max_cost_usd``: the handler would run into it too). A
+        body run (part of its parent's document) has no handler of its own; a run's deadline
+        and an operator's cancel end the run without planning, so never reach here."""
+        return (
+            bool(self.document.get("on_failure"))
+            and self.run_view.scope is None
+            and self.failure.get("class") != LIMIT
+        )
+
+    def _on_failure(self) -> _Go:
+        """Walk the ``on_failure`` steps, which read ``${error}`` (the failure: class,
+        message, step) besides the run's input and steps; the first one's default input is the
+        error. Done: the run completes with the last handler step's output (a STOP, its Finish
+        planned). Failed: the run fails with the original error, the handler's alongside
+        (``error.on_failure``)."""
+        original = dict(self.failure)
+        path = f"{ON_FAILURE}[{self.run_view.generation}]/"
+        # What held the main walk before it failed holds the run no longer.
+        self.waiting = self.busy = self.approval = False
+        self.context = {**self.context, "error": original, "steps": dict(self.context["steps"])}
+        self.previous_output, self.ran_before = original, True
+        position = len(self.out.actions)
+        go, output = self._walk_branch(self.document["on_failure"], path)
+        if go is _Go.CONTINUE:
+            self.out.actions.append(Finish("completed", output=output))
+            return _Go.STOP
+        if go is _Go.FAILED:
+            self.failure = {**original, "on_failure": dict(self.failure)}
+        elif go is _Go.STOP:
+            # The handler ran into a run limit (max_steps) or an unknown kind, which ended
+            # the run at once: still the original error first, the handler's beside it.
+            for index in range(position, len(self.out.actions)):
+                ended = self.out.actions[index]
+                if isinstance(ended, Finish) and ended.status == "failed" and ended.error:
+                    error = {**original, "on_failure": dict(ended.error)}
+                    self.out.actions[index] = replace(ended, error=error)
+        return go
 
     def _walk_top(self) -> _Go:
         """The walk of the top-level steps, from the first one the prefix does not cover."""
@@ -567,18 +622,41 @@ class _Planner:
 
     def _expire_attempts(self) -> None:
         """Give up running attempts past their deadline or whose worker's lease lapsed, and
-        plan on as if they had failed so."""
+        plan on as if they had failed so; an at_most_once one becomes in_doubt instead."""
         grace = self.settings.deadline_grace
         for index, attempt in enumerate(self.journal):
             if attempt.status != "running" or kinds.role_of(attempt.kind) is not Role.WORKER:
                 continue
-            if attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace:
+            past_deadline = (
+                attempt.deadline_at is not None and self.now >= attempt.deadline_at + grace
+            )
+            lapsed = attempt.lease_expires_at is not None and self.now >= attempt.lease_expires_at
+            if (past_deadline or lapsed) and attempt.effect == "at_most_once":
+                # It started (the claim committed before the body ran) and its worker never
+                # reported: lost, or hung past its time limit (a lease never outlives the
+                # deadline plus grace, so a worker lost during a step shorter than the lease
+                # lapses here too). It may have had its effect: not run again, not failed
+                # blindly; an operator says which, or its deadline fails it.
+                why = "hung past its timeout_ms" if past_deadline else "was lost"
+                expired = Expire(
+                    attempt.id,
+                    IN_DOUBT,
+                    {
+                        "class": LOST,
+                        "message": f"the worker {why} after the attempt started, and never "
+                        "reported: it may or may not have had its effect; an operator resolves "
+                        "it (check its idempotency key with the third party), or it fails at "
+                        "its deadline",
+                    },
+                    not_before=self.now + self.settings.in_doubt,
+                )
+            elif past_deadline:
                 expired = Expire(
                     attempt.id,
                     "timed_out",
                     {"class": TIMEOUT, "message": "the attempt ran past its timeout_ms"},
                 )
-            elif attempt.lease_expires_at is not None and self.now >= attempt.lease_expires_at:
+            elif lapsed:
                 expired = Expire(
                     attempt.id,
                     "failed",
@@ -588,7 +666,11 @@ class _Planner:
                 continue
             self.out.actions.append(expired)
             self.journal[index] = replace(
-                attempt, status=expired.status, error=expired.error, finished_at=self.now
+                attempt,
+                status=expired.status,
+                error=expired.error,
+                finished_at=None if expired.status == IN_DOUBT else self.now,
+                not_before=expired.not_before,
             )
 
     def _index(self) -> None:
@@ -679,6 +761,8 @@ class _Planner:
                 # Its kind's module is not loaded here (removed, or not imported by this
                 # process): nothing would ever end the wait, so the run fails saying so.
                 return self._unsupported(step, f"step kind '{latest.kind}' is not registered")
+        if latest.status == IN_DOUBT:
+            return self._in_doubt(step, path, attempts, latest)
         if latest.status in IN_FLIGHT:
             self.busy = True
             return _Go.BLOCKED
@@ -689,6 +773,28 @@ class _Planner:
             self._settle_skipped(step)
             return _Go.CONTINUE
         return self._after_failure(step, path, attempts, latest)
+
+    def _in_doubt(
+        self,
+        step: Mapping[str, Any],
+        path: str,
+        attempts: list[AttemptView],
+        latest: AttemptView,
+    ) -> _Go:
+        """An at_most_once attempt whose worker was lost after it started: the run waits for
+        an operator (who moves the row to succeeded or failed) until ``not_before``, when the
+        attempt fails (class in_doubt, never retried) and the step's on_error applies."""
+        if latest.not_before is None or self.now < latest.not_before:
+            self.waiting = True
+            return _Go.BLOCKED
+        error = {
+            "class": IN_DOUBT,
+            "message": "in doubt since its worker was lost, and not resolved by an operator "
+            f"before its deadline ({latest.not_before.isoformat()})",
+        }
+        self.out.actions.append(Close(latest.id, "failed", error=error))
+        over = replace(latest, status="failed", error=error, finished_at=self.now)
+        return self._after_failure(step, path, [*attempts[:-1], over], over)
 
     def _first(self, step: Mapping[str, Any], path: str) -> _Go:
         guard = step.get("when")
@@ -1260,8 +1366,11 @@ class _Planner:
 
     def _parallel(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Every branch is planned in the same pass, so all are journaled before any is
-        offered. A branch that fails with fail_run fails the step; the others are
-        cancelled (see _abandon)."""
+        offered. With ``mode`` ``fail_fast`` (the default) a branch that fails with fail_run
+        fails the step and the others are cancelled (see _abandon); with ``all_settled``
+        every branch runs to its end and the step succeeds once all have, its output
+        ``{branch: {status, output, error}}``. A run-level stop (a limit) stops either."""
+        settled = step.get("mode", "fail_fast") == "all_settled"
         outputs: dict[str, Any] = {}
         blocked = False
         # Each branch's default input is the parallel step's own (its input template, else the
@@ -1273,12 +1382,30 @@ class _Planner:
             self._branch_head = True
             go, output = self._inside(body, f"{inner}[{name}]/", default=scope[1])
             if go is _Go.CONTINUE:
-                outputs[name] = output
+                outputs[name] = self._branch_outcome(body, output) if settled else output
             elif go is _Go.BLOCKED:
                 blocked = True
+            elif go is _Go.FAILED and settled:
+                # The branch's failure stays its own: the step goes on with the others.
+                outputs[name] = {"status": "failed", "output": None, "error": dict(self.failure)}
+                self.failure = {}
             else:
                 return go, None
         return (_Go.BLOCKED, None) if blocked else (_Go.CONTINUE, outputs)
+
+    def _branch_outcome(self, body: Any, output: Any) -> dict[str, Any]:
+        """An all_settled branch that went on: ``{status, output, error}`` as its step
+        settled (succeeded, skipped, or failed with ``on_error: continue``); a body of
+        several steps (a body run) that went on succeeded."""
+        if isinstance(body, list) and len(body) > 1:
+            return {"status": "succeeded", "output": output, "error": None}
+        settled = self.context["steps"][_one(body)["id"]]
+        error = settled.get("error")
+        return {
+            "status": settled["status"],
+            "output": output,
+            "error": dict(error) if error else None,
+        }
 
     def _foreach(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:
         """Items in order; at most ``concurrency`` in flight at any moment (a sliding window:

@@ -178,24 +178,37 @@ def test_a_duplicate_delivery_runs_the_handler_once(celery_worker, celery_proces
 def test_kill_9_of_the_worker_mid_step(
     effect, celery_worker, celery_beat, celery_processes
 ) -> None:
-    doomed = celery_worker(workflow_modules=FLOWS, env=FAST, concurrency=1)
-    celery_beat(env=FAST)
+    """at_least_once: offered again. at_most_once: in doubt (it was a failure, class lost,
+    before CONTRACT section 13), never run again, and with nobody to resolve it the deadline
+    (DJFLOW_IN_DOUBT_SECONDS, a timer the beat fires) fails it, class in_doubt."""
+    env = {**FAST, "DJFLOW_IN_DOUBT_SECONDS": "4"}
+    doomed = celery_worker(workflow_modules=FLOWS, env=env, concurrency=1)
+    celery_beat(env=env)
     run = start(f"slow_{effect}", {"seconds": 3})
     wait_for(lambda: effects(run.id, "slow"), timeout=20, message=celery_processes.logs)
     killed = doomed.kill(signal.SIGKILL)
     assert killed and not doomed.alive()
-    celery_worker(workflow_modules=FLOWS, env=FAST, concurrency=1)
+    celery_worker(workflow_modules=FLOWS, env=env, concurrency=1)
+    if effect == "at_most_once":
+        wait_for(
+            lambda: StepRun.objects.filter(run=run, step_id="slow", status="in_doubt").exists(),
+            timeout=20,
+            interval=0.1,
+            message=celery_processes.logs,
+        )
+        assert Run.objects.get(id=run.id).status == "waiting"
     run = finished(run.id, timeout=40, logs=celery_processes.logs)
     slow = list(run.steps.filter(step_id="slow").order_by("attempt"))
-    assert slow[0].error["class"] == "lost"
     if effect == "at_least_once":
+        assert slow[0].error["class"] == "lost"
         assert run.status == "completed", run.error
         assert [(a.attempt, a.status) for a in slow] == [(1, "failed"), (2, "succeeded")]
         bodies = effects(run.id, "slow")
         assert len(bodies) == 2 and bodies[0][4] is None and bodies[1][4] is not None
     else:
         assert run.status == "failed"
-        assert run.error["class"] == "lost" and run.error["step"] == "slow"
+        assert run.error["class"] == "in_doubt" and run.error["step"] == "slow"
+        assert "before its deadline" in run.error["message"]
         assert [(a.attempt, a.status) for a in slow] == [(1, "failed")]
         assert len(effects(run.id, "slow")) == 1  # never run twice
         assert effects(run.id, "tail") == []

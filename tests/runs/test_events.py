@@ -265,6 +265,27 @@ def test_the_reconciler_advances_a_run_whose_timer_fired_but_whose_advance_was_l
     assert (fresh(run).status, fresh(run).output) == ("completed", "woke")
 
 
+def test_the_reconciler_leaves_a_run_whose_timer_the_tick_just_fired_to_its_advance(
+    settings,
+) -> None:
+    """In a burst of due timers the fired runs' advances wait in a queue: a run whose timer
+    fired within LOST_MESSAGE_SECONDS is not advanced a second time by the reconciler."""
+    settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 10}
+    save({"id": "nap", "kind": "sleep", "ms": 60_000}, output="woke")
+    run = start()
+    long_ago, just_now = timezone.now() - timedelta(seconds=60), timezone.now()
+    Run.objects.filter(id=run.id).update(updated_at=long_ago)
+    StepRun.objects.filter(run=run).update(not_before=long_ago)
+    timer = Timer.objects.filter(run=run, purpose="sleep")
+    timer.update(fire_at=long_ago, fired_at=just_now, fires=1)
+    assert reconcile()["stuck_runs"] == 0
+    assert fresh(run).status == "waiting"
+    # The advance never came: once the timer fired that long ago, the reconciler does it.
+    timer.update(fired_at=just_now - timedelta(seconds=11))
+    assert reconcile()["stuck_runs"] == 1
+    assert (fresh(run).status, fresh(run).output) == ("completed", "woke")
+
+
 def test_the_reconciler_leaves_a_run_that_is_still_sleeping_alone(settings) -> None:
     settings.DJFLOW = {**settings.DJFLOW, "LOST_MESSAGE_SECONDS": 0}
     save({"id": "nap", "kind": "sleep", "ms": 60_000})

@@ -173,3 +173,29 @@ def test_an_empty_or_odd_document_still_draws() -> None:
     assert [n.step_id for n in odd] == ["f"]
     graph.layout(odd)
     assert graph.node_path("a[3]/b[x]/c[12]/") == "a[]/b[x]/c[]/"
+
+
+def test_on_failure_steps_are_drawn_last_and_coloured_by_their_rows() -> None:
+    document = {
+        "id": "with_handler",
+        "steps": [{"id": "work", "kind": "task"}],
+        "on_failure": [{"id": "tidy", "kind": "task"}, {"id": "tell", "kind": "task"}],
+    }
+    nodes = graph.outline(document)
+    assert [n.step_id for n in nodes] == ["work", "on_failure"]
+    assert [n.step_id for n in nodes[1].lanes[0].steps] == ["tidy", "tell"]
+    graph.colour(
+        nodes,
+        [
+            ("", "", "work", "failed", ""),
+            ("", "_on_failure[1]/", "tidy", "succeeded", ""),
+            ("", "_on_failure[1]/", "tell", "running", ""),
+        ],
+    )
+    tidy, tell = nodes[1].lanes[0].steps
+    assert (tidy.status, tell.status) == ("succeeded", "running")
+    assert nodes[1].counts == {"succeeded": 1, "running": 1}
+    assert nodes[1].status == "running"
+    assert len(graph.layout(nodes).boxes) == 4
+    # A document without one draws none.
+    assert [n.step_id for n in graph.outline({"steps": [{"id": "a", "kind": "task"}]})] == ["a"]

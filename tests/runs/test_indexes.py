@@ -55,3 +55,25 @@ def test_a_page_of_runs_is_an_index_scan_without_a_sort(many_runs, filters, inde
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert index in plan, plan
     assert "Sort" not in plan.split(index)[0], plan
+
+
+@pytest.mark.parametrize(
+    ("table", "column"),
+    [
+        ("runs_run", "parent_run_id"),
+        ("runs_run", "parent_step_run_id"),
+        ("runs_steprun", "event_id"),
+    ],
+)
+def test_columns_that_are_mostly_null_have_only_partial_indexes(table, column) -> None:
+    """Most runs have no parent and most attempts took no event: a full foreign-key index
+    on these columns made every insert write a NULL into it. One partial index each serves
+    the lookups (children of a run, the deletes' checks)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = %s AND indexdef LIKE %s",
+            [table, f"%({column})%"],
+        )
+        definitions = [row[0] for row in cursor.fetchall()]
+    assert len(definitions) == 1, definitions
+    assert f"WHERE ({column} IS NOT NULL)" in definitions[0]

@@ -117,6 +117,92 @@ def test_a_retrying_branch_backs_off_while_the_others_finish() -> None:
     assert out.actions[0].purpose == "retry_backoff"
 
 
+def settled(**branches: dict) -> dict:
+    return {**par(**branches), "mode": "all_settled"}
+
+
+def test_all_settled_lets_every_branch_run_on_after_one_fails() -> None:
+    running = at(in_flight("two"), "par[b]/")
+    journal = [row("par", "parallel"), at(failed("one", "fatal"), "par[a]/"), running]
+    out = plan(doc(settled(a=task("one"), b=task("two"))), run(), journal, NOW)
+    # Nothing cancelled, nothing closed, the run not ended: branch b is still running.
+    assert out.actions == []
+
+
+def test_all_settled_schedules_every_branch_even_when_one_fails_at_once() -> None:
+    # Branch a fails for good in the first plan (fail_fast would not even write b's row).
+    bad = {"id": "nap", "kind": "sleep_until", "until": "never"}
+    out = plan(doc(settled(a=bad, b=task("two"))), run(), [], NOW)
+    assert [s.step_id for s in out.of(Schedule)] == ["two"]
+    assert out.of(Finish) == []
+
+
+def test_all_settled_closes_with_each_branch_status_output_and_error() -> None:
+    open_row = row("par", "parallel")
+    journal = [
+        open_row,
+        at(failed("one", "fatal"), "par[a]/"),
+        at(ok("two", {"n": 2}), "par[b]/"),
+        at(failed("three", "fatal"), "par[c]/"),
+    ]
+    step = settled(
+        a=task("one"),
+        b=task("two"),
+        c=task("three", on_error="continue"),
+        d=task("four", when={"path": "input.never", "op": "exists"}),
+    )
+    document = doc(step, task("after", input="${steps.par.output}"))
+    out = plan(document, run(), journal, NOW)
+    close = only(out.actions, Close)
+    expected = {
+        "a": {
+            "status": "failed",
+            "output": None,
+            "error": {"class": "fatal", "message": "fatal failure", "step": "one"},
+        },
+        "b": {"status": "succeeded", "output": {"n": 2}, "error": None},
+        "c": {
+            "status": "failed",
+            "output": None,
+            "error": {"class": "fatal", "message": "fatal failure"},
+        },
+        "d": {"status": "skipped", "output": None, "error": None},
+    }
+    assert (close.attempt_id, close.status, close.output) == (open_row.id, "succeeded", expected)
+    # The step succeeded: the run goes on with its output.
+    assert only(out.actions, Schedule).input == expected
+    assert out.of(Finish) == []
+
+
+def test_all_settled_waits_for_a_retrying_branch_before_settling() -> None:
+    retrying = task("one", retry={"max_attempts": 2, "initial_ms": 60_000})
+    journal = [
+        row("par", "parallel"),
+        at(failed("one", "retryable"), "par[a]/"),
+        at(failed("two", "fatal"), "par[b]/"),
+    ]
+    out = plan(doc(settled(a=retrying, b=task("two"))), run(), journal, NOW)
+    assert out.of(Close) == [] and out.of(Finish) == []
+    assert out.actions[0].purpose == "retry_backoff"
+
+
+def test_fail_fast_named_is_the_default_behaviour() -> None:
+    running = at(in_flight("two"), "par[b]/")
+    journal = [row("par", "parallel"), at(failed("one", "fatal"), "par[a]/"), running]
+    step = {**par(a=task("one"), b=task("two")), "mode": "fail_fast"}
+    out = plan(doc(step), run(), journal, NOW)
+    assert only(out.actions, Cancel).attempt_ids == (running.id,)
+    assert only(out.actions, Finish).error["step"] == "one"
+
+
+def test_all_settled_still_stops_at_a_run_limit() -> None:
+    # limits.max_steps ends the run whatever the mode: the limit is the run's, not a branch's.
+    journal = [row("par", "parallel"), at(failed("one", "fatal"), "par[a]/")]
+    document = doc(settled(a=task("one"), b=task("two")), limits={"max_steps": 1})
+    finish = only(plan(document, run(), journal, NOW).actions, Finish)
+    assert finish.error["class"] == "limit"
+
+
 # --- foreach --------------------------------------------------------------------------------
 
 

@@ -34,6 +34,7 @@ from workflows.sync import sync_modules
 
 from .flows import effects, ensure_effects_table
 from .flows_recovery import RELAY_EFFECTS
+from .test_retry_e2e import Api
 
 pytestmark = [pytest.mark.slow]
 
@@ -334,8 +335,12 @@ SLACK_SECONDS = 3.0
     "workflow", ["doomed_at_least_once", "doomed_at_most_once", "doomed_at_most_once_continue"]
 )
 def test_the_only_worker_killed_mid_step_is_recovered_within_lease_and_period(
-    workflow, celery_processes, celery_worker, celery_beat
+    workflow, celery_processes, celery_worker, celery_beat, live_server, user
 ) -> None:
+    """An at_least_once attempt is offered again. An at_most_once one is never run twice: it
+    becomes in_doubt (CONTRACT section 13; it failed, class lost, before) and the run waits
+    until an operator resolves it over the API: as succeeded with an output (the run goes on
+    with it) or as failed (never retried; on_error continue goes on without it)."""
     doomed = celery_worker(workflow_modules=FLOWS, env=KNOBS, concurrency=2)
     celery_beat(env=KNOBS)
     run = start(workflow, {"seconds": STEP_SECONDS})
@@ -345,36 +350,79 @@ def test_the_only_worker_killed_mid_step_is_recovered_within_lease_and_period(
     assert not doomed.alive()
     celery_worker(workflow_modules=FLOWS, env=KNOBS, concurrency=2)
 
-    [run] = all_finished([run.id], timeout=30, logs=celery_processes.logs)
-    elapsed = run.finished_at.timestamp() - killed_at
-    slow = list(run.steps.filter(step_id="slow").order_by("attempt"))
-    lost = slow[0]
-    assert (lost.status, lost.error["class"]) == ("failed", "lost"), lost.error
-    # Given up once its lease lapsed (it is renewed every LEASE/3 s), not before.
-    given_up = lost.finished_at.timestamp() - killed_at
-    assert given_up >= LEASE_SECONDS * 2 / 3 - 0.5, given_up
-    bodies = effects(run.id, "slow")
-    assert bodies[0][4] is None  # the killed execution never finished
-    tail = effects(run.id, "tail")
-
     if workflow == "doomed_at_least_once":
+        [run] = all_finished([run.id], timeout=30, logs=celery_processes.logs)
+        elapsed = run.finished_at.timestamp() - killed_at
+        slow = list(run.steps.filter(step_id="slow").order_by("attempt"))
+        lost = slow[0]
+        assert (lost.status, lost.error["class"]) == ("failed", "lost"), lost.error
+        # Given up once its lease lapsed (it is renewed every LEASE/3 s), not before.
+        given_up = lost.finished_at.timestamp() - killed_at
+        assert given_up >= LEASE_SECONDS * 2 / 3 - 0.5, given_up
+        bodies = effects(run.id, "slow")
+        assert bodies[0][4] is None  # the killed execution never finished
         # Offered again and run to the end: the body ran twice, once killed.
         bound = LEASE_SECONDS + RECONCILE_SECONDS + STEP_SECONDS + SLACK_SECONDS
         assert run.status == "completed", run.error
         assert [(a.attempt, a.status) for a in slow] == [(1, "failed"), (2, "succeeded")]
         assert len(bodies) == 2 and bodies[1][4] is not None
-        assert len(tail) == 1
+        assert len(effects(run.id, "tail")) == 1
+        print(f"\n{workflow}: given up {given_up:.1f} s, run ended {elapsed:.1f} s after the kill")
+        assert elapsed < bound, (elapsed, bound)
+        return
+
+    def doubted() -> StepRun | None:
+        row = StepRun.objects.filter(run_id=run.id, step_id="slow").order_by("attempt").first()
+        return row if row is not None and row.status == "in_doubt" else None
+
+    lost = wait_for(doubted, timeout=30, interval=0.1, message=celery_processes.logs)
+    doubted_at = time.time() - killed_at
+    # In doubt once its lease lapsed, not before, and within a lease and a reconcile period.
+    assert doubted_at >= LEASE_SECONDS * 2 / 3 - 0.5, doubted_at
+    assert doubted_at < LEASE_SECONDS + RECONCILE_SECONDS + SLACK_SECONDS, doubted_at
+    assert lost.error["class"] == "lost" and lost.finished_at is None
+    # The run waits, saying which step and which idempotency key to check.
+    api = Api(live_server, user)
+    shown = wait_for(
+        lambda: (r := api.get(f"/api/v1/runs/{run.id}").json())["status"] == "waiting" and r,
+        timeout=10,
+        message=celery_processes.logs,
+    )
+    assert lost.idempotency_key in shown["reason"], shown["reason"]
+    step = next(s for s in shown["steps"] if s["id"] == lost.id)
+    assert (step["status"], step["idempotency_key"]) == ("in_doubt", lost.idempotency_key)
+    # Nothing runs it again meanwhile: two reconciler periods later it is still one body.
+    time.sleep(2 * RECONCILE_SECONDS)
+    assert len(effects(run.id, "slow")) == 1
+    assert StepRun.objects.get(id=lost.id).status == "in_doubt"
+
+    if workflow == "doomed_at_most_once":
+        body = {"outcome": "succeeded", "output": {"slept": "checked by hand"}}
     else:
-        # Never run twice: it may have had its effect before its worker died.
-        bound = LEASE_SECONDS + RECONCILE_SECONDS + SLACK_SECONDS
-        assert [(a.attempt, a.status) for a in slow] == [(1, "failed")]
-        assert len(bodies) == 1
-        if workflow == "doomed_at_most_once":
-            assert run.status == "failed"
-            assert (run.error["class"], run.error["step"]) == ("lost", "slow")
-            assert tail == []
-        else:  # on_error: continue
-            assert run.status == "completed", run.error
-            assert len(tail) == 1
-    print(f"\n{workflow}: given up {given_up:.1f} s, run ended {elapsed:.1f} s after the kill")
-    assert elapsed < bound, (elapsed, bound)
+        body = {"outcome": "failed"}
+    answer = api.post(f"/api/v1/runs/{run.id}/steps/{lost.id}/resolve", body)
+    assert answer.status_code == 200, answer.text
+    resolved_at = time.time()
+    [run] = all_finished([run.id], timeout=30, logs=celery_processes.logs)
+    elapsed = run.finished_at.timestamp() - resolved_at
+    slow = list(run.steps.filter(step_id="slow").order_by("attempt"))
+    tail = run.steps.get(step_id="tail")
+    assert run.status == "completed", run.error
+    assert len(effects(run.id, "slow")) == 1  # never run twice
+    assert len(effects(run.id, "tail")) == 1
+    assert run.actions.get(action="resolve").actor == user
+    if workflow == "doomed_at_most_once":
+        # As if the attempt had succeeded with the operator's output.
+        assert [(a.attempt, a.status, a.output) for a in slow] == [
+            (1, "succeeded", {"slept": "checked by hand"})
+        ]
+        assert tail.input == {"slept": "checked by hand"}
+    else:  # failed, not retried; on_error: continue goes on
+        assert [(a.attempt, a.status, a.error["class"]) for a in slow] == [
+            (1, "failed", "in_doubt")
+        ]
+    print(
+        f"\n{workflow}: in doubt {doubted_at:.1f} s after the kill, run ended {elapsed:.1f} s "
+        "after the operator resolved it"
+    )
+    assert elapsed < SLACK_SECONDS, elapsed

@@ -18,6 +18,7 @@ import pytest
 from django.db import connection
 from django.forms.models import model_to_dict
 from django.test.utils import CaptureQueriesContext
+from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from runs import services
@@ -794,3 +795,58 @@ def test_a_stored_remote_ref_is_never_fetched_at_start(api: APIClient) -> None:
     assert _fields(response) == ["input"]
     assert "not local" in response.json()["errors"][0]["message"]
     assert not Run.objects.exists()
+
+
+def test_a_start_planned_in_the_request_answers_what_a_read_of_it_answers(
+    api: APIClient, user, django_capture_on_commit_callbacks
+) -> None:
+    """POST /runs renders a run it planned from what the start wrote (selectors.run_as_planned)
+    without the general read: the answer is the same as GET's, children filtered alike, in
+    fewer statements (and no model or tool call read)."""
+    from django.contrib.auth import get_user_model
+
+    from workflows import access
+    from workflows.services import definition_save
+
+    leaf = {"id": "leaf", "steps": [{"id": "work", "kind": "task"}]}
+    definition_save(document=leaf, user=user)
+    definition_save(
+        document={
+            "id": "tree",
+            "steps": [
+                {"id": "sub", "kind": "subworkflow", "workflow": "leaf", "input": {}},
+                {"id": "after", "kind": "task"},
+            ],
+        },
+        user=user,
+    )
+    definition_save(document={"id": "flat", "steps": [{"id": "one", "kind": "task"}]}, user=user)
+    # A starter of "tree" only: the child run of "leaf" is not theirs to see.
+    bob = get_user_model().objects.create_user(username="bob", password="a-long-password-2")
+    access.grant(access.STARTER, "tree", user=bob)
+    access.grant(access.STARTER, "flat", user=bob)
+    token, _ = Token.objects.get_or_create(user=bob)
+    as_bob = APIClient()
+    as_bob.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+
+    for client, workflow, children in [
+        (api, "flat", 0),
+        (api, "tree", 1),
+        (as_bob, "tree", 0),
+    ]:
+        with (
+            mock.patch("workers.tasks.execute_step.apply_async"),
+            django_capture_on_commit_callbacks(execute=True),
+            CaptureQueriesContext(connection) as queries,
+        ):
+            started = client.post("/api/v1/runs", {"workflow": workflow}, format="json")
+        assert started.status_code == 201, started.json()
+        # Read now: the next request clears the connection's log (django.db.reset_queries).
+        sql = [q["sql"] for q in queries.captured_queries]
+        body = started.json()
+        read = client.get(f"/api/v1/runs/{body['id']}").json()
+        assert body == read, (workflow, body, read)
+        assert len(body["children"]) == children
+        assert body["status"] in (RunStatus.RUNNING, RunStatus.WAITING) and body["steps"]
+        assert not [q for q in sql if "runs_modelcall" in q or "runs_toolcall" in q], sql
+        assert not [q for q in sql if "runs_runaction" in q], sql

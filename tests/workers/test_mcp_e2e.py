@@ -37,6 +37,8 @@ KNOBS = {
     "DJFLOW_RECONCILE_SECONDS": "2",
     "DJFLOW_LOST_MESSAGE_SECONDS": "2",
     "DJFLOW_DEADLINE_GRACE_SECONDS": "2",
+    # An at_most_once call lost with its worker is in doubt this long, then fails.
+    "DJFLOW_IN_DOUBT_SECONDS": "3",
 }
 
 
@@ -277,7 +279,8 @@ def test_a_worker_killed_mid_call(
         lost, second = attempts(again, "call")
         assert lost.error["class"] == "lost"
         assert second.output == {"key": "again", "calls": 2}
-        # at_most_once: it may have acted; it fails instead of running twice.
+        # at_most_once: it may have acted; it is in doubt instead of running twice, and its
+        # deadline (DJFLOW_IN_DOUBT_SECONDS, nobody resolving it) fails it.
         once = finished(once.id, logs, timeout=60)
-        assert (once.status, once.error["class"]) == ("failed", "lost"), once.error
+        assert (once.status, once.error["class"]) == ("failed", "in_doubt"), once.error
         assert server.calls["hang_once:once"] == 1

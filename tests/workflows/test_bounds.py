@@ -85,9 +85,11 @@ def test_a_huge_document_is_refused_fast_with_that_error_alone() -> None:
     # 15,000 steps (with a shape error in each) took 7 s to check in full; the count comes
     # first and is the only answer.
     huge = doc(*({"id": f"s{i}", "kind": "sleep", "ms": -1} for i in range(15_000)))
-    started = time.monotonic()
+    # This process's CPU, not the wall clock: on a loaded machine the wall clock measured
+    # the neighbours (1.04 s once in a full run, where the check alone takes about 0.1 s).
+    started = time.process_time()
     found = errors(huge)
-    assert time.monotonic() - started < 1.0
+    assert time.process_time() - started < 1.0
     assert list(found) == ["steps"]
 
 

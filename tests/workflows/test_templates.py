@@ -174,7 +174,8 @@ def test_split_path(path: str, expected: list[str]) -> None:
 
 
 def test_roots() -> None:
-    assert frozenset({"input", "steps", "run", "item", "index", "iter"}) == ROOTS
+    # "error": in on_failure steps only (checked at save, workflows.validation).
+    assert frozenset({"input", "steps", "run", "item", "index", "iter", "error"}) == ROOTS
 
 
 # --- resolve: a whole-string reference keeps its type ------------------------------------

@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0017_step_run_journal_index'),
+        ('runs', '0021_bulk_actions_and_retention'),
         ('workflows', '0006_knowledge_embeddings'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
