@@ -70,9 +70,15 @@ def install_beat_entries(**_: object) -> None:
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
     from runs.beat import install_beat_entries as install
+    from runs.dispatch import broker_priority
 
     with transaction.atomic():
-        install(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
+        install(
+            IntervalSchedule,
+            PeriodicTask,
+            settings.DJFLOW["RECONCILE_SECONDS"],
+            clock_priority=broker_priority(9),
+        )
 
 
 @beat_init.connect
