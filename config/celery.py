@@ -70,6 +70,7 @@ def install_beat_entries(**_: object) -> None:
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
     from runs.beat import install_beat_entries as install
+    from runs.dispatch import broker_priority
 
     with transaction.atomic():
         install(
@@ -77,6 +78,7 @@ def install_beat_entries(**_: object) -> None:
             PeriodicTask,
             settings.DJFLOW["RECONCILE_SECONDS"],
             settings.DJFLOW["RETENTION_EVERY_SECONDS"],
+            clock_priority=broker_priority(9),
         )
 
 
