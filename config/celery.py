@@ -70,6 +70,7 @@ def install_beat_entries(**_: object) -> None:
     from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
     from runs.beat import install_beat_entries as install
+    from runs.dispatch import broker_priority
     from schedules.beat import install_beat_entry as install_schedules
 
     with transaction.atomic():
@@ -78,6 +79,7 @@ def install_beat_entries(**_: object) -> None:
             PeriodicTask,
             settings.DJFLOW["RECONCILE_SECONDS"],
             settings.DJFLOW["RETENTION_EVERY_SECONDS"],
+            clock_priority=broker_priority(9),
         )
         install_schedules(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
 

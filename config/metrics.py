@@ -193,6 +193,23 @@ class DatabaseCollector(_SourceCollector):
         for status in UNFINISHED:
             runs.add_metric([status], counted.get(status, 0))
         yield runs
+        queued = GaugeMetricFamily(
+            "djflow_runs_waiting_for_slot",
+            "Runs waiting pending for a concurrency slot of their key, by workflow "
+            "(run_slot_queue).",
+            labels=["workflow"],
+        )
+        for workflow_id, n in (
+            Run.objects.filter(
+                status=RunStatus.PENDING, concurrency_key__isnull=False, admitted_at__isnull=True
+            )
+            .order_by()
+            .values_list("workflow_id")
+            .annotate(n=Count("id"))
+            .values_list("workflow_id", "n")
+        ):
+            queued.add_metric([workflow_id], n)
+        yield queued
         due = Timer.objects.filter(fired_at__isnull=True, fire_at__lte=now).aggregate(
             n=Count("id"), oldest=Min("fire_at")
         )

@@ -347,6 +347,10 @@ CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
 CELERY_RESULT_BACKEND = env(
     "CELERY_RESULT_BACKEND", default=f"db+sqlite:///{VAR_DIR / 'celery-results.sqlite3'}"
 )
+# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
+_REDIS_BROKER = CELERY_BROKER_URL.startswith(
+    ("redis://", "rediss://", "redis+socket://", "sentinel://")
+)
 if CELERY_BROKER_URL.startswith("filesystem://"):
     _broker_dir = VAR_DIR / "broker"
     # kombu's file-system transport does not create its folders; a bare `celery worker`
@@ -373,11 +377,15 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     # has no fanout, so `celery inspect`, remote control and Flower's events would not reach
     # the worker. An explicit filesystem:// gets it too.
     CELERY_BROKER_TRANSPORT = "config.broker:Transport"
-elif CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
+elif _REDIS_BROKER:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         # Redis redelivers an unacknowledged message after this long. Keep it above the
         # longest step time limit: leases in Postgres, not redelivery, recover lost work.
         "visibility_timeout": env.int("CELERY_VISIBILITY_TIMEOUT", default=43200),
+        # One list per priority (kombu's default merges the ten into four): a run's priority
+        # (POST /runs, 0-9) orders its messages on every queue. kombu pops the lowest number
+        # first; runs.dispatch.broker_priority turns the run's scale over for it.
+        "priority_steps": list(range(10)),
     }
 else:
     # RabbitMQ (amqp://) redelivers an unacknowledged message only when its consumer's
@@ -392,6 +400,17 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
+# Message priority (a run's priority, POST /runs): RabbitMQ orders a queue's messages only
+# when the queue is declared with x-max-priority, which Celery does for every queue it
+# declares when this is set. RabbitMQ refuses to declare an existing queue with other
+# arguments: queues made by an older djflow must be deleted once (README, Running on RabbitMQ), or
+# this set empty to keep them without priority.
+_max_priority = env.str("CELERY_TASK_QUEUE_MAX_PRIORITY", default="10").strip()
+CELERY_TASK_QUEUE_MAX_PRIORITY = int(_max_priority) if _max_priority else None
+# Messages that belong to no one run (the clock's, the reconciler's, batches of fired
+# timers) go at the middle of the scale, as a run of the default priority 5 does; unset, they
+# would be the lowest on RabbitMQ and the highest on Redis.
+CELERY_TASK_DEFAULT_PRIORITY = 4 if _REDIS_BROKER else 5
 # The engine's own tasks (advance, the timer tick, the reconciler) have a queue of their own
 # so a backlog of step bodies never delays planning. `celery -A config worker` with no -Q
 # consumes every queue below.

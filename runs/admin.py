@@ -24,7 +24,7 @@ from workflows import access
 from workflows.errors import EngineError
 from workflows.secrets import shown, shown_text
 
-from .engine import unservable
+from .engine import slots, unservable
 from .models import Event, ModelCall, NotifyDelivery, Run, RunAction, StepRun, Timer, ToolCall
 from .services import run_cancel, run_retry
 from .status import StepStatus
@@ -157,6 +157,9 @@ class RunAdmin(RunScopedAdmin):
         "reason",
         "correlation",
         "idempotency_key",
+        "priority",
+        "concurrency_key",
+        "admitted_at",
         "parent_link",
         "children_links",
         "generation",
@@ -186,6 +189,9 @@ class RunAdmin(RunScopedAdmin):
     @admin.display(description="waiting")
     def reason(self, run: Run) -> str:
         """Why the run does not move on, when something is known to hold it."""
+        queued = slots.waiting_reason(run)
+        if queued is not None:
+            return queued
         waiting = run.steps.filter(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
         reasons = [unservable.waiting_reason(step) for step in waiting.order_by("id")]
         return next((reason for reason in reasons if reason), "—")

@@ -22,9 +22,14 @@ def install_beat_entries(
     task_model: Any,
     reconcile_seconds: int = 30,
     retention_seconds: int = 3600,
+    clock_priority: int | None = None,
 ) -> None:
     """Create or repair the engine's entries, given the two django-celery-beat models
-    (historical ones in a migration, the real ones at run time)."""
+    (historical ones in a migration, the real ones at run time). ``clock_priority`` is the
+    broker's highest priority (``runs.dispatch.broker_priority(9)``), given at beat's start:
+    the tick and the reconciler go before any run's messages a worker could take instead
+    (kombu's Redis transport pops every queue's highest-priority list first, across queues),
+    so urgent runs never delay the clock."""
     every_second = _interval(interval_model, 1)
     every_reconcile = _interval(interval_model, max(1, int(reconcile_seconds)))
     task_model.objects.filter(name=OLD_SWEEP).delete()
@@ -34,6 +39,7 @@ def install_beat_entries(
             "task": "runs.fire_timers",
             "interval": every_second,
             "queue": "timers",
+            "priority": clock_priority,
             "enabled": True,
             # A tick that waited past the next one is worthless: drop it, the next comes.
             "expire_seconds": 5,
@@ -46,6 +52,7 @@ def install_beat_entries(
             "task": "runs.reconcile",
             "interval": every_reconcile,
             "queue": "timers",
+            "priority": clock_priority,
             "enabled": True,
             "expire_seconds": max(5, int(reconcile_seconds)),
             "description": "Re-offers lost work, fails lost at_most_once attempts, advances "

@@ -31,15 +31,47 @@ ADVANCE_RUNS = "workers.advance_runs"
 DELIVER_NOTIFICATION = "workers.deliver_notification"
 
 
-def _advance_signature(run_id: Any, **options: Any) -> Any:
-    return current_app.signature(ADVANCE, (str(run_id),), **options)
+# A run's priority when nothing says otherwise (POST /runs's default).
+DEFAULT_PRIORITY = 5
 
 
-def advance_on_commit(run_id: Any) -> None:
+def broker_priority(priority: int | None) -> int:
+    """The broker's priority for a run's ``priority`` (0 lowest to 9 highest).
+
+    RabbitMQ (queues declared with ``x-max-priority``, ``CELERY_TASK_QUEUE_MAX_PRIORITY``)
+    delivers higher first, as the run's scale reads. kombu's Redis transport keeps one list
+    per priority step and pops the lowest number first (0 is its highest): the scale is
+    turned over. The file-system transport of the embedded default ignores priority."""
+    value = DEFAULT_PRIORITY if priority is None else min(max(int(priority), 0), 9)
+    return 9 - value if _reversed() else value
+
+
+def _reversed() -> bool:
+    url = str(current_app.conf.broker_url or "")
+    return url.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://"))
+
+
+def priority_of(step_run: Any) -> int | None:
+    """The priority of the attempt's run when the row was loaded with its run (the applier's
+    rows, ``select_related``): no query for it. None otherwise (the default is sent)."""
+    cached = getattr(getattr(step_run, "_state", None), "fields_cache", {}).get("run")
+    return getattr(cached, "priority", None)
+
+
+def _advance_signature(run_id: Any, priority: int | None = None, **options: Any) -> Any:
+    return current_app.signature(
+        ADVANCE, (str(run_id),), priority=broker_priority(priority), **options
+    )
+
+
+def advance_on_commit(run_id: Any, *, priority: int | None = None) -> None:
+    """An advance of the run after commit, sent with the run's ``priority`` when the caller
+    has it (the default otherwise)."""
     # robust: a broker outage must not turn a committed change into an error; the
     # reconciler advances a run that stays quiet with nothing in flight.
     transaction.on_commit(
-        lambda: _advance_signature(run_id, ignore_result=True).apply_async(), robust=True
+        lambda: _advance_signature(run_id, priority, ignore_result=True).apply_async(),
+        robust=True,
     )
 
 
@@ -87,6 +119,7 @@ def _execute_signature(step_run: Any, **options: Any) -> Any:
     # steps in the same task.
     soft = step_run.timeout_ms / 1000 + settings.DJFLOW["INLINE_SECONDS"]
     options.setdefault("ignore_result", True)
+    options.setdefault("priority", broker_priority(priority_of(step_run)))
     return current_app.signature(
         EXECUTE_STEP,
         (step_run.id,),

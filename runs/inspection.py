@@ -28,6 +28,7 @@ from workflows import access, secrets
 from workflows.errors import FieldError, NotFound, echo
 
 from . import graph, timeline
+from .engine import slots
 from .models import Content, ModelCall, Run, RunAction, StepRun, ToolCall
 from .status import RUN_MOVES, RUN_TERMINAL, RunStatus
 
@@ -449,6 +450,8 @@ class Page:
     rerun: bool = False
     rerun_steps: list[str] = field(default_factory=list)
     rerun_input: str | None = None
+    # Why the run waits for a concurrency slot of its key (runs.engine.slots), or None.
+    queued: str | None = None
 
 
 # The largest input the retry form offers to edit (a run input may be 1 MiB; the API takes it).
@@ -473,6 +476,7 @@ def page(run: Run, user: Any) -> Page:
     if readable is not None:
         children = children.filter(readable)
     status = run.status
+    queued = slots.waiting_reason(run)
     # The form only its operators see on an ended run: its steps and input (up to 64,000
     # characters of JSON) are not worked out for anyone else, nor at each live refresh.
     rerun = may_operate and status in RUN_TERMINAL and run.parent_run_id is None
@@ -499,7 +503,8 @@ def page(run: Run, user: Any) -> Page:
         duration=_between(run.started_at, run.finished_at or (now if run.started_at else None)),
         can={
             "cancel": RunStatus.CANCELLED in RUN_MOVES.get(status, ()),
-            "pause": RunStatus.PAUSED in RUN_MOVES.get(status, ()),
+            # A run waiting for a slot runs nothing to pause (runs.services.run_pause).
+            "pause": RunStatus.PAUSED in RUN_MOVES.get(status, ()) and queued is None,
             "resume": status == RunStatus.PAUSED,
             "retry": status == RunStatus.FAILED,
         },
@@ -510,4 +515,5 @@ def page(run: Run, user: Any) -> Page:
             else []
         ),
         rerun_input=editable_input(run) if rerun else None,
+        queued=queued,
     )

@@ -17,7 +17,10 @@ from django.utils import timezone
 
 from workflows.models import Workflow, WorkflowVersion
 
-from .status import DeliveryStatus, RunStatus, StepStatus
+from .status import RUN_TERMINAL, DeliveryStatus, RunStatus, StepStatus
+
+# Every status but the ends, as the partial indexes name them (in the table's order).
+RUN_NOT_ENDED = [str(status) for status in RunStatus if status not in RUN_TERMINAL]
 
 
 class Effect(models.TextChoices):
@@ -89,6 +92,16 @@ class Run(models.Model):
     # concurrency): the start's ``account``, else the starter's username; a child run has its
     # root's.
     account = models.CharField(max_length=150, blank=True, default="", db_default="")
+    # 0 (lowest) to 9 (highest), from the start (POST /runs): sent with the run's messages
+    # as the broker's priority, and the order runs waiting for a concurrency slot of one key
+    # are admitted in (higher first, then arrival).
+    priority = models.PositiveSmallIntegerField(default=5, db_default=5)
+    # The document's ``concurrency`` key resolved over the run's input ("" for a limit per
+    # workflow); NULL for a run no concurrency limit applies to (runs.engine.slots).
+    concurrency_key = models.CharField(max_length=255, null=True, blank=True)  # noqa: DJ001
+    # When a run with a concurrency key was given a slot; NULL while it waits for one
+    # (``pending``, nothing planned, no worker held). It holds the slot until it ends.
+    admitted_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
@@ -143,6 +156,29 @@ class Run(models.Model):
                 fields=["idempotency_key"],
                 name="run_idempotency_key",
                 condition=Q(idempotency_key__isnull=False),
+            ),
+            # Runs waiting for a concurrency slot, in the order a key admits them
+            # (runs.engine.slots); partial: only waiting runs are in it.
+            models.Index(
+                "workflow",
+                "concurrency_key",
+                models.F("priority").desc(),
+                "created_at",
+                "id",
+                name="run_slot_queue",
+                condition=Q(
+                    status="pending", concurrency_key__isnull=False, admitted_at__isnull=True
+                ),
+            ),
+            # The runs holding a slot of a key: counted under the key's gate lock.
+            models.Index(
+                fields=["workflow", "concurrency_key"],
+                name="run_slot_holders",
+                condition=Q(
+                    concurrency_key__isnull=False,
+                    admitted_at__isnull=False,
+                    status__in=RUN_NOT_ENDED,
+                ),
             ),
         ]
         constraints = [
@@ -379,6 +415,37 @@ class EventScope(models.Model):
 
     def __str__(self) -> str:
         return f"event {self.event_id} may resume runs of {self.workflow_id}"
+
+
+class ConcurrencyGate(models.Model):
+    """One concurrency key of a workflow (``concurrency.key`` resolved, "" for a limit per
+    workflow): the row admissions of that key lock, so two starts or ends at once count the
+    key's runs in turn and never both take its last slot (runs.engine.slots).
+
+    ``waiting``: the key has runs waiting for a slot (written under the lock by every
+    admission). ``turn_at``: when the key last admitted a run or had its turn in the
+    reconciler's pass (its first run's start until then), which visits the keys with runs
+    waiting in that order."""
+
+    workflow = models.ForeignKey(Workflow, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    waiting = models.BooleanField(default=False)
+    # From the key's first run: a new key takes its turn after those that had theirs first.
+    turn_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["workflow", "key"], name="concurrency_gate_key")
+        ]
+        indexes = [
+            # The reconciler's pass: keys with runs waiting, their turns in order.
+            models.Index(
+                fields=["turn_at", "id"], name="concurrency_gate_turn", condition=Q(waiting=True)
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.workflow_id} concurrency key {self.key!r}"
 
 
 class RunAction(models.Model):

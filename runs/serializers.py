@@ -20,7 +20,7 @@ from rest_framework import serializers
 
 from workflows import secrets
 
-from .engine import unservable
+from .engine import slots, unservable
 from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
 from .selectors import RUN_LIST_FILTERS
 from .status import RunStatus, StepStatus
@@ -101,6 +101,14 @@ class RunStartSerializer(StrictBodySerializer):
         allow_null=True,
         help_text="who the run's model calls count against (DJFLOW_MODEL_CONCURRENCY per "
         "account); default: the starter's username",
+    )
+    priority = StrictIntegerField(
+        min_value=0,
+        max_value=9,
+        required=False,
+        allow_null=True,
+        help_text="0 (lowest) to 9 (highest), default 5: the broker's priority for the run's "
+        "messages, and which run waiting for a concurrency slot of its key starts first",
     )
 
     body_name = "a run start"
@@ -474,6 +482,8 @@ class RunListSerializer(serializers.ModelSerializer):
             "correlation",
             "idempotency_key",
             "account",
+            "priority",
+            "concurrency_key",
             "parent",
             "generation",
             "attempts",
@@ -545,9 +555,9 @@ class RunSerializer(RunListSerializer):
         "sent events",
     )
     reason = serializers.SerializerMethodField(
-        help_text="null, or why the run does not move on (a step waits for a worker that "
-        "serves its handler, and when it fails if none comes; an attempt in doubt waits for "
-        "an operator to resolve it)"
+        help_text="null, or why the run does not move on (it waits for a concurrency slot of "
+        "its key; a step waits for a worker that serves its handler, and when it fails if "
+        "none comes; an attempt in doubt waits for an operator to resolve it)"
     )
 
     class Meta(RunListSerializer.Meta):
@@ -555,6 +565,9 @@ class RunSerializer(RunListSerializer):
         read_only_fields = fields
 
     def get_reason(self, run: Run) -> str | None:
+        queued = slots.waiting_reason(run)
+        if queued is not None:
+            return queued
         # The journal is prefetched (selectors.run_detail_queryset): no query.
         reasons = (
             in_doubt_reason(run, step) or unservable.waiting_reason(step)

@@ -22,7 +22,7 @@ from workflows.preflight import start_problems
 from workflows.templates import TooLarge, check_size
 
 from . import dispatch, retries, tracing, vault
-from .engine import delivery, journal
+from .engine import delivery, journal, slots
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
@@ -81,6 +81,7 @@ def run_start(
     idempotency_key: str | None = None,
     correlation: str | None = None,
     account: str | None = None,
+    priority: int | None = None,
     user: AbstractBaseUser | None = None,
     plan_now: bool = True,
 ) -> StartResult:
@@ -100,7 +101,19 @@ def run_start(
     ``pending`` and one ``runs.advance`` message sent on commit: a worker plans the first
     step, and the client waits for one insert, not for the planner. Should that message be
     lost, the reconciler advances the pending run (``reconcile.advance_stuck``).
+
+    ``priority`` (0 to 9, default 5) rides on the run's messages as the broker's priority
+    and orders the runs waiting for a slot of one concurrency key. A workflow whose
+    document has ``concurrency`` gives the run its key, and the run is admitted in the same
+    transaction when the key has a free slot; otherwise it is created ``pending`` and waits,
+    nothing planned, until a run of its key ends (``runs.engine.slots``).
     """
+    if priority is None:
+        priority = dispatch.DEFAULT_PRIORITY
+    elif isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 9:
+        raise InvalidInput(
+            errors=[FieldError("priority", "must be an integer from 0 (lowest) to 9 (highest)")]
+        )
     access.require_start(user, workflow)
     access.require_account(user, account)
     person = user if user is not None and user.is_authenticated else None
@@ -126,7 +139,11 @@ def run_start(
     # the run is one INSERT, which needs no transaction of its own (two round trips fewer);
     # inside a caller's transaction a savepoint keeps that usable should a concurrent start
     # with the same key win the insert.
-    alone = not plan_now and not transaction.get_connection().in_atomic_block
+    limit = slots.limit_of(pinned.document)
+    # Resolved over the stored input: a key read from a secret is its token, never the
+    # secret in a column of its own.
+    key = slots.key_for(limit, stored_input) if limit is not None else None
+    alone = not plan_now and not transaction.get_connection().in_atomic_block and limit is None
     try:
         with contextlib.nullcontext() if alone else transaction.atomic():
             run = Run.objects.create(
@@ -139,14 +156,19 @@ def run_start(
                 # A label for sharing model capacity fairly (CONTRACT section 10), not a
                 # boundary of who may see what: the permission model decides that.
                 account=account or (person.get_username() if person is not None else ""),
+                priority=priority,
+                concurrency_key=key,
                 created_by=person,
             )
-            if plan_now:
-                # Plan the first step in the same transaction: its first attempt is offered
-                # on commit.
-                advance_locked(run)
-            else:
-                dispatch.advance_on_commit(run.id)
+            # With a concurrency key and no free slot, the run waits pending: a run of its
+            # key that ends admits it.
+            if key is None or _admitted(run, key):
+                if plan_now:
+                    # Plan the first step in the same transaction: its first attempt is
+                    # offered on commit.
+                    advance_locked(run)
+                else:
+                    dispatch.advance_on_commit(run.id, priority=priority)
     except IntegrityError:
         if idempotency_key is None:
             raise
@@ -155,6 +177,18 @@ def run_start(
     # The request's trace points to the run's own (runs.tracing), when traced.
     tracing.link_to_run(run.id)
     return StartResult(run, created=True)
+
+
+def _admitted(run: Run, key: str) -> bool:
+    """Admit the key's waiting runs (``run`` just joined them) while it has free slots:
+    True when ``run`` is among them. The others admitted (runs of higher priority or that
+    came first: a slot freed without admitting them) are sent an advance on commit."""
+    now = timezone.now()
+    admitted = slots.admit_and_advance(run.workflow_id, key, now=now, skip=run.id)
+    if all(other.id != run.id for other in admitted):
+        return False
+    run.admitted_at = now
+    return True
 
 
 def _locked(run_id: Any, user: AbstractBaseUser | None = None, *, lock: bool = True) -> Run:
@@ -213,6 +247,17 @@ def run_pause(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     """Stop scheduling new steps. Attempts already running finish and are recorded."""
     run = _locked(run_id, user)
     check_run_move(run.status, RunStatus.PAUSED)
+    if run.concurrency_key is not None and run.admitted_at is None:
+        # Nothing of it runs, and a paused run could not wait its turn: cancel it instead.
+        raise IllegalTransition(
+            errors=[
+                FieldError(
+                    "status",
+                    "the run waits for a concurrency slot and runs nothing yet: cancel it "
+                    "to take it out of the queue",
+                )
+            ]
+        )
     record_action(run.id, "pause", user)
     move_run(run, RunStatus.PAUSED)
     return run
@@ -322,10 +367,12 @@ def run_retry(
     if input is not None:
         # Kept with its tokens (the API shows them masked): the input each generation ran on.
         detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
+    slot = _retry_slot(run)
     record_action(run.id, "retry", user, detail | dict(audit or {}))
     move_run(
         run,
         RunStatus.RUNNING,
+        **slot,
         generation=run.generation + 1,
         input=stored_input,
         secrets=sealed,
@@ -338,6 +385,28 @@ def run_retry(
     )
     dispatch.advance_on_commit(run.id)
     return run
+
+
+def _retry_slot(run: Run) -> dict[str, Any]:
+    """A retried run of a workflow with concurrency runs again: it needs a slot of its key
+    like a start does, taken now (the run's fields to write), or the retry is a 409 naming
+    the key and its holders (retry once one ends). An ended run holds no slot, and waiting
+    in the queue is a start's (a retried run keeps its operator's move to ``running``)."""
+    if run.concurrency_key is None:
+        return {}
+    limit = slots.limit_of(journal.document_of(run.version_id))
+    refused = limit and slots.refusal(run.workflow_id, run.concurrency_key, limit.limit)
+    if refused:
+        raise IllegalTransition(
+            errors=[
+                FieldError(
+                    "status",
+                    f"no concurrency slot of {slots.key_name(run)} for a retry now: {refused}; "
+                    "retry once one is free",
+                )
+            ]
+        )
+    return {"admitted_at": timezone.now()}
 
 
 def _json_name(value: Any) -> str:

@@ -52,6 +52,9 @@ print(json.dumps({
     "acks_late": app.conf.task_acks_late,
     "reject_on_worker_lost": app.conf.task_reject_on_worker_lost,
     "prefetch_multiplier": app.conf.worker_prefetch_multiplier,
+    "queue_max_priority": app.conf.task_queue_max_priority,
+    "default_priority": app.conf.task_default_priority,
+    "queue_arguments": {q.name: q.queue_arguments for q in app.amqp.queues.values()},
     "sentry_active": client.is_active(),
     "sentry_integrations": sorted(getattr(client, "integrations", {})),
     "model_slots": {
@@ -118,8 +121,30 @@ def test_service_urls_switch_to_postgres_and_redis(tmp_path: Path) -> None:
     assert conf["broker_url"] == "redis://cache.example:6379/0"
     assert conf["result_backend"] == "redis://cache.example:6379/1"
     # Above any step time limit: leases in the database recover lost work, not redelivery.
-    assert conf["transport_options"] == {"visibility_timeout": 12 * 3600}
+    # One list per priority: a run's priority (0-9) orders its messages; kombu pops the
+    # lowest number first, so the default (5) is 4 there.
+    assert conf["transport_options"] == {
+        "visibility_timeout": 12 * 3600,
+        "priority_steps": list(range(10)),
+    }
+    assert conf["default_priority"] == 4
     assert_durable_celery(conf)
+
+
+def test_rabbitmq_queues_are_declared_with_a_max_priority_unless_told_not_to(
+    tmp_path: Path,
+) -> None:
+    url = "amqp://guest:guest@mq.example:5672/djflow"
+    conf = load_settings(tmp_path, CELERY_BROKER_URL=url)
+    assert conf["queue_max_priority"] == 10
+    assert conf["default_priority"] == 5
+    for name in ("default", "engine", "timers", "mail"):
+        assert conf["queue_arguments"][name] == {"x-max-priority": 10}
+    # Queues an older djflow declared without it are kept so (RabbitMQ refuses a queue
+    # declared again with other arguments).
+    off = load_settings(tmp_path, CELERY_BROKER_URL=url, CELERY_TASK_QUEUE_MAX_PRIORITY="")
+    assert off["queue_max_priority"] is None
+    assert not any(off["queue_arguments"].values())
 
 
 def test_postgres_prepares_the_step_statements_unless_told_not_to(tmp_path: Path) -> None:

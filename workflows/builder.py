@@ -109,6 +109,7 @@ class Workflow:
         description: str | None = None,
         input_schema: Mapping[str, Any] | None = None,
         limits: Mapping[str, Any] | None = None,
+        concurrency: Mapping[str, Any] | None = None,
         notify: Sequence[Mapping[str, Any]] | None = None,
         version: int | None = None,
         module: str | None = None,
@@ -119,6 +120,7 @@ class Workflow:
         self.description = description
         self.input_schema = copy.deepcopy(input_schema)
         self.limits = copy.deepcopy(limits)
+        self.concurrency = copy.deepcopy(concurrency)
         self.notify = None if notify is None else [dict(entry) for entry in notify]
         # The module that defined the builder: a reload of it replaces the builder, another
         # module defining the same id is an error (see workflows.registry).
@@ -231,6 +233,8 @@ class Workflow:
             doc["input_schema"] = self.input_schema
         if self.limits is not None:
             doc["limits"] = self.limits
+        if self.concurrency is not None:
+            doc["concurrency"] = self.concurrency
         if self.notify is not None:
             doc["notify"] = self.notify
         doc["steps"] = self._steps
@@ -244,7 +248,9 @@ class Workflow:
         """Save the document as a version: the same body again returns the same version."""
         return client.document_save(document=self.document(), user=user)
 
-    def start(self, input: Any, idempotency_key: str | None = None) -> Any:
+    def start(
+        self, input: Any, idempotency_key: str | None = None, *, priority: int | None = None
+    ) -> Any:
         """Start a run of the version this builder defines; returns the run.
 
         The document is saved on the first call in this process (the same body keeps its
@@ -257,6 +263,7 @@ class Workflow:
             input=input,
             version=self._saved_version,
             idempotency_key=idempotency_key,
+            priority=priority,
         )
 
 
@@ -266,6 +273,7 @@ def workflow(
     description: str | None = None,
     input_schema: Mapping[str, Any] | None = None,
     limits: Mapping[str, Any] | None = None,
+    concurrency: Mapping[str, Any] | None = None,
     notify: Sequence[Mapping[str, Any]] | None = None,
     version: int | None = None,
 ) -> Workflow:
@@ -275,6 +283,7 @@ def workflow(
         description=description,
         input_schema=input_schema,
         limits=limits,
+        concurrency=concurrency,
         notify=notify,
         version=version,
         module=sys._getframe(1).f_globals.get("__name__", "?"),

@@ -31,14 +31,23 @@ def document_save(*, document: dict[str, Any], user: AbstractBaseUser | None = N
 
 
 def run_start(
-    *, workflow: str, input: Any, version: int | None, idempotency_key: str | None
+    *,
+    workflow: str,
+    input: Any,
+    version: int | None,
+    idempotency_key: str | None,
+    priority: int | None = None,
 ) -> Run:
     """Start a run of ``workflow`` at ``version``, as ``POST /api/v1/runs`` does; returns
     the run (the one started before, for an ``idempotency_key`` seen before)."""
     from runs.services import run_start as start
 
     return start(
-        workflow=workflow, input=input, version=version, idempotency_key=idempotency_key
+        workflow=workflow,
+        input=input,
+        version=version,
+        idempotency_key=idempotency_key,
+        priority=priority,
     ).run
 
 

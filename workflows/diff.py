@@ -18,6 +18,7 @@ TOP_LEVEL_ORDER = (
     "description",
     "input_schema",
     "limits",
+    "concurrency",
     "steps",
     "output",
 )

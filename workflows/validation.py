@@ -393,7 +393,30 @@ class _Checker:
             # The handler runs after any top-level step may have failed: it may read each of
             # them (a step that did not run reads null), and ${error}.
             self._walk(handler, "on_failure", scope.child(on_failure=True))
+        concurrency = self.document.get("concurrency")
+        if isinstance(concurrency, dict) and isinstance(concurrency.get("key"), str):
+            self._safely(self._check_concurrency_key, concurrency["key"])
         return self.errors
+
+    def _check_concurrency_key(self, key: str) -> None:
+        """A concurrency key is resolved when the run starts, before any step: it may read
+        the run's input only."""
+        where = "concurrency.key"
+        for location, message in reference_errors(key):
+            self.fail(join_location(where, location), message)
+        for _, path in references(key):
+            if not is_valid_path(path):
+                continue  # reported above as malformed
+            if split_path(path)[0] != "input":
+                self.fail(
+                    where,
+                    f"'{path}': a concurrency key is resolved when the run starts and reads "
+                    "only the run's input (${input.<field>})",
+                )
+                continue
+            problem = self._path_problem(path, _Scope())
+            if problem:
+                self.fail(where, problem)
 
     def _check_notify(self) -> None:
         """Each ``notify`` URL names a host over http or https (the schema checks the rest;

@@ -321,6 +321,10 @@ def advance_locked(
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
     """
+    if run.concurrency_key is not None and run.admitted_at is None:
+        # Waiting for a concurrency slot (runs.engine.slots): nothing is planned until its
+        # key admits it, and nothing here asks for one (the lock order: gate, then runs).
+        return Plan(), None
     budget = budget if budget is not None else Budget()
     # An attempt held back in one round (not offered) is the caller's even when a later
     # round, planned again after a hand-off or a taken event, holds nothing.

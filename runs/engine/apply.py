@@ -373,6 +373,7 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
         created_by_id=run.created_by_id,
         correlation=run.correlation,
         account=run.account,
+        priority=run.priority,
         root_run_id=run.root_run_id or run.id,
         depth=run.depth if "body" in start else run.depth + 1,
     )

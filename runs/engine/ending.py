@@ -14,6 +14,8 @@ rows the planner cancelled. With the run locked by the caller, in the caller's t
 - its child runs that have not ended are cancelled, transitively, each under its own lock: a
   parent's lock is always taken before its children's, never under them;
 - its unfired timers are deleted: an ended run needs none;
+- its concurrency slot, if it held one, goes to the next runs waiting for its key, in this
+  transaction (``slots.release``);
 - its end is counted (``runs.metrics``) once the transaction commits;
 - its parent is asked to advance (after commit, never planned here): a child's end is its
   subworkflow step's. A child ended because its parent is ending asks nothing of it;
@@ -37,6 +39,7 @@ from .. import dispatch, metrics, tracing
 from ..models import NotifyDelivery, Run, StepRun, Timer
 from ..moves import move_run, move_steps
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
+from . import slots
 from .journal import document_of
 from .sql import cursor as prepared_cursor
 from .store import request_advance
@@ -107,6 +110,8 @@ def _end(
         finished_at=now,
         updated_at=now,
     )
+    # Its slot, if it held one, to the key's next waiting run: durable with the end.
+    slots.release(run, now=now)
     # Counted once this transaction commits, never on its path (runs.metrics).
     metrics.run_ended(
         workflow=run.workflow_id,

@@ -8,6 +8,8 @@ worker or a crash left behind, and put it right. Bounded work per tick.
   ``at_most_once`` one ``in_doubt`` (it may have had its effect: an operator resolves it);
 - a run with nothing in flight that should be moving (a lost ``advance``, a fired timer whose
   message was lost, a sleep past due, a deadline passed) is advanced;
+- a run waiting for a concurrency slot while its key has one free is admitted
+  (``slots.admit_waiting``, keys taking turns);
 - a run whose advance request (made by a completion inside a fan-out) has been pending
   that long is advanced;
 - a wait left waiting although an event it may take is stored is given it;
@@ -50,7 +52,7 @@ from workflows.kinds import Role
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import costs, delivery, hooks, unservable
+from . import costs, delivery, hooks, slots, unservable
 from .advance import run_advance
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,9 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             ("reoffered", lambda: reoffer_lost(now, batch)),
             ("lost_workers", lambda: advance_lost_workers(now, batch, until=until)),
             ("stuck_runs", lambda: advance_stuck(now, batch, until=until)),
+            # Runs waiting for a concurrency slot while their key has one free (the ends
+            # admit in their own transaction; this is the re-check), keys taking turns.
+            ("admitted", lambda: slots.admit_waiting(now, batch)),
             ("requested", lambda: advance_requested(now, batch, until=until)),
             ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
@@ -198,6 +203,8 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
             | Q(due_wait=True)
             | Q(deadline_at__lte=now - grace)
         )
+        # A run waiting for a concurrency slot is quiet on purpose (admit_waiting's).
+        .filter(Q(concurrency_key__isnull=True) | Q(admitted_at__isnull=False))
         .filter(fired_lately=False)
         .order_by("updated_at")
         .values_list("id", "updated_at")[:batch]

@@ -26,6 +26,13 @@ def test_entries_are_installed_and_repaired(db) -> None:
         7,
     )
     assert IntervalSchedule.objects.filter(every=7, period="seconds").count() == 1
+    # Without a clock priority (the data migration), the default's; beat's start gives it.
+    assert (timers.priority, reconcile.priority) == (None, None)
+    install_beat_entries(IntervalSchedule, PeriodicTask, reconcile_seconds=7, clock_priority=0)
+    assert [e.priority for e in PeriodicTask.objects.filter(name__in=[TIMERS, RECONCILE])] == [
+        0,
+        0,
+    ]
 
 
 def test_a_duplicate_interval_does_not_stop_the_install(db) -> None:
@@ -96,3 +103,18 @@ def test_a_broker_outage_while_the_tick_hands_runs_out_is_logged_not_raised(capl
     ):
         dispatch.advance_many(["r1", "r2"])  # the reconciler advances them later
     assert "could not send advance for 2 runs" in caplog.text
+
+
+def test_beats_start_gives_the_clock_the_brokers_highest_priority(db) -> None:
+    """What beat installs at its start, and what its scheduler then sends: the tick and the
+    reconciler at the top of the broker's scale, ahead of any run's messages."""
+    from django_celery_beat.schedulers import ModelEntry
+
+    from config import celery as celery_config
+    from runs.dispatch import broker_priority
+
+    celery_config.install_beat_entries()
+    for name in (TIMERS, RECONCILE):
+        entry = ModelEntry(PeriodicTask.objects.get(name=name), app=celery_config.app)
+        assert entry.options["priority"] == broker_priority(9)
+        assert entry.options["queue"] == "timers"

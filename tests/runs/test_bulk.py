@@ -365,6 +365,19 @@ def test_start_prints_the_run_id_and_answers_to_the_users_permissions(version, t
         _call("start", "support_ticket", "--input", "{", "--user", "bob")
     with pytest.raises(CommandError, match="no active user 'ghost'"):
         _call("start", "support_ticket", "--user", "ghost")
+    urgent = _call(
+        "start",
+        "support_ticket",
+        "--input",
+        '{"ticket": "T-1"}',
+        "--priority",
+        "9",
+        "--user",
+        "bob",
+    )
+    assert Run.objects.get(id=urgent.strip()).priority == 9
+    with pytest.raises(CommandError, match="priority"):
+        _call("start", "support_ticket", "--input", "{}", "--priority", "10", "--user", "bob")
 
 
 def test_cancel_and_retry_commands_act_as_the_named_user(version, team, sent) -> None:

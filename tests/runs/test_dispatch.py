@@ -153,9 +153,50 @@ def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
     monkeypatch.setattr(redis.Redis, "execute_command", real_execute)
     assert "LPUSH" not in direct
     with app.connection_for_write() as conn:
-        client = conn.default_channel.client
+        channel = conn.default_channel
+        client = channel.client
+        # One list per priority step (a run's priority): the default's messages are on its.
+        lists = [channel._q_for_pri(queue, step) for step in channel.priority_steps]
         try:
-            waiting = [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+            waiting = [
+                json.loads(m)["headers"]["id"] for key in lists for m in client.lrange(key, 0, -1)
+            ]
+            on_default = client.llen(channel._q_for_pri(queue, dispatch.broker_priority(None)))
         finally:
-            client.delete(queue)
+            client.delete(*lists)
     assert sorted(waiting) == [f"fan-task-{n}" for n in range(5)]
+    assert on_default == 5
+
+
+def test_a_runs_priority_orders_its_messages_on_a_redis_queue() -> None:
+    """Against the real broker: attempts of runs of priority 5, 9 and 0 offered in that
+    order are taken 9, 5, 0 (kombu's Redis transport keeps a list per priority and takes
+    from the highest first; the engine turns the run's scale over for it)."""
+    import uuid
+
+    if app.connection_for_write().transport.driver_type != "redis":
+        pytest.skip("the Redis transport's priority lists")
+    import workers.tasks  # noqa: F401
+
+    queue = f"pri-{uuid.uuid4().hex}"
+
+    def attempt(n: int, priority: int) -> Any:
+        # What the applier's rows are: loaded with their run (no query for its priority).
+        run = SimpleNamespace(priority=priority)
+        state = SimpleNamespace(fields_cache={"run": run})
+        return SimpleNamespace(
+            id=n, celery_task_id=f"pri-{priority}", queue=queue, timeout_ms=5000, _state=state
+        )
+
+    for n, priority in enumerate((5, 9, 0)):
+        dispatch.offer(attempt(n, priority), workflow_id="w")
+    with app.connection_for_write() as conn:
+        channel = conn.default_channel
+        taken = []
+        try:
+            for _ in range(3):
+                taken.append(channel._get(queue)["headers"]["id"])
+        finally:
+            channel.client.delete(*[channel._q_for_pri(queue, p) for p in channel.priority_steps])
+    assert taken == ["pri-9", "pri-5", "pri-0"]
+    assert [dispatch.broker_priority(p) for p in (None, 0, 9)] == [4, 9, 0]

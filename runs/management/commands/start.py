@@ -29,6 +29,10 @@ class Command(BaseCommand):
         parser.add_argument("--idempotency-key", help="the same key starts no second run")
         parser.add_argument("--correlation", help="a reference of your own, kept on the run")
         parser.add_argument("--account", help="the account its model calls count against")
+        # Checked by run_start (0 to 9, the API's refusal): argparse's own would say less.
+        parser.add_argument(
+            "--priority", type=int, help="0 (lowest) to 9 (highest), default 5 (POST /runs's)"
+        )
         add_user_argument(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -45,6 +49,7 @@ class Command(BaseCommand):
                 idempotency_key=options["idempotency_key"],
                 correlation=options["correlation"],
                 account=options["account"],
+                priority=options["priority"],
                 user=user,
             )
         except EngineError as error:
