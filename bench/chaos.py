@@ -10,8 +10,8 @@ waits for events the script sends, approvals the script decides through the API,
 ``at_most_once`` steps. They run on 3 ``celery worker`` processes and 2 ``celery beat``
 processes (real ones, the tests' harness), and the script drives them through the REST API
 served by gunicorn. Meanwhile the monkey SIGKILLs a random worker's whole process group every
-5 to 20 s and starts it again, and restarts Redis and Postgres at moments spread over the
-start phase.
+5 to 20 s (one running a step when there is one: the journal says which) and starts it
+again, and restarts Redis and Postgres at moments spread over the start phase.
 
 Redis and Postgres are **private** to the run: a ``redis-server`` and a Postgres cluster
 (``initdb`` into a temporary directory, the Debian binaries under /usr/lib/postgresql/*/bin)
@@ -331,6 +331,7 @@ class Fleet:
 @dataclass
 class Tally:
     kills: int = 0
+    kills_mid_step: int = 0
     redis_restarts: int = 0
     postgres_restarts: int = 0
     self_exits: list[str] = field(default_factory=list)
@@ -372,6 +373,10 @@ class Monkey(threading.Thread):
             self._run()
         except BaseException as exc:  # reported by the main thread
             self.error = exc
+        finally:
+            from django.db import connection
+
+            connection.close()
 
     def _run(self) -> None:
         next_kill = time.monotonic() + self.random.uniform(*self.kill_every)
@@ -381,8 +386,12 @@ class Monkey(threading.Thread):
                 _, what = self.outages.pop(0)
                 self._outage(what)
             if now >= next_kill:
-                index = self.random.randrange(len(self.fleet.workers))
-                log(f"monkey: SIGKILL worker {index + 1} (kill {self.tally.kills + 1})")
+                index, busy = self._victim()
+                self.tally.kills_mid_step += busy
+                log(
+                    f"monkey: SIGKILL worker {index + 1} (kill {self.tally.kills + 1},"
+                    f" {'running a step' if busy else 'idle'})"
+                )
                 self.fleet.replace_worker(index)
                 self.tally.kills += 1
                 next_kill = time.monotonic() + self.random.uniform(*self.kill_every)
@@ -390,6 +399,27 @@ class Monkey(threading.Thread):
                 log(f"monkey: {name} exited by itself; started again")
                 self.tally.self_exits.append(name)
             self.stopping.wait(0.2)
+
+    def _victim(self) -> tuple[int, bool]:
+        """A random worker among those running an attempt now, else any: a kill that lands
+        mid-step is the one that tests something, and with a few steps a second most draws
+        among all three would hit an idle worker. True when it is running one."""
+        from django.db import DatabaseError, connection
+
+        from runs.models import StepRun
+
+        names = [worker.hostname or "" for worker in self.fleet.workers]
+        try:
+            running = set(
+                StepRun.objects.filter(status="running").values_list("worker", flat=True)[:100]
+            )
+        except DatabaseError:  # Postgres is restarting: any worker will do
+            connection.close()
+            running = set()
+        busy = [i for i, name in enumerate(names) if any(w.startswith(f"{name}:") for w in running)]
+        if busy:
+            return self.random.choice(busy), True
+        return self.random.randrange(len(names)), False
 
     def _outage(self, what: str) -> None:
         if what == "redis":
@@ -875,6 +905,7 @@ def report(
     figures = {
         "runs": runs,
         "kills": tally.kills,
+        "kills of a worker running a step": tally.kills_mid_step,
         "redis restarts": tally.redis_restarts,
         "postgres restarts": tally.postgres_restarts,
         "time (s)": round(elapsed, 1),
