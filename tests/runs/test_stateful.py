@@ -62,7 +62,7 @@ from workflows.errors import Conflict
 
 from . import flows_stateful as flows
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.slow, pytest.mark.django_db]
 
 _numbers = itertools.count(1)
 # What the examples did (operator actions by the status they met, status moves seen): the
@@ -301,7 +301,7 @@ def test_operations_on_runs_keep_the_invariants(machine_user: Any) -> None:
     run_state_machine_as_test(
         RunMachine,
         settings=settings(
-            max_examples=15,
+            max_examples=25,
             stateful_step_count=60,
             deadline=None,
             derandomize=True,
