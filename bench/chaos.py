@@ -336,6 +336,7 @@ class Tally:
     postgres_restarts: int = 0
     self_exits: list[str] = field(default_factory=list)
     api_retries: int = 0
+    starts_refused: int = 0
 
 
 class Monkey(threading.Thread):
@@ -521,6 +522,11 @@ class Driver:
             },
         )
         if response is None:
+            return False
+        if response.status_code == 400 and "no live worker" in response.text:
+            # The start check found no worker's heartbeat fresh enough (they pause while
+            # Postgres is away): a refusal the engine reports, to be tried again.
+            self.api.tally.starts_refused += 1
             return False
         if response.status_code not in (200, 201):
             raise RuntimeError(f"starting run {planned.n}: {response.status_code} {response.text}")
@@ -919,6 +925,7 @@ def report(
         "timers fired": verdict.timers_fired,
         "at_least_once bodies run again": verdict.at_least_once_reruns,
         "API calls retried": tally.api_retries,
+        "starts refused for want of a live worker": tally.starts_refused,
         "processes that exited by themselves": len(tally.self_exits),
     }
     width = max(map(len, figures))
