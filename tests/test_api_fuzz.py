@@ -6,11 +6,16 @@ Hypothesis is capped per operation to keep the run around a minute.
 
 from __future__ import annotations
 
+import re
+import zlib
+from collections import Counter
+
 import pytest
 import schemathesis
 from django.contrib.auth.models import Permission
 from django.core.signals import request_finished, request_started
-from django.db import close_old_connections
+from django.db import close_old_connections, transaction
+from django.urls import get_resolver
 from hypothesis import HealthCheck, settings
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
@@ -65,7 +70,10 @@ def token(user) -> str:
     derandomize=True,
 )
 def test_no_input_gets_a_server_error(case, token: str) -> None:
-    response = case.call(headers={"Authorization": f"Token {token}"})
+    check_answer(case, case.call(headers={"Authorization": f"Token {token}"}))
+
+
+def check_answer(case, response) -> None:
     case.validate_response(
         response,
         checks=[
@@ -80,3 +88,87 @@ def test_no_input_gets_a_server_error(case, token: str) -> None:
         body = response.json()
         assert isinstance(body.get("errors"), list) and body["errors"], body
         assert all(isinstance(e.get("message"), str) for e in body["errors"]), body
+
+
+def _api_routes(patterns, prefix: str = "") -> list[str]:
+    routes = []
+    for pattern in patterns:
+        route = prefix + str(pattern.pattern)
+        if hasattr(pattern, "url_patterns"):
+            routes += _api_routes(pattern.url_patterns, route)
+        elif route.startswith("api/v1/"):
+            routes.append("/" + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", route))
+    return routes
+
+
+def test_every_api_route_is_in_the_fuzzed_schema() -> None:
+    """The fuzz covers what the schema lists: a route missing from it (a view left out of
+    drf-spectacular) would never be fuzzed."""
+    fuzzed = {result.ok().path for result in schema.get_all_operations()}
+    served = set(_api_routes(get_resolver().url_patterns))
+    assert served - fuzzed == {"/api/v1/schema/", "/api/v1/docs/"}
+
+
+# Links between operations: the schema declares none (drf-spectacular writes no OpenAPI
+# links), so schemathesis infers them from the schema's shapes (a run's ``id`` from
+# ``POST /runs`` into ``GET /runs/{run_id}``, ``/cancel``, ``/retry``, ...): sequences of
+# calls on what earlier calls made, each answer held to the same checks.
+Linked = schema.as_state_machine()
+
+
+def test_linked_calls_get_no_server_error(token: str) -> None:
+    links = {
+        (source, link.target.label)
+        for source, entry in Linked._transitions.operations.items()
+        for link in entry.outgoing
+    }
+    # A run made by POST /runs is read and operated through the links.
+    for target in ("GET /api/v1/runs/{run_id}", "POST /api/v1/runs/{run_id}/cancel"):
+        assert ("POST /api/v1/runs", target) in links, sorted(links)
+
+    answers: Counter[tuple[str, int]] = Counter()
+
+    class Calls(Linked):
+        def before_call(self, case) -> None:
+            # About half the starts are made ones that succeed, so the calls linked to them
+            # (read, cancel, pause, resume, retry) act on real runs, not only on 404s. Which
+            # ones is a function of the drawn body: Hypothesis replays a case exactly.
+            drawn = zlib.crc32(repr(case.body).encode())
+            if case.operation.label == "POST /api/v1/runs" and drawn % 2 == 0:
+                case.body = {"workflow": "support_ticket", "input": {"ticket": "Q: linked?"}}
+
+        def after_call(self, response, case) -> None:
+            answers[(case.operation.label, response.status_code)] += 1
+
+        def get_call_kwargs(self, case):
+            return {"headers": {"Authorization": f"Token {token}"}}
+
+        def validate_response(self, response, case, **kwargs) -> None:
+            check_answer(case, response)
+
+        # Each sequence starts from the same rows: what one made (a run whose idempotency
+        # key a later sequence draws again, answering 200 where it answered 201) would
+        # change which calls the next can link, and Hypothesis requires the same draws to
+        # lead to the same calls. The app runs in this thread, on this connection.
+        def setup(self) -> None:
+            self.rows = transaction.atomic()
+            self.rows.__enter__()
+
+        def teardown(self) -> None:
+            transaction.set_rollback(True)
+            self.rows.__exit__(None, None, None)
+
+    Calls.run(
+        settings=settings(
+            max_examples=80,
+            stateful_step_count=8,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            derandomize=True,
+            database=None,
+        )
+    )
+    # The sequences reached runs that exist (the calls did not all end at 404).
+    done = {label for (label, status), _ in answers.items() if status < 300}
+    assert "POST /api/v1/runs" in done, answers
+    assert {label for label in done if label.startswith("POST /api/v1/runs/{run_id}/")}, answers
