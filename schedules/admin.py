@@ -1,6 +1,7 @@
-"""Schedules in the admin: listed to whoever may see their workflow; added, switched on or
-off and deleted through the same services as the API (so the same permission checks and the
-same 400s, shown on the form). The timing itself is beat's periodic task, linked from here."""
+"""Schedules in the admin: listed to their owners and their workflow's viewers; added,
+switched on or off and deleted through the same services as the API (so the same permission
+checks and the same 400s, shown on the form). The timing itself is beat's periodic task,
+linked from here."""
 
 from __future__ import annotations
 
@@ -171,7 +172,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is None:
             return self.has_module_permission(request)
-        return access.may_see_definition(request.user, obj.workflow_id)
+        return selectors.may_view(request.user, obj)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # Which workflow is the form's to say; the service refuses one the user may not start.

@@ -3,8 +3,9 @@
 Who may do what (CONTRACT section 8, ``workflows.access``): a schedule of a workflow is
 created only by a starter of it, and its runs are started as that user, its *owner*, who must
 still be a starter at each fire (a fire they may no longer make fails, recorded on the
-schedule and logged). A schedule is read by whoever may see its workflow, and changed or
-deleted by its owner or an operator of the workflow; a caller who may not see it gets 404.
+schedule and logged). A schedule is read by its owner and the workflow's viewers (not by
+another starter, who reads only their own runs), and changed or deleted by its owner or an
+operator of the workflow; a caller who may not see it gets 404.
 """
 
 from __future__ import annotations

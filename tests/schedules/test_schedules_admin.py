@@ -96,7 +96,13 @@ def test_others_see_only_schedules_of_workflows_they_see_and_change_only_their_o
     theirs = services.schedule_create(
         workflow="ledger", input={"region": "us"}, cron="0 * * * *", user=sam
     )
-    _, bob = staff("bob", starter="nightly")
+    # Another starter of nightly does not see Ada's (a starter reads only their own runs).
+    _, carl = staff("carl", starter="nightly")
+    listed = carl.get(reverse(CHANGELIST)).content.decode()
+    assert f"/admin/schedules/schedule/{mine.pk}/change/" not in listed
+    hidden = carl.get(reverse("admin:schedules_schedule_change", args=[mine.pk]))
+    assert hidden.status_code == 302
+    _, bob = staff("bob", viewer="nightly")
     listed = bob.get(reverse(CHANGELIST)).content.decode()
     assert f"/admin/schedules/schedule/{mine.pk}/change/" in listed
     assert f"/admin/schedules/schedule/{theirs.pk}/change/" not in listed
