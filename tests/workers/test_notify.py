@@ -241,6 +241,26 @@ def test_a_forbidden_address_fails_the_delivery_at_once_and_visibly(tunables, se
     )
 
 
+def test_a_redirect_is_not_followed_but_a_failed_attempt(tunables) -> None:
+    # A receiver could otherwise send the signed run to an address the guard would refuse
+    # (here only the allowed loopback, so the redirect target would have been reachable).
+    with serving(
+        {
+            "/hook": lambda h: reply(h, 307, headers={"Location": "/inside"}),
+            "/inside": lambda h: reply(h, 200),
+        }
+    ) as server:
+        run = cancelled_run(document(server.url("/hook"), ["cancelled"]))
+        [delivery] = NotifyDelivery.objects.filter(run=run)
+        assert notify.deliver(delivery.id) == "retrying"
+    assert [seen.path for seen in server.seen] == ["/hook"]
+    delivery.refresh_from_db()
+    assert (delivery.response_status, delivery.last_error) == (
+        307,
+        f"POST {server.url('/hook')} answered 307",
+    )
+
+
 def test_attempts_are_bounded_then_the_delivery_fails(tunables, settings) -> None:
     settings.DJFLOW = {**tunables, "NOTIFY_MAX_ATTEMPTS": 2}
     with serving({"/hook": lambda h: reply(h, 500)}) as server:
