@@ -99,6 +99,9 @@ def schedule_create(
         raise InvalidInput(errors=errors)
     now = timezone.now()
     stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
+    # As run_start does: this context's logs and error reports (which carry the request's
+    # body) mask the secrets it received.
+    secrets.expose(secrets.plaintexts(registry))
     task = PeriodicTask(
         # Renamed with the schedule's id below; unique meanwhile.
         name=f"djflow schedule {uuid.uuid4().hex}",

@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 from runs.models import Run
 from schedules import services
 from schedules.models import Schedule
-from workflows import access
+from workflows import access, secrets
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db
@@ -259,6 +259,17 @@ def test_only_the_owner_or_an_operator_deletes():
 def make(user, **kwargs) -> Schedule:
     values = {"workflow": "nightly", "input": {"region": "eu", "token": "s3cret"}}
     return services.schedule_create(**{**values, **kwargs}, user=user)
+
+
+def test_a_create_holds_the_inputs_secrets_so_its_logs_and_error_reports_mask_them():
+    # As POST /runs does (workflows.secrets.expose): an error report of the request that
+    # made the schedule carries its body, the secret in plain text.
+    secrets.forget()
+    try:
+        make(person("ada", starter="nightly"), cron="0 * * * *")
+        assert "s3cret" in secrets.exposed()
+    finally:
+        secrets.forget()
 
 
 def test_a_fire_starts_one_run_per_slot_as_the_owner_with_the_input():
