@@ -24,7 +24,7 @@ from runs.engine import reconcile
 from runs.models import NotifyDelivery
 from tests.workers.http_servers import reply, serving
 from workers import notify
-from workflows import access, sdk
+from workflows import access, sdk, secrets
 from workflows import notify as documents
 from workflows.errors import InvalidDocument
 from workflows.models import WorkflowVersion
@@ -93,6 +93,17 @@ def test_the_secret_is_stored_encrypted_and_shown_masked(admin_client) -> None:
     assert answer.status_code == 200
     assert answer.json()["document"]["notify"][0]["secret"] == MASK
     assert SECRET not in answer.content.decode()
+
+
+def test_a_save_holds_the_secrets_so_its_logs_and_error_reports_mask_them() -> None:
+    # As a run's writeOnly input is (workflows.secrets.expose): an error report of the
+    # request that saved the document carries its body and locals, the secret in plain text.
+    secrets.forget()
+    try:
+        definition_save(document=document("https://hooks.example.com/x", ["failed"]))
+        assert SECRET in secrets.exposed()
+    finally:
+        secrets.forget()
 
 
 def test_the_same_body_finds_its_version_and_another_secret_makes_a_new_one() -> None:
