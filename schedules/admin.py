@@ -17,6 +17,7 @@ from django.utils.html import format_html
 
 from workflows import access
 from workflows.errors import EngineError
+from workflows.forms import json_from_text
 
 from . import selectors, services
 from .clock import CATCH_UP
@@ -58,9 +59,11 @@ class ScheduleAddForm(forms.ModelForm):  # type: ignore[type-arg]
         if self.errors:
             return data
         try:
-            value = json.loads(data["input"]) if data.get("input") else None
-        except json.JSONDecodeError as error:
-            self.add_error("input", f"is not JSON: {error}")
+            # The admin's JSON rules (the API parser's): no NaN, \u0000, lone surrogate or
+            # nesting past the limit, which the database or the service would fail on.
+            value = json_from_text(data["input"]) if data.get("input") else None
+        except forms.ValidationError as error:
+            self.add_error("input", error)
             return data
         try:
             # The admin's view is one transaction: the schedule commits with the page.

@@ -72,8 +72,14 @@ def test_a_starter_adds_a_schedule_through_the_form():
         ({"cron": "99 * * * *"}, "not a cron expression"),
         ({"cron": "", "every_ms": "10"}, "DJFLOW_SCHEDULE_MIN_INTERVAL_MS"),
         ({"input": '{"region": 1}'}, "is not of type"),
-        ({"input": "{nope"}, "is not JSON"),
+        ({"input": "{nope"}, "Malformed JSON"),
         ({"workflow_id": "ledger"}, "unknown workflow"),
+        # What JSON parses but Postgres cannot store, or Python cannot walk: the API's
+        # parser refuses it (CONTRACT section 9); the form did not, and the save was a 500.
+        ({"input": '{"region": "a\\u0000b"}'}, "may not contain"),
+        ({"input": '{"region": "\\ud800"}'}, "may not contain"),
+        ({"input": '{"region": "eu", "n": NaN}'}, "Malformed JSON"),
+        ({"input": "[" * 100_000 + "]" * 100_000}, "nested more than"),
     ],
 )
 def test_a_refused_add_shows_why_on_the_form(values, words):
