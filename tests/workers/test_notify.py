@@ -218,6 +218,20 @@ def test_a_webhook_is_retried_until_the_receiver_answers_and_is_signed(tunables)
     assert sent["error"]["class"] == "cancelled" and isinstance(sent["steps"], list)
 
 
+def test_a_delivery_holds_its_secret_so_error_reports_of_the_task_mask_it(tunables) -> None:
+    # Sentry's events and Django's reports carry the frames' locals (the secret, read to
+    # sign the body); they mask only what the context holds (workflows.secrets.expose).
+    with serving({"/hook": lambda h: reply(h, 204)}) as server:
+        run = cancelled_run(document(server.url("/hook"), ["cancelled"]))
+        [delivery] = NotifyDelivery.objects.filter(run=run)
+        secrets.forget()
+        try:
+            assert notify.deliver(delivery.id) == "delivered"
+            assert SECRET in secrets.exposed()
+        finally:
+            secrets.forget()
+
+
 def test_secrets_of_the_run_are_masked_in_the_body(tunables) -> None:
     schema = {
         "type": "object",
