@@ -142,7 +142,12 @@ def run_start(
     limit = slots.limit_of(pinned.document)
     # Resolved over the stored input: a key read from a secret is its token, never the
     # secret in a column of its own.
-    key = slots.key_for(limit, stored_input) if limit is not None else None
+    try:
+        key = slots.key_for(limit, stored_input) if limit is not None else None
+    except TooLarge as error:
+        # The template may read the input many times: bounded like a step's input.
+        message = f"makes a concurrency key (concurrency.key) {error}; it is at most 1 MiB"
+        raise InvalidInput(errors=[FieldError("input", message)]) from None
     alone = not plan_now and not transaction.get_connection().in_atomic_block and limit is None
     try:
         with contextlib.nullcontext() if alone else transaction.atomic():

@@ -1,6 +1,7 @@
-"""Schedules in the admin: listed to whoever may see their workflow; added, switched on or
-off and deleted through the same services as the API (so the same permission checks and the
-same 400s, shown on the form). The timing itself is beat's periodic task, linked from here."""
+"""Schedules in the admin: listed to their owners and their workflow's viewers; added,
+switched on or off and deleted through the same services as the API (so the same permission
+checks and the same 400s, shown on the form). The timing itself is beat's periodic task,
+linked from here."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from django.utils.html import format_html
 
 from workflows import access
 from workflows.errors import EngineError
+from workflows.forms import json_from_text
 
 from . import selectors, services
 from .clock import CATCH_UP
@@ -57,9 +59,11 @@ class ScheduleAddForm(forms.ModelForm):  # type: ignore[type-arg]
         if self.errors:
             return data
         try:
-            value = json.loads(data["input"]) if data.get("input") else None
-        except json.JSONDecodeError as error:
-            self.add_error("input", f"is not JSON: {error}")
+            # The admin's JSON rules (the API parser's): no NaN, \u0000, lone surrogate or
+            # nesting past the limit, which the database or the service would fail on.
+            value = json_from_text(data["input"]) if data.get("input") else None
+        except forms.ValidationError as error:
+            self.add_error("input", error)
             return data
         try:
             # The admin's view is one transaction: the schedule commits with the page.
@@ -171,7 +175,7 @@ class ScheduleAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is None:
             return self.has_module_permission(request)
-        return access.may_see_definition(request.user, obj.workflow_id)
+        return selectors.may_view(request.user, obj)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         # Which workflow is the form's to say; the service refuses one the user may not start.

@@ -1,29 +1,40 @@
-"""Reads of schedules, narrowed to what the caller may see (the workflows they may see)."""
+"""Reads of schedules, narrowed to what the caller may see (their own, and those of the
+workflows whose runs they all read)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
-from workflows.models import Workflow
 
 from .models import Schedule
 
 
 def schedule_list(*, user: Any, workflow: str | None = None) -> QuerySet[Schedule]:
-    """Schedules of the workflows ``user`` may see, newest first."""
+    """The schedules ``user`` may see (:func:`may_view`), newest first."""
     schedules = Schedule.objects.select_related(
         "task", "task__crontab", "task__interval", "owner"
     ).order_by("-created_at", "-id")
     if workflow is not None:
         schedules = schedules.filter(workflow_id=workflow)
-    if not access.sees_all_definitions(user):
-        visible = access.visible_workflows(user, Workflow.objects.all())
-        schedules = schedules.filter(workflow__in=visible.values("pk"))
+    viewed = access.viewed_workflows(user)
+    if viewed is not None:
+        mine = Q(owner_id=user.pk) if user is not None and user.is_authenticated else Q()
+        schedules = schedules.filter(Q(workflow__in=viewed.values("pk")) | mine)
     return schedules
+
+
+def may_view(user: Any, schedule: Schedule) -> bool:
+    """A schedule is read by its owner and by whoever reads every run of its workflow (its
+    viewers, operators, authors): it holds the input of the runs it starts as its owner, and
+    another starter reads only the runs they started (CONTRACT section 8)."""
+    if access.trusted(user):
+        return True
+    own = schedule.owner_id is not None and getattr(user, "pk", None) == schedule.owner_id
+    return own or access.VIEWER in access.roles(user, schedule.workflow_id)
 
 
 def schedule_get(*, schedule_id: Any, user: Any) -> Schedule:
@@ -51,6 +62,6 @@ def schedule_row(schedule_id: Any, schedules: QuerySet[Schedule]) -> Schedule:
 
 
 def require_view(user: Any, schedule: Schedule) -> None:
-    """404 naming ``id`` unless ``user`` may see the schedule's workflow."""
-    if not access.may_see_definition(user, schedule.workflow_id):
+    """404 naming ``id`` unless ``user`` may see the schedule (:func:`may_view`)."""
+    if not may_view(user, schedule):
         raise NotFound(errors=[FieldError("id", f"unknown schedule '{schedule.pk}'")])

@@ -3,8 +3,9 @@
 Who may do what (CONTRACT section 8, ``workflows.access``): a schedule of a workflow is
 created only by a starter of it, and its runs are started as that user, its *owner*, who must
 still be a starter at each fire (a fire they may no longer make fails, recorded on the
-schedule and logged). A schedule is read by whoever may see its workflow, and changed or
-deleted by its owner or an operator of the workflow; a caller who may not see it gets 404.
+schedule and logged). A schedule is read by its owner and the workflow's viewers (not by
+another starter, who reads only their own runs), and changed or deleted by its owner or an
+operator of the workflow; a caller who may not see it gets 404.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def schedule_create(
         raise InvalidInput(errors=errors)
     now = timezone.now()
     stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
+    # As run_start does: this context's logs and error reports (which carry the request's
+    # body) mask the secrets it received.
+    secrets.expose(secrets.plaintexts(registry))
     task = PeriodicTask(
         # Renamed with the schedule's id below; unique meanwhile.
         name=f"djflow schedule {uuid.uuid4().hex}",

@@ -29,7 +29,10 @@ class ScheduleListView(APIView):
 
     @extend_schema(
         operation_id="schedules_list",
-        description="Schedules of the workflows the caller may see, newest first.",
+        description=(
+            "The schedules the caller may see, newest first: their own, and every schedule"
+            " of the workflows whose runs they all read (viewers, operators, authors)."
+        ),
         parameters=[
             ScheduleListQuerySerializer,
             OpenApiParameter("cursor", str),

@@ -42,6 +42,7 @@ from runs.selectors import run_detail_queryset
 from runs.serializers import RunListSerializer, RunSerializer
 from runs.status import DeliveryStatus
 from workflows import notify
+from workflows import secrets as field_secrets
 from workflows.failures import StepFailure
 
 from . import netguard
@@ -169,7 +170,11 @@ def _secret(row: NotifyDelivery) -> str | None:
     entries = notify.entries(row.run.version.document)
     if row.entry >= len(entries) or "secret" not in entries[row.entry]:
         return None
-    return notify.decrypt(row.run.version.secrets).get(row.entry)
+    secret = notify.decrypt(row.run.version.secrets).get(row.entry)
+    if secret is not None:
+        # The frames' locals reach Sentry and error reports, which mask what is held.
+        field_secrets.expose([secret])
+    return secret
 
 
 def _failed_attempt(row: NotifyDelivery, message: str, status: int | None, now: datetime) -> str:

@@ -284,6 +284,16 @@ def run_operate_filter(user: Any) -> Q | None:
     return operated | Q(workflow_id__in=started, created_by_id=user.pk)
 
 
+def viewed_workflows(user: Any) -> QuerySet[Workflow] | None:
+    """The workflows every run of which ``user`` may read (the viewer role, or one implying
+    it); ``None`` for all of them."""
+    if VIEWER in global_roles(user):
+        return None
+    if not _person(user):
+        return Workflow.objects.none()
+    return _workflows_with(user, {VIEWER})
+
+
 def operates_some(user: Any) -> bool:
     """May ``user`` operate any run at all (what the admin asks before offering actions)?"""
     if {OPERATOR, STARTER} & global_roles(user):

@@ -14,6 +14,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, connection, transaction
 
 from . import access, heartbeats, kinds, knowledge, notify
+from . import secrets as field_secrets
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
 from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
@@ -106,6 +107,9 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     prepared, secrets = notify.seal(
         prepared, partial(_latest_with_secrets, prepared["id"], user=user)
     )
+    # Held as a run's secret input is: this context's logs and error reports (which carry
+    # the request's body and locals) mask them.
+    field_secrets.expose(secrets.values())
     digests = notify.hashes(prepared, secrets, content_hash)
     requested = prepared.get("version")
     sealed = _Sealed(digests, notify.encrypt(secrets))

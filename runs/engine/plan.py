@@ -1404,7 +1404,9 @@ class _Planner:
         return {
             "status": settled["status"],
             "output": output,
-            "error": dict(error) if error else None,
+            # The output is read by the run's viewers and starters (and webhooks); a
+            # traceback is for the workflow's operators only (CONTRACT section 8).
+            "error": {k: v for k, v in error.items() if k != "traceback"} if error else None,
         }
 
     def _foreach(self, step: Mapping[str, Any], inner: str) -> tuple[_Go, Any]:

@@ -361,7 +361,7 @@ def test_start_prints_the_run_id_and_answers_to_the_users_permissions(version, t
         _call("start", "support_ticket", "--input", '{"ticket": "T-9"}', "--user", "vic")
     with pytest.raises(CommandError, match=r"input\.ticket"):
         _call("start", "support_ticket", "--input", "{}", "--user", "bob")
-    with pytest.raises(CommandError, match="--input: not JSON"):
+    with pytest.raises(CommandError, match="--input: Malformed JSON"):
         _call("start", "support_ticket", "--input", "{", "--user", "bob")
     with pytest.raises(CommandError, match="no active user 'ghost'"):
         _call("start", "support_ticket", "--user", "ghost")
@@ -378,6 +378,18 @@ def test_start_prints_the_run_id_and_answers_to_the_users_permissions(version, t
     assert Run.objects.get(id=urgent.strip()).priority == 9
     with pytest.raises(CommandError, match="priority"):
         _call("start", "support_ticket", "--input", "{}", "--priority", "10", "--user", "bob")
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"ticket": "T\\u0000"}', '{"ticket": "\\ud800"}', '{"ticket": NaN}', "[" * 100_000],
+)
+def test_start_refuses_an_input_the_api_would_refuse_naming_it(version, team, text) -> None:
+    # The API's parser refuses these (CONTRACT section 9); here they reached the database
+    # (a DataError) or the parser's recursion, a traceback instead of the command's error.
+    with pytest.raises(CommandError, match="--input"):
+        _call("start", "support_ticket", "--input", text, "--user", "bob")
+    assert not Run.objects.exists()
 
 
 def test_cancel_and_retry_commands_act_as_the_named_user(version, team, sent) -> None:

@@ -174,6 +174,22 @@ def test_all_settled_closes_with_each_branch_status_output_and_error() -> None:
     assert out.of(Finish) == []
 
 
+def test_all_settled_output_leaves_out_a_branch_errors_traceback() -> None:
+    # A task's exception is journaled with its traceback, which only the workflow's
+    # operators may see (CONTRACT section 8); the step's output is read by its viewers and
+    # starters (the API, the run-end webhook), so the branch's error goes without it.
+    open_row = row("par", "parallel")
+    crashed = failed("one", error_extra={"traceback": "Traceback: /srv/app/secret_path.py"})
+    journal = [open_row, at(crashed, "par[a]/"), at(ok("two", 2), "par[b]/")]
+    step = settled(a=task("one", on_error="continue"), b=task("two"))
+    close = only(plan(doc(step), run(), journal, NOW).actions, Close)
+    assert close.output["a"] == {
+        "status": "failed",
+        "output": None,
+        "error": {"class": "fatal", "message": "fatal failure"},
+    }
+
+
 def test_all_settled_waits_for_a_retrying_branch_before_settling() -> None:
     retrying = task("one", retry={"max_attempts": 2, "initial_ms": 60_000})
     journal = [

@@ -283,6 +283,19 @@ def test_a_key_is_text_and_a_long_one_keeps_its_digest() -> None:
     assert len(long_a) == slots.KEY_MAX and long_a != long_b
 
 
+def test_a_key_that_would_render_over_a_mib_is_a_400_naming_it_not_a_500(
+    api: APIClient,
+) -> None:
+    # The key's template may read the input many times: an input within the body's limit
+    # rendered over the template's 1 MiB bound (a TooLarge that reached the view as a 500).
+    definition_save(document=per_customer(concurrency={"key": "${input.customer}" * 4, "limit": 1}))
+    body = {"workflow": "per_customer", "input": {"customer": "x" * 300_000, "n": "1"}}
+    answer = api.post("/api/v1/runs", body, format="json")
+    assert answer.status_code == 400, answer.content[:300]
+    assert [e["field"] for e in answer.json()["errors"]] == ["input"]
+    assert not Run.objects.exists()
+
+
 @pytest.mark.django_db(transaction=True)
 def test_two_starts_at_once_never_both_take_the_last_slot() -> None:
     """The race: one start holds the key's gate in an open transaction; a second start at

@@ -72,8 +72,14 @@ def test_a_starter_adds_a_schedule_through_the_form():
         ({"cron": "99 * * * *"}, "not a cron expression"),
         ({"cron": "", "every_ms": "10"}, "DJFLOW_SCHEDULE_MIN_INTERVAL_MS"),
         ({"input": '{"region": 1}'}, "is not of type"),
-        ({"input": "{nope"}, "is not JSON"),
+        ({"input": "{nope"}, "Malformed JSON"),
         ({"workflow_id": "ledger"}, "unknown workflow"),
+        # What JSON parses but Postgres cannot store, or Python cannot walk: the API's
+        # parser refuses it (CONTRACT section 9); the form did not, and the save was a 500.
+        ({"input": '{"region": "a\\u0000b"}'}, "may not contain"),
+        ({"input": '{"region": "\\ud800"}'}, "may not contain"),
+        ({"input": '{"region": "eu", "n": NaN}'}, "Malformed JSON"),
+        ({"input": "[" * 100_000 + "]" * 100_000}, "nested more than"),
     ],
 )
 def test_a_refused_add_shows_why_on_the_form(values, words):
@@ -96,7 +102,13 @@ def test_others_see_only_schedules_of_workflows_they_see_and_change_only_their_o
     theirs = services.schedule_create(
         workflow="ledger", input={"region": "us"}, cron="0 * * * *", user=sam
     )
-    _, bob = staff("bob", starter="nightly")
+    # Another starter of nightly does not see Ada's (a starter reads only their own runs).
+    _, carl = staff("carl", starter="nightly")
+    listed = carl.get(reverse(CHANGELIST)).content.decode()
+    assert f"/admin/schedules/schedule/{mine.pk}/change/" not in listed
+    hidden = carl.get(reverse("admin:schedules_schedule_change", args=[mine.pk]))
+    assert hidden.status_code == 302
+    _, bob = staff("bob", viewer="nightly")
     listed = bob.get(reverse(CHANGELIST)).content.decode()
     assert f"/admin/schedules/schedule/{mine.pk}/change/" in listed
     assert f"/admin/schedules/schedule/{theirs.pk}/change/" not in listed

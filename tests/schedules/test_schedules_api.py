@@ -18,7 +18,7 @@ from rest_framework.test import APIClient
 from runs.models import Run
 from schedules import services
 from schedules.models import Schedule
-from workflows import access
+from workflows import access, secrets
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db
@@ -215,12 +215,32 @@ def test_users_list_and_read_only_schedules_of_workflows_they_see():
     assert APIClient().get("/api/v1/schedules").status_code == 401
 
 
+def test_another_starter_does_not_see_a_schedule_its_viewers_do():
+    # A starter reads only the runs they started (CONTRACT section 8); a schedule holds the
+    # input of runs its owner starts, and its last run and error: another starter of the
+    # workflow may not see it (404, as one unseen), its viewers and operators may.
+    ada = person("ada", starter="nightly")
+    made = create(client_of(ada), input={"region": "ada-only", "token": "s3cret"}).json()["id"]
+    bob = client_of(person("bob", starter="nightly"))
+    assert bob.get("/api/v1/schedules").json()["results"] == []
+    assert bob.get(f"/api/v1/schedules/{made}").status_code == 404
+    assert bob.delete(f"/api/v1/schedules/{made}").status_code == 404
+    for role in ("viewer", "operator"):
+        reader = client_of(person(f"{role}_user", **{role: "nightly"}))
+        assert [s["id"] for s in reader.get("/api/v1/schedules").json()["results"]] == [made]
+        shown = reader.get(f"/api/v1/schedules/{made}").json()
+        assert shown["input"] == {"region": "ada-only", "token": "••••"}
+    # Its owner sees it, with or without the role it was made with.
+    access.revoke("starter", "nightly", user=ada)
+    assert client_of(ada).get(f"/api/v1/schedules/{made}").status_code == 200
+
+
 def test_only_the_owner_or_an_operator_deletes():
     ada = person("ada", starter="nightly")
     made = create(client_of(ada)).json()["id"]
     eve = client_of(person("eve"))
     assert eve.delete(f"/api/v1/schedules/{made}").status_code == 404
-    bob = client_of(person("bob", starter="nightly"))  # another starter: sees, may not delete
+    bob = client_of(person("bob", viewer="nightly"))  # a viewer: sees, may not delete
     refused = bob.delete(f"/api/v1/schedules/{made}")
     assert refused.status_code == 403 and fields(refused) == ["id"]
     assert Schedule.objects.filter(pk=made).exists()
@@ -239,6 +259,17 @@ def test_only_the_owner_or_an_operator_deletes():
 def make(user, **kwargs) -> Schedule:
     values = {"workflow": "nightly", "input": {"region": "eu", "token": "s3cret"}}
     return services.schedule_create(**{**values, **kwargs}, user=user)
+
+
+def test_a_create_holds_the_inputs_secrets_so_its_logs_and_error_reports_mask_them():
+    # As POST /runs does (workflows.secrets.expose): an error report of the request that
+    # made the schedule carries its body, the secret in plain text.
+    secrets.forget()
+    try:
+        make(person("ada", starter="nightly"), cron="0 * * * *")
+        assert "s3cret" in secrets.exposed()
+    finally:
+        secrets.forget()
 
 
 def test_a_fire_starts_one_run_per_slot_as_the_owner_with_the_input():
@@ -397,7 +428,7 @@ def test_turned_back_on_a_schedule_waits_for_its_next_slot():
     services.schedule_change(schedule_id=schedule.pk, user=ada, enabled=True)
     schedule.refresh_from_db()
     assert schedule.task.enabled and schedule.next_run_at > timezone.now()
-    bob = person("bob", starter="nightly")
+    bob = person("bob", viewer="nightly")
     with pytest.raises(services.Forbidden):
         services.schedule_change(schedule_id=schedule.pk, user=bob, enabled=False)
 

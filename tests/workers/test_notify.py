@@ -24,7 +24,7 @@ from runs.engine import reconcile
 from runs.models import NotifyDelivery
 from tests.workers.http_servers import reply, serving
 from workers import notify
-from workflows import access, sdk
+from workflows import access, sdk, secrets
 from workflows import notify as documents
 from workflows.errors import InvalidDocument
 from workflows.models import WorkflowVersion
@@ -93,6 +93,17 @@ def test_the_secret_is_stored_encrypted_and_shown_masked(admin_client) -> None:
     assert answer.status_code == 200
     assert answer.json()["document"]["notify"][0]["secret"] == MASK
     assert SECRET not in answer.content.decode()
+
+
+def test_a_save_holds_the_secrets_so_its_logs_and_error_reports_mask_them() -> None:
+    # As a run's writeOnly input is (workflows.secrets.expose): an error report of the
+    # request that saved the document carries its body and locals, the secret in plain text.
+    secrets.forget()
+    try:
+        definition_save(document=document("https://hooks.example.com/x", ["failed"]))
+        assert SECRET in secrets.exposed()
+    finally:
+        secrets.forget()
 
 
 def test_the_same_body_finds_its_version_and_another_secret_makes_a_new_one() -> None:
@@ -207,6 +218,20 @@ def test_a_webhook_is_retried_until_the_receiver_answers_and_is_signed(tunables)
     assert sent["error"]["class"] == "cancelled" and isinstance(sent["steps"], list)
 
 
+def test_a_delivery_holds_its_secret_so_error_reports_of_the_task_mask_it(tunables) -> None:
+    # Sentry's events and Django's reports carry the frames' locals (the secret, read to
+    # sign the body); they mask only what the context holds (workflows.secrets.expose).
+    with serving({"/hook": lambda h: reply(h, 204)}) as server:
+        run = cancelled_run(document(server.url("/hook"), ["cancelled"]))
+        [delivery] = NotifyDelivery.objects.filter(run=run)
+        secrets.forget()
+        try:
+            assert notify.deliver(delivery.id) == "delivered"
+            assert SECRET in secrets.exposed()
+        finally:
+            secrets.forget()
+
+
 def test_secrets_of_the_run_are_masked_in_the_body(tunables) -> None:
     schema = {
         "type": "object",
@@ -238,6 +263,26 @@ def test_a_forbidden_address_fails_the_delivery_at_once_and_visibly(tunables, se
     assert delivery.last_error == (
         f"POST {server.url('/hook')} refused: 127.0.0.1 is a loopback address; "
         "DJFLOW_HTTP_ALLOW does not list it"
+    )
+
+
+def test_a_redirect_is_not_followed_but_a_failed_attempt(tunables) -> None:
+    # A receiver could otherwise send the signed run to an address the guard would refuse
+    # (here only the allowed loopback, so the redirect target would have been reachable).
+    with serving(
+        {
+            "/hook": lambda h: reply(h, 307, headers={"Location": "/inside"}),
+            "/inside": lambda h: reply(h, 200),
+        }
+    ) as server:
+        run = cancelled_run(document(server.url("/hook"), ["cancelled"]))
+        [delivery] = NotifyDelivery.objects.filter(run=run)
+        assert notify.deliver(delivery.id) == "retrying"
+    assert [seen.path for seen in server.seen] == ["/hook"]
+    delivery.refresh_from_db()
+    assert (delivery.response_status, delivery.last_error) == (
+        307,
+        f"POST {server.url('/hook')} answered 307",
     )
 
 

@@ -5,13 +5,14 @@ who may not start the workflow is refused as the API would refuse them."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from runs import services
 from workflows.errors import EngineError
+from workflows.forms import json_from_text
 
 from ..scripting import acting_user, add_user_argument, refused
 
@@ -38,9 +39,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         user = acting_user(options["user"])
         try:
-            given = json.loads(options["input"])
-        except json.JSONDecodeError as error:
-            raise CommandError(f"--input: not JSON: {error}") from None
+            # The admin's JSON rules (the API parser's): no NaN, \u0000, lone surrogate or
+            # nesting past the limit, which the database or the service would fail on.
+            given = json_from_text(options["input"])
+        except ValidationError as error:
+            raise CommandError(f"--input: {'; '.join(error.messages)}") from None
         try:
             result = services.run_start(
                 workflow=options["workflow"],
