@@ -47,6 +47,7 @@ from tests.processes import (
     CeleryProcess,
     beat_process,
     purge_broker,
+    queued_on_redis,
     service_env,
     stop_all,
     wait_for,
@@ -327,7 +328,7 @@ def wait_bare_received(held: int, timeout: float) -> float:
     transport keeps a copy of each in its ``unacked`` hash); returns when, epoch seconds."""
     broker = _broker()
     wait_for(
-        lambda: broker.llen("default") == 0 and broker.hlen("unacked") >= held,
+        lambda: queued_on_redis(broker, "default") == 0 and broker.hlen("unacked") >= held,
         timeout=timeout,
         interval=0.05,
         message=lambda: f"{held} unacked (have {broker.hlen('unacked')})",

@@ -599,3 +599,15 @@ def purge_broker(app: Any = None) -> int:
                 # nothing in it to drop.
                 channel = conn.channel()
     return purged
+
+
+def queued_on_redis(client: Any, queue: str) -> int:
+    """The messages waiting on a Redis ``queue``, every priority's list counted: kombu's
+    Redis transport keeps one list per priority step, the queue's own name for step 0 and
+    ``<queue>\\x06\\x16<step>`` for the others (``Channel._q_for_pri``), and the engine sends
+    at a run's priority (CELERY_TASK_DEFAULT_PRIORITY 4 on Redis), so ``LLEN queue`` alone
+    sees none of them."""
+    from kombu.transport.redis import Channel
+
+    keys = [queue, *(f"{queue}{Channel.sep}{step}" for step in range(1, 10))]
+    return sum(client.llen(key) for key in keys)

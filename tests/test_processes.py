@@ -13,7 +13,7 @@ from django_celery_beat.models import PeriodicTask
 
 from config.celery import app
 from tests import celery_probe
-from tests.processes import WaitTimeout, pid_alive, purge_broker, wait_for
+from tests.processes import WaitTimeout, pid_alive, purge_broker, queued_on_redis, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -37,11 +37,11 @@ def test_purge_drops_waiting_messages() -> None:
     queue = f"probe-{uuid.uuid4().hex[:8]}"
     celery_probe.report.apply_async((_key(),), queue=queue)
     client = celery_probe.probe_redis()
-    assert client.llen(queue) == 1
+    assert queued_on_redis(client, queue) == 1
     # As if another process had sent it: this one's app forgets the queue it declared.
     app.amqp.queues.pop(queue)
     assert purge_broker() >= 1
-    assert client.llen(queue) == 0
+    assert queued_on_redis(client, queue) == 0
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from django.db import connection
 
 from runs import services
 from runs.models import Run, StepRun
-from tests.processes import wait_for
+from tests.processes import queued_on_redis, wait_for
 from workflows.sync import sync_modules
 
 from .flows import effects, ensure_effects_table
@@ -230,7 +230,7 @@ def test_a_redis_restart_mid_run_loses_no_run_and_repeats_no_body(
         timeout=30,
         message=celery_processes.logs,
     )
-    queued = private_redis.client().llen("default")
+    queued = queued_on_redis(private_redis.client(), "default")
     private_redis.kill()
     killed_at = time.time()
     unfinished = Run.objects.filter(id__in=run_ids).exclude(status__in=TERMINAL).count()
