@@ -644,6 +644,10 @@ DJFLOW = {
     # most this many steps and seconds in one task, then offers it through the broker.
     "INLINE_MAX_STEPS": env.int("DJFLOW_INLINE_MAX_STEPS", default=50),
     "INLINE_SECONDS": env.float("DJFLOW_INLINE_SECONDS", default=2.0),
+    # Attempts of a fan-out sent in one message (runs.dispatch.offer_fan_out_on_commit): run
+    # one after another by the worker that takes it, the rest offered to other workers as
+    # soon as one runs long (workers.batches). 1 sends a message per attempt.
+    "FAN_OUT_PER_MESSAGE": env.int("DJFLOW_FAN_OUT_PER_MESSAGE", default=10),
     # For the engine's own tests: every plan made from a run's settled prefix (the rows after
     # it only) is made again from the whole journal, and a difference raises.
     "CHECK_PREFIX": env.bool("DJFLOW_CHECK_PREFIX", default=False),

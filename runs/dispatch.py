@@ -133,8 +133,12 @@ def _execute_signature(step_run: Any, **options: Any) -> Any:
 
 def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
     """Offer attempts fanned out together (parallel branches, foreach items) once the
-    transaction commits: one message each, through one producer in one batch, keeping no
-    result.
+    transaction commits: ``FAN_OUT_PER_MESSAGE`` to a message (attempts of one queue, time
+    limit and priority), through one producer in one batch, keeping no result.
+
+    The task that receives a message runs its attempts one after another, each claimed on
+    its own, and offers the rest to other workers as soon as one runs long
+    (``workers.batches``): Celery's cycle per message was most of a short item's cost.
 
     No chord: the fan-in is the journal's. A success inside a fan-out asks for an advance
     when, after its commit, nothing else of the run is in flight, and a failure asks at once
@@ -143,18 +147,65 @@ def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: s
     stored a result and counted themselves in the result backend (three Redis round trips
     an item), and each chord's body was one more advance planning the whole journal.
     """
+    per_message = max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"]))
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for step_run in step_runs:
+        key = (step_run.queue, step_run.timeout_ms, priority_of(step_run))
+        groups.setdefault(key, []).append(step_run)
+    messages = [
+        group[start : start + per_message]
+        for group in groups.values()
+        for start in range(0, len(group), per_message)
+    ]
 
     def send() -> None:
         # One producer, and on Redis one pipeline per thousand messages (kombu's publish
         # batch; other transports publish each at once): sending is one round trip per
         # message otherwise, and the fan-out is sent by a pool process that has items to run.
         with current_app.producer_or_acquire() as producer, producer.batch():
-            for step_run in step_runs:
-                _execute_signature(step_run).apply_async(producer=producer)
+            for together in messages:
+                more = [step_run.id for step_run in together[1:]]
+                signature = _execute_signature(together[0], kwargs={"more": more} if more else {})
+                signature.apply_async(producer=producer)
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler
     # offers them again one by one.
     transaction.on_commit(send, robust=True)
+
+
+def offer_ids(
+    step_run_ids: list[int],
+    *,
+    queue: str | None,
+    soft_limit: float | None,
+    priority: int | None,
+    together: bool = False,
+) -> None:
+    """Offer attempts of a message that its task did not run (``workers.batches``): one
+    message each, so that free workers take them at once, or ``together`` in one (a worker
+    without their handler hands them on). ``priority`` is the broker's, as the message came;
+    the time limits are the message's. The attempts stay scheduled whatever happens here:
+    a message lost is made up by the reconciler."""
+    if not step_run_ids:
+        return
+    options: dict[str, Any] = {"ignore_result": True}
+    if queue:
+        options["queue"] = queue
+    if priority is not None:
+        options["priority"] = priority
+    if soft_limit is not None:
+        options.update(soft_time_limit=soft_limit, time_limit=soft_limit + 10)
+    with current_app.producer_or_acquire() as producer:
+        if together:
+            first, *more = step_run_ids
+            current_app.signature(
+                EXECUTE_STEP, (first,), kwargs={"more": more} if more else {}, **options
+            ).apply_async(producer=producer)
+            return
+        for step_run_id in step_run_ids:
+            current_app.signature(EXECUTE_STEP, (step_run_id,), **options).apply_async(
+                producer=producer
+            )
 
 
 def offer_now(step_run: Any, *, workflow_id: str) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -50,7 +50,7 @@ from workflows import kinds, secrets
 from workflows.failures import Deferred, StepFailure
 from workflows.templates import TooLarge, check_size
 
-from . import task_events, tracing
+from . import batches, task_events, tracing
 from .claims import Claimed, claim_attempt, claim_of, claimed_from
 from .context import StepContext, bound_logger
 from .leases import keeper
@@ -60,7 +60,13 @@ T = TypeVar("T")
 
 
 def execute(
-    step_run_id: int, *, worker: str, soft_limit: float | None = None, queue: str | None = None
+    step_run_id: int,
+    *,
+    worker: str,
+    soft_limit: float | None = None,
+    queue: str | None = None,
+    more: Sequence[int] = (),
+    priority: int | None = None,
 ) -> str:
     """Run one attempt, then, while it pays, the run's next ones; returns what happened to
     the last (``not-scheduled``, ``succeeded``, ...).
@@ -74,17 +80,31 @@ def execute(
 
     Each step's ``timeout_ms`` is enforced here by SIGALRM (main thread only); Celery's soft
     time limit, set ``INLINE_SECONDS`` later, is the backstop.
+
+    ``more`` are attempts of the same fan-out sent in the same message: run one after
+    another, within the same budget, after this one; the rest is offered through the broker
+    when the budget is spent, or by ``workers.batches``' thread as soon as one runs past
+    ``HAND_OFF_SECONDS``.
     """
     alarm = threading.current_thread() is threading.main_thread()
     chain = _Chain(worker, time.monotonic(), soft_limit, queue)
+    rest = None
+    if more:
+        offer = partial(dispatch.offer_ids, queue=queue, soft_limit=soft_limit, priority=priority)
+        rest = batches.Rest(list(more), offer)
     # Each attempt shows in Flower as a task of its own (when the worker sends task events).
     shown = task_events.StepEvents.for_current_task()
-    outcome, held = shown.around(
-        step_run_id, None, partial(_execute_one, step_run_id, chain, own_alarm=alarm)
-    )
-    if outcome == HANDED_BACK:
-        raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
-    if outcome == DEFERRED:
+    first = partial(_execute_one, step_run_id, chain, own_alarm=alarm)
+    outcome, held = _watched(rest, partial(shown.around, step_run_id, None, first))
+    if outcome in (HANDED_BACK, DEFERRED):
+        if rest is not None:
+            # Not this worker's (no handler), or every model slot taken: the rest as one
+            # message, for a worker that has them.
+            with contextlib.suppress(Exception):
+                rest.offer = partial(rest.offer, together=True)
+                rest.hand_off()
+        if outcome == HANDED_BACK:
+            raise HandedBack(f"attempt {step_run_id} handed back: this worker lacks its handler")
         raise HandedBack(f"attempt {step_run_id} handed back: it waits for a model slot")
     while held is not None:
         step_run, workflow_id, claimed = held
@@ -98,7 +118,39 @@ def execute(
             (step_run, workflow_id),
             partial(_execute_one, step_run.id, chain, own_alarm=True, claimed=claimed),
         )
+    if rest is not None:
+        _run_rest(rest, chain, shown, own_alarm=alarm)
     return outcome
+
+
+def _run_rest(rest: batches.Rest, chain: _Chain, shown: Any, *, own_alarm: bool) -> None:
+    """Run the rest of a fan-out's message while the task's budget allows (each attempt
+    claimed on its own: one claimed elsewhere meanwhile is skipped); offer what is left."""
+    try:
+        while chain.has_time(chain.soft_limit_margin):
+            step_run_id = rest.next()
+            if step_run_id is None:
+                return
+            chain.chained += 1
+            one = partial(_execute_one, step_run_id, chain, own_alarm=own_alarm)
+            outcome, _ = _watched(rest, partial(shown.around, step_run_id, None, one))
+            if outcome in (HANDED_BACK, DEFERRED):
+                # That attempt went back through the broker; so does the rest, together.
+                rest.offer = partial(rest.offer, together=True)
+                break
+    finally:
+        rest.hand_off()
+
+
+def _watched(rest: batches.Rest | None, run: Callable[[], T]) -> T:
+    """``run`` one attempt of a message, its rest offered elsewhere should it run long."""
+    if rest is None:
+        return run()
+    rest.running()
+    try:
+        return run()
+    finally:
+        rest.ran()
 
 
 @dataclass
@@ -124,6 +176,10 @@ class _Chain:
         return (self.queue is None or step_run.queue == self.queue) and self.has_time_for(step_run)
 
     def has_time_for(self, step_run: StepRun) -> bool:
+        return self.has_time(step_run.timeout_ms / 1000)
+
+    def has_time(self, step_seconds: float) -> bool:
+        """Whether a next step of at most ``step_seconds`` fits in this task's budget."""
         inline = settings.DJFLOW
         elapsed = time.monotonic() - self.started
         return (
@@ -131,8 +187,16 @@ class _Chain:
             and self.chained < inline["INLINE_MAX_STEPS"]
             and elapsed < inline["INLINE_SECONDS"]
             # Celery's own soft limit for this task must not fire inside the next step's time.
-            and (self.soft_limit is None or elapsed + step_run.timeout_ms / 1000 <= self.soft_limit)
+            and (self.soft_limit is None or elapsed + step_seconds <= self.soft_limit)
         )
+
+    @property
+    def soft_limit_margin(self) -> float:
+        """A next attempt's time limit, for attempts of one message (one step: the message's
+        soft limit is its ``timeout_ms`` plus ``INLINE_SECONDS``, runs.dispatch)."""
+        if self.soft_limit is None:
+            return 0.0
+        return max(self.soft_limit - float(settings.DJFLOW["INLINE_SECONDS"]), 0.0)
 
 
 # How long one batch of fired runs (workers.advance_runs) holds its pool process before it

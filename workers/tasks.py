@@ -16,14 +16,23 @@ logger = logging.getLogger(__name__)
 
 
 @shared_task(name="workers.execute_step", bind=True, ignore_result=True)
-def execute_step(self: Task[Any, Any], step_run_id: int) -> str:
+def execute_step(self: Task[Any, Any], step_run_id: int, more: list[int] | None = None) -> str:
     """Idempotent: a duplicate delivery finds the attempt claimed and does nothing. Its own
-    attempt handed back (this worker lacks the handler), it ends RETRY."""
+    attempt handed back (this worker lacks the handler), it ends RETRY. ``more``: attempts
+    of the same fan-out sent in the same message, run after it (workers.batches)."""
     worker = f"{self.request.hostname or 'worker'}:{os.getpid()}"
     _, soft_limit = self.request.timelimit or (None, None)
-    queue = (self.request.delivery_info or {}).get("routing_key")
+    delivery = self.request.delivery_info or {}
+    queue = delivery.get("routing_key")
     try:
-        return execution.execute(step_run_id, worker=worker, soft_limit=soft_limit, queue=queue)
+        return execution.execute(
+            step_run_id,
+            worker=worker,
+            soft_limit=soft_limit,
+            queue=queue,
+            more=more or (),
+            priority=delivery.get("priority"),
+        )
     except execution.HandedBack as handed_back:
         # Celery's own "this message will be delivered again" (task-retried: RETRY in
         # Flower, the reason as its exception), without Celery sending it again: the

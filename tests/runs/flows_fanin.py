@@ -106,6 +106,26 @@ def _piece(ctx: Any, input: Any, prior: Any) -> Any:
 registry.register("wide", "piece", _piece)
 
 
+# --- one slow item among fast ones (sent several to a message: workers.batches) -----------
+
+lopsided = workflow("lopsided", limits=LIMITS)
+lopsided.foreach(
+    "fan",
+    items="${input.items}",
+    do=task("slice", input={"index": "${index}", "slow": "${input.slow}"}),
+)
+
+
+def _slice(ctx: Any, input: Any, prior: Any) -> Any:
+    row = note_label(ctx.run_id, f"slice:{input['index']}", ctx.attempt)
+    time.sleep(input["slow"] if input["index"] == 0 else 0.01)
+    done(row)
+    return input["index"]
+
+
+registry.register("lopsided", "slice", _slice)
+
+
 # --- three generations: a foreach of children, each with a child of its own ---------------------
 
 family = workflow("family", limits=LIMITS)

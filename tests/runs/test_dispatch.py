@@ -33,12 +33,13 @@ def sent(request) -> Iterator[list[dict[str, Any]]]:
     messages: list[dict[str, Any]] = []
 
     def publish(producer: Any, name: str, message: Any, **options: Any) -> None:
-        headers, _, (args, _, embed), _ = message
+        headers, _, (args, kwargs, embed), _ = message
         queue = options.get("queue")
         messages.append(
             {
                 "task": name,
                 "args": list(args),
+                **({"kwargs": kwargs} if kwargs else {}),
                 "id": headers["id"],
                 "ignore_result": headers["ignore_result"],
                 "timelimit": tuple(headers["timelimit"]),
@@ -97,23 +98,47 @@ def test_an_attempt_goes_to_its_queue_with_its_task_id_and_limits(sent) -> None:
     ]
 
 
-def test_a_fan_out_is_one_message_per_attempt_keeping_no_result_and_no_chord(sent) -> None:
+def test_a_fan_out_goes_several_attempts_a_message_keeping_no_result_and_no_chord(
+    sent, settings
+) -> None:
     # The fan-in is the journal's (each completion asks for the advance it needs): no chord
-    # body, and no result a chord would count.
-    dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r5", workflow_id="w")
+    # body, and no result a chord would count. Attempts of one queue, time limit and
+    # priority go FAN_OUT_PER_MESSAGE to a message, the first one's task id on it.
+    settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 2}
+    other = SimpleNamespace(id=9, celery_task_id="task-9", queue="cpu", timeout_ms=5000)
+    attempts = [attempt(3), attempt(4), other, attempt(5)]
+    dispatch.offer_fan_out_on_commit(attempts, run_id="r5", workflow_id="w")
     soft = 5 + settings.DJFLOW["INLINE_SECONDS"]
+    common = {"ignore_result": True, "timelimit": (soft + 10, soft), "chord": None}
     assert sent == [
-        {
-            "task": "workers.execute_step",
-            "args": [n],
-            "id": f"task-{n}",
-            "ignore_result": True,
-            "timelimit": (soft + 10, soft),
-            "queue": "gpu",
-            "chord": None,
-        }
-        for n in (3, 4)
+        {"task": "workers.execute_step", "args": [3], "kwargs": {"more": [4]}, "id": "task-3",
+         "queue": "gpu", **common},
+        {"task": "workers.execute_step", "args": [5], "id": "task-5", "queue": "gpu", **common},
+        {"task": "workers.execute_step", "args": [9], "id": "task-9", "queue": "cpu", **common},
+    ]  # fmt: skip
+
+
+def test_a_fan_out_of_one_attempt_a_message_when_configured_so(sent, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 1}
+    dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r5", workflow_id="w")
+    assert [(m["args"], m["id"], "kwargs" in m) for m in sent] == [
+        ([3], "task-3", False),
+        ([4], "task-4", False),
     ]
+
+
+def test_the_rest_of_a_message_goes_one_a_message_or_together(sent) -> None:
+    """What a task hands on (workers.batches): one message each, with the message's queue,
+    limits and broker priority; or all in one (a worker without the handler)."""
+    dispatch.offer_ids([6, 7], queue="gpu", soft_limit=7.0, priority=3)
+    dispatch.offer_ids([8, 9, 10], queue="gpu", soft_limit=7.0, priority=3, together=True)
+    dispatch.offer_ids([], queue="gpu", soft_limit=7.0, priority=3)
+    assert [(m["args"], m.get("kwargs"), m["queue"], m["timelimit"]) for m in sent] == [
+        ([6], None, "gpu", (17.0, 7.0)),
+        ([7], None, "gpu", (17.0, 7.0)),
+        ([8], {"more": [9, 10]}, "gpu", (17.0, 7.0)),
+    ]
+    assert len({m["id"] for m in sent}) == 3
 
 
 def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
@@ -125,7 +150,7 @@ def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
 
 
 def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
-    """Against the real broker: every attempt's message is on its queue, and on Redis they
+    """Against the real broker: the attempts' messages are on their queue, and on Redis they
     went as one pipeline, not one LPUSH round trip each."""
     import uuid
 
@@ -138,7 +163,7 @@ def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
     queue = f"fan-{uuid.uuid4().hex}"
     attempts = [
         SimpleNamespace(id=n, celery_task_id=f"fan-task-{n}", queue=queue, timeout_ms=5000)
-        for n in range(5)
+        for n in range(25)
     ]
     direct: list[Any] = []
     real_execute = redis.Redis.execute_command
@@ -164,8 +189,9 @@ def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
             on_default = client.llen(channel._q_for_pri(queue, dispatch.broker_priority(None)))
         finally:
             client.delete(*lists)
-    assert sorted(waiting) == [f"fan-task-{n}" for n in range(5)]
-    assert on_default == 5
+    # FAN_OUT_PER_MESSAGE (10) to a message: three, each with its first attempt's task id.
+    assert sorted(waiting) == ["fan-task-0", "fan-task-10", "fan-task-20"]
+    assert on_default == 3
 
 
 def test_a_runs_priority_orders_its_messages_on_a_redis_queue() -> None:

@@ -67,3 +67,54 @@ def test_items_are_inserted_one_statement_per_batch(chords, monkeypatch) -> None
     assert len(inserts) == 3  # 3 + 3 + 1 rows
     assert len({a.id for a in offered}) == 7
     assert StepRun.objects.filter(kind="task", status="scheduled").count() == 7
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_a_batch_stores_each_value_as_a_row_of_its_own_would(chords) -> None:
+    """The multi-row INSERT (one typed array a column) writes every kind of value the
+    single-row one writes: JSON of every shape and JSON null, NULL, text past the ASCII
+    range, decimals, timestamps, UUIDs, in the order given."""
+    import datetime
+    import decimal
+    import uuid
+
+    run, _ = _fan(1)
+    when = datetime.datetime(2026, 12, 4, 21, 0, 0, 123456, tzinfo=datetime.UTC)
+    # Every column as the engine writes an item's, from the one it wrote.
+    item = StepRun.objects.get(run=run, kind="task")
+    base = {f.attname: getattr(item, f.attname) for f in StepRun._meta.concrete_fields}
+    del base["id"]
+    shapes: list[dict[str, Any]] = [
+        {"input": {"a": [1, 2.5, None, "é€😀"], "b": {"c": True}}, "claim": uuid.uuid4()},
+        {"input": None, "claim": None},
+        {"input": "text", "claim": None, "cost_usd": decimal.Decimal("0.000123")},
+        {"input": [], "claim": None, "not_before": when + datetime.timedelta(seconds=5)},
+    ]
+    rows = [
+        {**base, "path": f"x[{i}]/", "cost_usd": decimal.Decimal(0), "not_before": None, **shape}
+        for i, shape in enumerate(shapes)
+    ]
+    many = store.insert_attempts(rows)
+    alone = [store.insert_attempt({**row, "path": f"y{row['path']}"}) for row in rows]
+    fields = ["path", "input", "claim", "cost_usd", "not_before", "scheduled_at", "timeout_ms"]
+    stored = StepRun.objects.filter(id__in=many + alone).values("id", *fields)
+    read = {row["id"]: row for row in stored}
+    assert [read[i]["path"] for i in many] == [f"x[{i}]/" for i in range(len(shapes))]
+    for batched, single in zip(many, alone, strict=True):
+        a, b = dict(read[batched]), dict(read[single])
+        assert b.pop("path") == "y" + a.pop("path")
+        a.pop("id"), b.pop("id")
+        assert a == b
+    assert read[many[0]]["input"] == shapes[0]["input"]
+    assert read[many[2]]["cost_usd"] == decimal.Decimal("0.000123")
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_a_batchs_statement_is_the_same_text_for_any_number_of_rows(chords) -> None:
+    """One array a column: the text does not grow with the rows, so Postgres parses it once
+    (a VALUES list of 500 rows was 15,000 placeholders, split and parsed again each time)."""
+    _, two = _fan(2)
+    _, seven = _fan(7)
+    assert len(two) == len(seven) == 1
+    assert two[0] == seven[0]
+    assert "UNNEST" in two[0] and "%s" not in two[0].split("UNNEST", 1)[0]

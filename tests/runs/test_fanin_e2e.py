@@ -249,6 +249,28 @@ def test_a_worker_killed_in_a_200_item_fan_out_loses_and_doubles_no_output(
     )
 
 
+def test_a_slow_item_does_not_hold_back_the_items_sent_with_it(
+    celery_worker, celery_processes
+) -> None:
+    """Items go ten to a message (DJFLOW_FAN_OUT_PER_MESSAGE); the first item runs 3 s, and
+    the nine sent with it are handed to the other pool process while it runs: every other
+    item ends before it does, each ran once, and the output is in item order."""
+    celery_worker(workflow_modules=FLOWS, concurrency=2)
+    count, slow = 20, 3.0
+    run = start("lopsided", {"items": list(range(count)), "slow": slow})
+    run = finished(run.id, timeout=60, logs=celery_processes.logs)
+    assert run.status == "completed", run.error
+    assert run.output == list(range(count))
+    ended = {}
+    for step, attempt, _, _, finished_at in effects(run.id):
+        index = int(step.split(":")[1])
+        assert index not in ended and attempt == 1, step
+        ended[index] = finished_at
+    assert sorted(ended) == list(range(count))
+    late = [index for index in range(1, count) if ended[index] >= ended[0]]
+    assert late == [], f"items {late} waited for the slow one"
+
+
 # --- 3. cancelling three generations ------------------------------------------------------
 
 

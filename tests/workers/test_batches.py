@@ -1,0 +1,129 @@
+"""A fan-out's attempts sent several to a message (``runs.dispatch.offer_fan_out_on_commit``)
+are run one after another by the task that takes the message, each claimed on its own; the
+rest goes to other workers when the task's budget is spent, and at once when one attempt runs
+long (``workers.batches``), so a slow item never holds the others of its message back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from runs import dispatch, services
+from runs.engine import journal
+from runs.models import StepRun
+from workers import batches, execution
+from workflows.sdk import handler, task, workflow
+from workflows.services import definition_save
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RAN: list[Any] = []
+SLOW: set[int] = set()
+
+
+@handler("batches_test.item")
+def item(ctx: Any, input: Any, prior: Any) -> Any:
+    RAN.append((input, threading.current_thread().name))
+    if input in SLOW:
+        time.sleep(0.6)
+    return input
+
+
+@pytest.fixture
+def offered(monkeypatch, settings) -> list[tuple[list[int], dict[str, Any]]]:
+    """The fan-out's messages are not sent (the test runs their attempts itself); what a
+    task hands on is recorded."""
+    settings.DJFLOW = {**settings.DJFLOW, "CHECK_PREFIX": False}
+    journal.forget_prefixes()
+    RAN.clear()
+    SLOW.clear()
+    handed: list[tuple[list[int], dict[str, Any]]] = []
+    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", lambda *a, **k: None)
+    monkeypatch.setattr(dispatch, "advance_on_commit", lambda *a, **k: None)
+    monkeypatch.setattr(
+        dispatch, "offer_ids", lambda ids, **options: handed.append((list(ids), options))
+    )
+    return handed
+
+
+def _items(count: int) -> list[int]:
+    """Start a run of a foreach over ``count`` items; its item attempts' ids, in order."""
+    flow = workflow("batches_test", limits={"run_timeout_ms": 3_600_000})
+    flow.foreach("fan", items="${input.items}", do=task("item", handler="batches_test.item"))
+    definition_save(document=flow.document())
+    run = services.run_start(workflow="batches_test", input={"items": list(range(count))}).run
+    return list(
+        StepRun.objects.filter(run=run, kind="task").order_by("id").values_list("id", flat=True)
+    )
+
+
+def test_a_message_runs_its_attempts_one_after_another_each_claimed(offered) -> None:
+    first, *more = _items(5)
+    # One attempt claimed meanwhile by another worker (a duplicate of its message): skipped.
+    StepRun.objects.filter(id=more[1]).update(status="running", worker="elsewhere")
+    outcome = execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    assert outcome == "succeeded"
+    assert [input for input, _ in RAN] == [0, 1, 3, 4]
+    rows = dict(StepRun.objects.filter(id__in=[first, *more]).values_list("id", "worker"))
+    assert [rows[i] for i in [first, *more]] == ["w1", "w1", "elsewhere", "w1", "w1"]
+    assert offered == []
+
+
+def test_past_the_tasks_budget_the_rest_is_offered_one_a_message(offered, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "INLINE_MAX_STEPS": 2}
+    first, *more = _items(5)
+    execution.execute(first, worker="w1", more=more, queue="gpu", soft_limit=32, priority=3)
+    assert [input for input, _ in RAN] == [0, 1, 2]
+    assert offered == [(more[2:], {"queue": "gpu", "soft_limit": 32, "priority": 3})]
+    left = StepRun.objects.filter(id__in=more[2:]).values_list("status", flat=True)
+    assert list(left) == ["scheduled", "scheduled"]
+
+
+def test_a_slow_attempt_hands_the_rest_on_while_it_runs(offered) -> None:
+    """The rest is offered by the hand-off thread during the slow attempt (not after it),
+    and the task stops after it: nobody waits for a slow item but the item itself."""
+    first, *more = _items(4)
+    SLOW.add(0)
+    began = time.monotonic()
+    seen: list[float] = []
+    real = dispatch.offer_ids
+
+    def timed(ids: list[int], **options: Any) -> None:
+        seen.append(time.monotonic() - began)
+        real(ids, **options)
+
+    dispatch.offer_ids = timed  # type: ignore[assignment]
+    try:
+        execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    finally:
+        dispatch.offer_ids = real  # type: ignore[assignment]
+    assert [input for input, _ in RAN] == [0]
+    assert [ids for ids, _ in offered] == [more]
+    (when,) = seen
+    assert batches.HAND_OFF_SECONDS <= when < 0.6, when
+    left = StepRun.objects.filter(id__in=more).values_list("status", flat=True)
+    assert set(left) == {"scheduled"}
+
+
+def test_a_fast_message_hands_nothing_on(offered) -> None:
+    first, *more = _items(10)
+    execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    time.sleep(2 * batches._LOOK_SECONDS)
+    assert len(RAN) == 10 and offered == []
+
+
+def test_a_message_this_worker_cannot_serve_goes_on_together(offered, monkeypatch) -> None:
+    """A worker without the handler hands its attempt back and the rest goes on in one
+    message, for a worker that has it."""
+    first, *more = _items(3)
+    monkeypatch.setattr(execution, "_hand_back", lambda *a, **k: None)
+    monkeypatch.setattr(execution.kinds, "get", lambda name: None)
+    with pytest.raises(execution.HandedBack):
+        execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    assert offered == [
+        (more, {"queue": "default", "soft_limit": 32, "priority": None, "together": True})
+    ]
+    assert RAN == []
