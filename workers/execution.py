@@ -38,7 +38,7 @@ from runs.engine.advance import (
     Budget,
     advance_locked,
     advance_many,
-    lock_run_recording,
+    lock_run_recording_reading,
     run_advance_holding,
 )
 from runs.engine.plan import MAX_VALUE_BYTES
@@ -602,7 +602,13 @@ def _record_once(
     if row.path:
         return _record_inside(row, claim, result, cost, ctx)
     with transaction.atomic():
-        run, recorded = lock_run_recording(row.run_id, row.id, claim, result)
+        # The journal after this process's settled prefix, read with the lock in one round
+        # trip (used by the plan only if that prefix still applies). Not when the attempt is
+        # charged below: the plan must read its cost (limits.max_cost_usd).
+        after = None if cost else journal.kept_through(row.run_id)
+        run, recorded, read = lock_run_recording_reading(
+            row.run_id, row.id, claim, result, after=after
+        )
         if run is None:
             return "dropped", None
         # The model calls it made, recorded and charged whether or not the result is still
@@ -620,7 +626,7 @@ def _record_once(
         if run.status not in RUN_TERMINAL:
             budget = Budget(ADVANCE_ACTIONS)
             _, next_attempt = advance_locked(
-                run, hold=True, budget=budget, claim_as=_claim_as(chain)
+                run, hold=True, budget=budget, claim_as=_claim_as(chain), read=read
             )
             if next_attempt is not None:
                 claimed = None

@@ -107,8 +107,8 @@ def run_advance_holding(
 
 
 class BatchFailed(DatabaseError):
-    """The transaction of :func:`advance_many` failed as a whole (its connection, its commit):
-    none of its runs' advances was written; ``__cause__`` says why."""
+    """The transaction of :func:`advance_many` failed (its connection, its commit, or one run's
+    advance): none of its runs' advances was written; ``__cause__`` says why."""
 
 
 def advance_many(
@@ -121,17 +121,18 @@ def advance_many(
     one transaction: one commit for the batch instead of one a run (a commit waits for the
     disk, about 1 ms here, more than a round of a sleeping run's advance costs).
 
-    Each run's advance is its own savepoint: one that raises (a plan's bug, a constraint, a
-    deadlock) is rolled back to it, with the messages it would have sent, and logged; the
-    other runs' advances commit. Runs are locked in id order, so two batches of the same runs
+    A run whose advance raises (a plan's bug, a constraint, a deadlock) rolls the whole
+    transaction back, with the messages it would have sent (BatchFailed): the caller then
+    advances the runs one by one, and only that one fails. Runs are locked in id order, so two
+    batches of the same runs
     (a redelivered message beside the reconciler's) take turns instead of deadlocking. With
     ``hold``, returns each run's lone new attempt left for the caller (see apply_plan) with
     its workflow id, in that order; ``before_commit`` sees them inside the transaction (a
     worker claims the first it runs there). A run left with more to plan asks for an advance
     task, as a one-round ``run_advance`` does.
 
-    Raises :class:`BatchFailed` when the transaction as a whole fails: nothing of it was
-    written (unless the commit went through unacknowledged), and the caller advances the
+    Raises :class:`BatchFailed` when a run's advance or the transaction fails: nothing of it
+    was written (unless the commit went through unacknowledged), and the caller advances the
     runs one by one. A run advanced twice plans nothing new the second time.
     """
     ordered = sorted(dict.fromkeys(map(str, run_ids)))
@@ -142,20 +143,19 @@ def advance_many(
         with transaction.atomic():
             read = _read_many(ordered)
             for run_id in ordered:
+                # No savepoint a run: two round trips each (SAVEPOINT, RELEASE), a sixth of
+                # a fired run's statements. A run that raises rolls the chunk back, and the
+                # caller advances its runs one by one (BatchFailed): that run alone fails.
                 try:
-                    with transaction.atomic():
-                        run, first = read.get(run_id) or (lock_run(run_id), None)
-                        if run is None:
-                            logger.warning("advance: run %s does not exist", run_id)
-                            continue
-                        _, attempt = advance_locked(
-                            run, hold=hold, budget=Budget(ADVANCE_ACTIONS), read=first
-                        )
-                except Exception:
-                    if connection.needs_rollback or not connection.is_usable():
-                        raise  # the transaction itself is lost: no savepoint to go back to
-                    logger.exception("advance: run %s failed; the reconciler takes it", run_id)
-                    continue
+                    run, first = read.get(run_id) or (lock_run(run_id), None)
+                    if run is None:
+                        logger.warning("advance: run %s does not exist", run_id)
+                        continue
+                    _, attempt = advance_locked(
+                        run, hold=hold, budget=Budget(ADVANCE_ACTIONS), read=first
+                    )
+                except Exception as error:
+                    raise BatchFailed(f"advancing run {run_id} failed") from error
                 if attempt is not None:
                     held.append((attempt, run.workflow_id))
             if before_commit is not None:
@@ -218,9 +218,30 @@ def lock_run_recording(
     """``lock_run`` and ``store.record_result`` (the run locked first, as always), in one
     round trip on Postgres: (the run or None, whether the attempt's result was recorded).
     A worker records each step so; the two statements were two of a step's seven."""
+    run, recorded, _ = lock_run_recording_reading(run_id, step_run_id, claim, values)
+    return run, recorded
+
+
+def lock_run_recording_reading(
+    run_id: Any,
+    step_run_id: int,
+    claim: Any,
+    values: dict[str, Any],
+    *,
+    after: int | None = None,
+) -> tuple[Run | None, bool, tuple[int, list[Any]] | None]:
+    """:func:`lock_run_recording`, and with ``after`` the run's journal after that row id,
+    read under the lock in the same round trip on Postgres (pipelined: the two statements
+    go together, the read runs once the lock is taken): ``advance_locked``'s ``read``.
+    A step's round trips were the lock with the record, the journal, the next attempt's
+    insert and the commit; now three."""
     if connection.vendor != "postgresql":
         run = lock_run(run_id)
-        return run, run is not None and record_result(step_run_id, claim, values)
+        recorded = run is not None and record_result(step_run_id, claim, values)
+        read = None
+        if run is not None and after is not None:
+            read = (after, journal.journal_of(run_id, after=after))
+        return run, recorded, read
     update, params = recording(step_run_id, claim, values)
     # The run's lock is taken as the UPDATE's condition reads ``locked``, before the
     # attempt's row is: the order every transaction of the engine takes them in.
@@ -230,12 +251,17 @@ def lock_run_recording(
         f" recorded AS ({update} AND EXISTS (SELECT 1 FROM locked) RETURNING 1)"
         " SELECT locked.*, (SELECT count(*) FROM recorded) FROM locked"
     )
-    with prepared_cursor() as cursor, _pipelined():
+    rows = None
+    with prepared_cursor() as cursor, prepared_cursor() as reader, _pipelined():
         cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection), *params])
+        if after is not None:
+            journal.send_journal_read(reader, run_id, after)
         row = cursor.fetchone()
+        if after is not None:
+            rows = journal.journal_read(reader)
     if row is None:
-        return None, False
-    return _run_of(row[:-1]), row[-1] == 1
+        return None, False, None
+    return _run_of(row[:-1]), row[-1] == 1, None if rows is None else (after or 0, rows)
 
 
 @contextlib.contextmanager

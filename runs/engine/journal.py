@@ -156,14 +156,31 @@ def journal_of(run_id: Any, *, after: int = 0) -> list[AttemptView]:
     """Every attempt of a run, oldest first; with ``after``, those with a greater id (the
     rows after a settled prefix, see plan.Prefix). Raw SQL: this runs once per step, and the
     ORM's per-row overhead was most of a step's cost on long runs."""
-    pk = Run._meta.pk.get_db_prep_value(run_id, connection)
     with prepared_cursor() as cursor:
-        cursor.execute(
-            _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table),
-            [pk, after],
-        )
-        rows = cursor.fetchall()
-    return [_attempt(row) for row in rows]
+        send_journal_read(cursor, run_id, after)
+        return journal_read(cursor)
+
+
+def send_journal_read(cursor: Any, run_id: Any, after: int) -> None:
+    """Execute :func:`journal_of`'s statement on ``cursor`` (in a pipeline, it is sent with
+    the statements around it); :func:`journal_read` makes its rows attempts."""
+    pk = Run._meta.pk.get_db_prep_value(run_id, connection)
+    cursor.execute(
+        _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table), [pk, after]
+    )
+
+
+def journal_read(cursor: Any) -> list[AttemptView]:
+    return [_attempt(row) for row in cursor.fetchall()]
+
+
+def kept_through(run_id: Any) -> int:
+    """The last row id of the settled prefix this process keeps for the run (0: none), read
+    before the run is locked: the journal after it can be read with the lock, in one round
+    trip. The planner uses that read only if the prefix still applies (advance_locked)."""
+    with _prefix_lock:
+        kept = _prefixes.get(run_id)
+    return kept[2].through_id if kept is not None else 0
 
 
 # The journals of several runs in one round trip (a batch of fired runs), each after its own

@@ -41,6 +41,18 @@ def noop(ctx: Any, input: Any, prior: Any) -> None:
     return None
 
 
+SPEND = "step_cost.spend"
+
+
+@handler(SPEND)
+def spend(ctx: Any, input: Any, prior: Any) -> str:
+    with ctx.span("model_call", kind="model_generation") as span:
+        span.set_model("claude-sonnet-4", "anthropic")
+        # 10,000 in + 2,000 out on claude-sonnet-4: $0.06, charged when the step is recorded.
+        span.set_usage(input_tokens=10_000, output_tokens=2_000)
+    return "spent"
+
+
 def _sequence(steps: int) -> str:
     # A document, not a builder: builders stay registered in the process, and another test's
     # sync_modules would try to save this one (over the default document size) with its own.
@@ -73,14 +85,16 @@ def one_step_at_a_time(settings):
 def rows_read(monkeypatch) -> list[int]:
     """How many journal rows each plan read (the real read, counted on the way out)."""
     counts: list[int] = []
-    real = journal.journal_of
+    real = journal.journal_read
 
-    def counting(run_id: Any, *, after: int = 0) -> list[Any]:
-        rows = real(run_id, after=after)
+    # Every read of one run's journal ends here (journal_of's, and the one a worker sends
+    # with the run's lock, advance.lock_run_recording_reading).
+    def counting(cursor: Any) -> list[Any]:
+        rows = real(cursor)
         counts.append(len(rows))
         return rows
 
-    monkeypatch.setattr(journal, "journal_of", counting)
+    monkeypatch.setattr(journal, "journal_read", counting)
     return counts
 
 
@@ -269,6 +283,50 @@ def test_a_step_run_inline_after_another_commits_once(settings, rows_read):
     steps = StepRun.objects.filter(run=run)
     assert {(row.status, row.worker) for row in steps} == {("succeeded", "in-process")}
     assert all(row.started_at >= row.scheduled_at for row in steps)
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_steps_journal_read_goes_with_the_runs_lock_in_one_round_trip(monkeypatch):
+    """Recording a step locks the run and reads the journal after the kept prefix in one
+    pipeline (sent together, the read run once the lock is taken), and the plan uses that
+    read: one journal read a step, none of its own."""
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    _step(run.id)  # the first step plans from the whole journal and keeps the prefix
+    sent: list[tuple[int, bool]] = []
+    real = journal.send_journal_read
+
+    def noting(cursor: Any, run_id: Any, after: int) -> None:
+        raw = connection.connection
+        sent.append((after, raw is not None and raw._pipeline is not None))
+        real(cursor, run_id, after)
+
+    monkeypatch.setattr(journal, "send_journal_read", noting)
+    statements = _step(run.id)
+    through = journal.kept_through(run.id)
+    assert len(sent) == 1, sent
+    ((after, pipelined),) = sent
+    assert pipelined and 0 < after < through
+    assert sum("SELECT s.id, s.step_id" in sql for sql in statements) == 1
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+def test_a_step_charged_at_its_record_is_counted_by_the_plan_after_it():
+    """The journal read that goes with the run's lock must not be one taken before the
+    attempt's charge: the plan after the second $0.06 step sees $0.12 against
+    limits.max_cost_usd of $0.10 and fails the run; the third step never starts."""
+    document = {
+        "id": "step_cost_spend",
+        "limits": {"max_cost_usd": 0.1, "run_timeout_ms": 3_600_000},
+        "steps": [{"id": f"a{n}", "kind": "task", "handler": SPEND} for n in range(3)],
+    }
+    definition_save(document=document)
+    run = services.run_start(workflow="step_cost_spend", input={}).run
+    _step(run.id)
+    _step(run.id)
+    run.refresh_from_db()
+    assert run.status == "failed" and "limits.max_cost_usd (0.1)" in run.error["message"]
+    assert not StepRun.objects.filter(run=run, step_id="a2").exists()
 
 
 def test_the_kept_prefixes_are_bounded_by_runs_and_by_bytes(monkeypatch):

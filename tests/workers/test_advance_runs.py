@@ -189,8 +189,9 @@ def test_a_run_that_fails_to_advance_does_not_stop_the_batch(sent, monkeypatch) 
     monkeypatch.setattr(advance, "advance_locked", broken_after_writing)
     assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 2
     assert sorted(ran) == sorted([run_ids[0], run_ids[2]])
-    # The failed one's writes went back with its savepoint: it is the reconciler's (its timer
-    # fired, nothing in flight); the two others' advances committed in the same transaction.
+    # The failed one's writes went back (the batch's transaction, then its own when the runs
+    # were advanced one by one): it is the reconciler's (its timer fired, nothing in flight);
+    # the two others' advances committed.
     assert Run.objects.get(id=run_ids[1]).status == "waiting"
     assert not StepRun.objects.filter(run_id=run_ids[1], step_id="after").exists()
     assert StepRun.objects.get(run_id=run_ids[1], step_id="nap").status == "waiting"
