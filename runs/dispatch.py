@@ -147,7 +147,8 @@ def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: s
     stored a result and counted themselves in the result backend (three Redis round trips
     an item), and each chord's body was one more advance planning the whole journal.
     """
-    per_message = max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"]))
+    # At most 100: the worker takes no more from one message (workers.batches).
+    per_message = min(max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"])), 100)
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for step_run in step_runs:
         key = (step_run.queue, step_run.timeout_ms, priority_of(step_run))

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,30 @@ logger = logging.getLogger(__name__)
 HAND_OFF_SECONDS = 0.2
 # How often the hand-off thread looks (its lateness is at most this).
 _LOOK_SECONDS = 0.05
+
+
+# The most attempts one message may carry (DJFLOW_FAN_OUT_PER_MESSAGE is held to it): a
+# message is read from the broker, so what it says is bounded before anything acts on it.
+MAX_PER_MESSAGE = 100
+
+
+def bounded(more: Any) -> list[int]:
+    """A message's ``more``: at most MAX_PER_MESSAGE - 1 attempt ids, each an integer; a
+    malformed list is refused whole (its attempts stay scheduled: the reconciler offers
+    them again), and a longer one is cut (logged)."""
+    if not more:
+        return []
+    if not isinstance(more, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in more
+    ):
+        logger.error("a message's attempts are not a list of ids; ignored: %.200r", more)
+        return []
+    if len(more) >= MAX_PER_MESSAGE:
+        logger.error(
+            "a message carries %d attempts; the first %d run", len(more) + 1, MAX_PER_MESSAGE
+        )
+        return more[: MAX_PER_MESSAGE - 1]
+    return more
 
 
 @dataclass

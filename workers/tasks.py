@@ -10,7 +10,7 @@ from typing import Any
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
-from . import execution, kb_embed, notify, providers
+from . import batches, execution, kb_embed, notify, providers
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def execute_step(self: Task[Any, Any], step_run_id: int, more: list[int] | None 
             worker=worker,
             soft_limit=soft_limit,
             queue=queue,
-            more=more or (),
+            more=batches.bounded(more),
             priority=delivery.get("priority"),
         )
     except execution.HandedBack as handed_back:

@@ -127,3 +127,43 @@ def test_a_message_this_worker_cannot_serve_goes_on_together(offered, monkeypatc
         (more, {"queue": "default", "soft_limit": 32, "priority": None, "together": True})
     ]
     assert RAN == []
+
+
+def test_what_a_message_carries_is_bounded_before_anything_acts_on_it(caplog) -> None:
+    """A message comes from the broker: a malformed ``more`` is ignored whole (its attempts
+    stay scheduled for the reconciler), a longer one than a message may carry is cut."""
+    assert batches.bounded(None) == [] and batches.bounded([]) == []
+    assert batches.bounded([4, 5]) == [4, 5]
+    for malformed in (["4"], [4, None], [True], "4,5", {"a": 1}, [4.0]):
+        assert batches.bounded(malformed) == [], malformed
+    long = list(range(10_000))
+    assert batches.bounded(long) == list(range(batches.MAX_PER_MESSAGE - 1))
+    assert "carries 10001 attempts" in caplog.text
+
+
+def test_a_fan_out_is_never_sent_more_to_a_message_than_a_worker_takes(settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 10_000}
+    sent: list[Any] = []
+
+    class Signature:
+        def __init__(self, args: Any, kwargs: Any) -> None:
+            sent.append((args, kwargs))
+
+        def apply_async(self, **_: Any) -> None:
+            pass
+
+    from types import SimpleNamespace
+    from unittest import mock
+
+    attempts = [SimpleNamespace(id=n, queue="q", timeout_ms=1000) for n in range(250)]
+    with (
+        mock.patch.object(
+            dispatch,
+            "_execute_signature",
+            lambda step_run, kwargs=None, **_: Signature(step_run.id, kwargs),
+        ),
+        mock.patch("django.db.transaction.on_commit", side_effect=lambda f, robust=False: f()),
+    ):
+        dispatch.offer_fan_out_on_commit(attempts, run_id="r", workflow_id="w")
+    assert [first for first, _ in sent] == [0, 100, 200]
+    assert all(len(kwargs["more"]) <= batches.MAX_PER_MESSAGE - 1 for _, kwargs in sent)
