@@ -92,6 +92,18 @@ def execute(
     if more:
         offer = partial(dispatch.offer_ids, queue=queue, soft_limit=soft_limit, priority=priority)
         rest = batches.Rest(list(more), offer)
+    try:
+        return _execute(step_run_id, chain, alarm, rest)
+    except BaseException:
+        if rest is not None:
+            # Whatever stopped this task (a database error, Celery's time limit): the rest
+            # of its message goes to other workers now, not after LOST_MESSAGE_SECONDS.
+            with contextlib.suppress(Exception):
+                rest.hand_off()
+        raise
+
+
+def _execute(step_run_id: int, chain: _Chain, alarm: bool, rest: batches.Rest | None) -> str:
     # Each attempt shows in Flower as a task of its own (when the worker sends task events).
     shown = task_events.StepEvents.for_current_task()
     first = partial(_execute_one, step_run_id, chain, own_alarm=alarm)

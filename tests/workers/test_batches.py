@@ -167,3 +167,19 @@ def test_a_fan_out_is_never_sent_more_to_a_message_than_a_worker_takes(settings)
         dispatch.offer_fan_out_on_commit(attempts, run_id="r", workflow_id="w")
     assert [first for first, _ in sent] == [0, 100, 200]
     assert all(len(kwargs["more"]) <= batches.MAX_PER_MESSAGE - 1 for _, kwargs in sent)
+
+
+def test_a_task_stopped_by_an_error_hands_the_rest_of_its_message_on(offered, monkeypatch) -> None:
+    """A database error (or Celery's time limit) that ends the task: the rest of its message
+    is offered at once, not left for the reconciler."""
+    from django.db import OperationalError
+
+    first, *more = _items(4)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("the database went away")
+
+    monkeypatch.setattr(execution, "_execute_one", broken)
+    with pytest.raises(OperationalError):
+        execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    assert offered == [(more, {"queue": "default", "soft_limit": 32, "priority": None})]
