@@ -118,17 +118,35 @@ def _execute_signature(step_run: Any, **options: Any) -> Any:
     # are the backstop, set past it by the time a worker may spend running the run's next
     # steps in the same task.
     soft = step_run.timeout_ms / 1000 + settings.DJFLOW["INLINE_SECONDS"]
-    options.setdefault("ignore_result", True)
-    options.setdefault("priority", broker_priority(priority_of(step_run)))
+    defaults = _execute_options(
+        queue=step_run.queue, soft_limit=soft, priority=broker_priority(priority_of(step_run))
+    )
     return current_app.signature(
         EXECUTE_STEP,
         (step_run.id,),
         task_id=step_run.celery_task_id,
-        queue=step_run.queue,
-        soft_time_limit=soft,
-        time_limit=soft + 10,
-        **options,
+        **{**defaults, **options},
     )
+
+
+def _execute_options(
+    *, queue: str | None, soft_limit: float | None, priority: int | None
+) -> dict[str, Any]:
+    """An ``execute_step`` message's options: no result, its queue, the broker's priority,
+    Celery's soft limit and the hard one 10 s after it."""
+    options: dict[str, Any] = {"ignore_result": True}
+    if queue:
+        options["queue"] = queue
+    if priority is not None:
+        options["priority"] = priority
+    if soft_limit is not None:
+        options.update(soft_time_limit=soft_limit, time_limit=soft_limit + 10)
+    return options
+
+
+# The most attempts one execute_step message carries: the worker takes no more from one
+# (workers.batches.bounded), whatever DJFLOW_FAN_OUT_PER_MESSAGE says.
+MAX_PER_MESSAGE = 100
 
 
 def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
@@ -147,8 +165,7 @@ def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: s
     stored a result and counted themselves in the result backend (three Redis round trips
     an item), and each chord's body was one more advance planning the whole journal.
     """
-    # At most 100: the worker takes no more from one message (workers.batches).
-    per_message = min(max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"])), 100)
+    per_message = min(max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"])), MAX_PER_MESSAGE)
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for step_run in step_runs:
         key = (step_run.queue, step_run.timeout_ms, priority_of(step_run))
@@ -189,13 +206,7 @@ def offer_ids(
     a message lost is made up by the reconciler."""
     if not step_run_ids:
         return
-    options: dict[str, Any] = {"ignore_result": True}
-    if queue:
-        options["queue"] = queue
-    if priority is not None:
-        options["priority"] = priority
-    if soft_limit is not None:
-        options.update(soft_time_limit=soft_limit, time_limit=soft_limit + 10)
+    options = _execute_options(queue=queue, soft_limit=soft_limit, priority=priority)
     with current_app.producer_or_acquire() as producer:
         if together:
             first, *more = step_run_ids

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from runs.dispatch import MAX_PER_MESSAGE
+
 logger = logging.getLogger(__name__)
 
 # How long an item of a message may run before the rest of its message is offered to other
@@ -34,13 +36,9 @@ HAND_OFF_SECONDS = 0.2
 _LOOK_SECONDS = 0.05
 
 
-# The most attempts one message may carry (DJFLOW_FAN_OUT_PER_MESSAGE is held to it): a
-# message is read from the broker, so what it says is bounded before anything acts on it.
-MAX_PER_MESSAGE = 100
-
-
 def bounded(more: Any) -> list[int]:
-    """A message's ``more``: at most MAX_PER_MESSAGE - 1 attempt ids, each an integer; a
+    """A message's ``more``: at most ``MAX_PER_MESSAGE`` - 1 attempt ids, each an integer (a
+    message is read from the broker: what it says is bounded before anything acts on it); a
     malformed list is refused whole (its attempts stay scheduled: the reconciler offers
     them again), and a longer one is cut (logged)."""
     if not more:

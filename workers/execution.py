@@ -139,7 +139,9 @@ def _run_rest(rest: batches.Rest, chain: _Chain, shown: Any, *, own_alarm: bool)
     """Run the rest of a fan-out's message while the task's budget allows (each attempt
     claimed on its own: one claimed elsewhere meanwhile is skipped); offer what is left."""
     try:
-        while chain.has_time(chain.soft_limit_margin):
+        # A message's attempts share the first one's time limit (runs.dispatch groups them
+        # so), and Celery's soft limit is that plus INLINE_SECONDS: the budget bounds them.
+        while chain.has_time(0.0):
             step_run_id = rest.next()
             if step_run_id is None:
                 return
@@ -201,14 +203,6 @@ class _Chain:
             # Celery's own soft limit for this task must not fire inside the next step's time.
             and (self.soft_limit is None or elapsed + step_seconds <= self.soft_limit)
         )
-
-    @property
-    def soft_limit_margin(self) -> float:
-        """A next attempt's time limit, for attempts of one message (one step: the message's
-        soft limit is its ``timeout_ms`` plus ``INLINE_SECONDS``, runs.dispatch)."""
-        if self.soft_limit is None:
-            return 0.0
-        return max(self.soft_limit - float(settings.DJFLOW["INLINE_SECONDS"]), 0.0)
 
 
 # How long one batch of fired runs (workers.advance_runs) holds its pool process before it

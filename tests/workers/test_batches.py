@@ -183,3 +183,41 @@ def test_a_task_stopped_by_an_error_hands_the_rest_of_its_message_on(offered, mo
     with pytest.raises(OperationalError):
         execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
     assert offered == [(more, {"queue": "default", "soft_limit": 32, "priority": None})]
+
+
+def test_an_attempt_of_the_rest_handed_back_sends_what_is_left_on_together(
+    offered, monkeypatch
+) -> None:
+    """The first attempt ran; the second one is handed back (this worker lacks its handler
+    by then, or every model slot is taken): the two after it go on in one message."""
+    first, *more = _items(4)
+    real = execution._execute_one
+
+    def second_handed_back(step_run_id: int, *args: Any, **kwargs: Any) -> Any:
+        if step_run_id == more[0]:
+            return execution.HANDED_BACK, None
+        return real(step_run_id, *args, **kwargs)
+
+    monkeypatch.setattr(execution, "_execute_one", second_handed_back)
+    execution.execute(first, worker="w1", more=more, queue="default", soft_limit=32)
+    assert [input for input, _ in RAN] == [0]
+    assert offered == [
+        (more[1:], {"queue": "default", "soft_limit": 32, "priority": None, "together": True})
+    ]
+
+
+def test_a_hand_off_the_broker_refuses_leaves_the_attempts_scheduled(caplog) -> None:
+    """The thread's offer fails (the broker is down): logged, nothing raised in the worker
+    (the attempts are still scheduled in the journal: the reconciler offers them again)."""
+
+    def refused(ids: list[int]) -> None:
+        raise ConnectionError("the broker is down")
+
+    rest = batches.Rest([7, 8], refused)
+    rest.running()
+    deadline = time.monotonic() + batches.HAND_OFF_SECONDS + 1.0
+    while rest.ids and time.monotonic() < deadline:
+        time.sleep(batches._LOOK_SECONDS)
+    rest.ran()
+    assert rest.ids == []  # taken by the thread, which tried to offer them
+    assert "could not hand off the rest of a message" in caplog.text
