@@ -28,6 +28,7 @@ DATABASE_URL = os.environ.get(
 )
 REDIS_URL = os.environ.get("DJFLOW_BENCH_REDIS_URL", "redis://127.0.0.1:6379/5")
 KEY_PREFIX = "bench:"
+MAX_DOCUMENT_STEPS = "5000"
 
 
 def configure() -> None:
@@ -42,6 +43,9 @@ def configure() -> None:
         DJANGO_SETTINGS_MODULE="config.settings",
     )
     os.environ.pop("SENTRY_DSN", None)
+    # The bench's flows include 2,000-step runs (bench_seq_2000), past the default document
+    # size (500 steps): every bench that saves them, and its worker, which inherits this.
+    os.environ.setdefault("DJFLOW_MAX_DOCUMENT_STEPS", MAX_DOCUMENT_STEPS)
     # Off the embedded default the settings refuse a missing or weak key; the bench's worker
     # processes inherit this one.
     os.environ.setdefault("SECRET_KEY", secrets.token_urlsafe(50))

@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # Every step inline: one task chains the whole run (bounded only for this measurement).
     os.environ.update(DJFLOW_INLINE_MAX_STEPS="100000", DJFLOW_INLINE_SECONDS="100000")
-    # bench_seq_2000 is past the default document size (500 steps).
-    os.environ.setdefault("DJFLOW_MAX_DOCUMENT_STEPS", "5000")
     # No worker process here: this process runs the steps itself.
     os.environ["DJFLOW_START_CHECKS_WORKERS"] = "false"
     from bench import common

@@ -31,9 +31,6 @@ from typing import Any
 
 from bench import common, goals
 
-# 2,000-step runs are past the default document size (500 steps): the worker inherits this.
-MAX_DOCUMENT_STEPS = "5000"
-
 
 def _engine(measure: Callable[[], float]) -> float | None:
     try:
@@ -312,7 +309,6 @@ def main(argv: list[str] | None = None) -> None:
             min(args.fanout_scale, 0.02),
         )
 
-    os.environ.setdefault("DJFLOW_MAX_DOCUMENT_STEPS", MAX_DOCUMENT_STEPS)
     common.configure()
     # Imported after configure(): they read Django's settings.
     from bench import bare_celery as bare

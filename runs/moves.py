@@ -51,11 +51,22 @@ def move_run(run: Run, target: str, **fields: Any) -> None:
     applier's path the instance may be ahead of its row (a run started by the same plan that
     fails it is still ``pending`` there). Under the lock the update always matches; should it
     not, the row is in a status nothing may leave for ``target``, and ``update_run`` raises."""
-    check_run_move(run.status, target)
-    fields.setdefault("updated_at", timezone.now())
+    changes = run_move(run, target, **fields)
     # Plain SQL, conditional on the table like every run write of the applier's: the ORM's
     # query building cost more than the statement on every run's end.
-    update_run(run.id, {"status": target, **fields})
-    run.status = target
-    for name, value in fields.items():
+    update_run(run.id, changes)
+    moved(run, changes)
+
+
+def run_move(run: Run, target: str, **fields: Any) -> dict[str, Any]:
+    """The columns :func:`move_run` writes (the move checked against the table first), for a
+    caller that writes them in a statement of its own, then calls :func:`moved`."""
+    check_run_move(run.status, target)
+    fields.setdefault("updated_at", timezone.now())
+    return {"status": target, **fields}
+
+
+def moved(run: Run, changes: dict[str, Any]) -> None:
+    """The instance updated to match the row ``changes`` were written to."""
+    for name, value in changes.items():
         setattr(run, name, value)

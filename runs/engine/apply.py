@@ -10,7 +10,7 @@ writer left it.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -37,7 +37,14 @@ from ..status import (
 from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
-from .store import insert_attempts, prep_value, request_advance, update_run
+from .store import (
+    Rider,
+    insert_attempts,
+    prep_value,
+    request_advance,
+    send_riders,
+    update_run,
+)
 
 IN_FLIGHT = [StepStatus.SCHEDULED, StepStatus.RUNNING, StepStatus.WAITING, StepStatus.IN_DOUBT]
 OPEN = [StepStatus.RUNNING, StepStatus.WAITING]
@@ -83,6 +90,9 @@ def apply_plan(
     """
     writer = _Writer(run, now)
     for action in planned.actions:
+        if type(action) not in _RIDERS_WAIT:
+            # What this action writes or reads may depend on rows a rider changes.
+            writer.send_riders()
         _WRITE[type(action)](writer, action)
     return writer.done(planned, hold=hold, claim_as=claim_as if hold else None)
 
@@ -102,6 +112,14 @@ class _Writer:
         self.fields: set[str] = set()
         self.timers: list[Timer] = []
         self.schedules: list[p.Schedule] = []
+        # Writes whose answer is not read (a sleep's close), sent with the next statement
+        # (store.Rider): a fired sleep's close and its next attempt's insert are one.
+        self.riders: list[Rider] = []
+
+    def send_riders(self) -> None:
+        if self.riders:
+            send_riders(self.riders)
+            self.riders = []
 
     def start_run(self, action: p.StartRun) -> None:
         run = self.run
@@ -162,9 +180,15 @@ class _Writer:
                 self.applied.children.append(child)
 
     def close(self, action: p.Close) -> None:
-        closed = _close(action, self.now)
         kind = kinds.get(action.kind)
-        if closed and action.status == StepStatus.TIMED_OUT and kind and kind.timed_out:
+        hooked = action.status == StepStatus.TIMED_OUT and kind and kind.timed_out
+        if connection.vendor == "postgresql" and not hooked:
+            # Nothing reads whether it closed the row: it rides on the next statement.
+            self.riders.append(_close_sql(action, self.now))
+            return
+        self.send_riders()
+        closed = _close(action, self.now)
+        if closed and hooked and kind and kind.timed_out:
             # An approval past its deadline: the request expires (escalation goes out).
             kind.timed_out([action.attempt_id], self.now)
 
@@ -229,8 +253,16 @@ class _Writer:
         # The run's own changes ride on the inserts (one statement for a lone attempt, one
         # per batch of a fan-out, on Postgres).
         lone = hold and len(self.schedules) == 1
+        riders, self.riders = self.riders, []
+        if riders and not self.schedules and not run_changes:
+            send_riders(riders)
         inserted = _schedule_all(
-            run, self.schedules, now, run_changes, claim_as=claim_as if lone else None
+            run,
+            self.schedules,
+            now,
+            run_changes,
+            claim_as=claim_as if lone else None,
+            riders=riders if self.schedules else (),
         )
         if hold and len(inserted) == 1:
             applied.held = inserted[0]
@@ -241,9 +273,13 @@ class _Writer:
             # completions themselves ask for the fan-in's advance).
             dispatch.offer_fan_out_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
         if run_changes and not self.schedules:
-            update_run(run.id, run_changes)
+            update_run(run.id, run_changes, riders=riders)
         return applied
 
+
+# Actions that write nothing before done() (the run's fields, timers, attempts to insert,
+# riders themselves): the riders wait for them. Any other sends the riders first.
+_RIDERS_WAIT = frozenset({p.StartRun, p.Schedule, p.Wake, p.Close})
 
 # Each kind of action the planner decides, and how it is written.
 _WRITE: dict[type, Callable[[_Writer, Any], None]] = {
@@ -262,30 +298,40 @@ _WRITE: dict[type, Callable[[_Writer, Any], None]] = {
 def _close(action: p.Close, now: datetime) -> int:
     """Close an open row (a sleep over, a wait timed out): ``move_steps`` from OPEN, as a
     prepared statement on Postgres (every fired sleep sends it; the ORM's was planned each
-    time, 0.14 ms of Postgres's time a fired run)."""
-    closable = [source for source in CLOSABLE if action.status in STEP_MOVES[source]]
+    time, 0.14 ms of Postgres's time a fired run); returns whether it closed it."""
     if connection.vendor != "postgresql":
         return move_steps(
             StepRun.objects.filter(id=action.attempt_id),
             action.status,
-            sources=closable,
+            sources=_closable(action),
             output=action.output,
             error=action.error,
             finished_at=now,
         )
-    sources = ", ".join(f"'{source}'" for source in sorted(step_sources(action.status, closable)))
     with prepared_cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"
-            f" error = %s, finished_at = %s WHERE id = %s AND status IN ({sources})",
-            [
-                prep_value("output", action.output),
-                prep_value("error", action.error),
-                prep_value("finished_at", now),
-                action.attempt_id,
-            ],
-        )
+        cursor.execute(*_close_sql(action, now))
         return int(cursor.rowcount)
+
+
+def _closable(action: p.Close) -> list[str]:
+    return [source for source in CLOSABLE if action.status in STEP_MOVES[source]]
+
+
+def _close_sql(action: p.Close, now: datetime) -> Rider:
+    """The close as one conditional UPDATE (Postgres's text, bound on the server)."""
+    sources = ", ".join(
+        f"'{source}'" for source in sorted(step_sources(action.status, _closable(action)))
+    )
+    return (
+        f"UPDATE {StepRun._meta.db_table} SET status = '{action.status!s}', output = %s,"
+        f" error = %s, finished_at = %s WHERE id = %s AND status IN ({sources})",
+        [
+            prep_value("output", action.output),
+            prep_value("error", action.error),
+            prep_value("finished_at", now),
+            action.attempt_id,
+        ],
+    )
 
 
 def _cancel(attempt_ids: tuple[int, ...], now: datetime) -> None:
@@ -452,10 +498,12 @@ def _schedule_all(
     run_changes: dict[str, Any],
     *,
     claim_as: ClaimAs | None = None,
+    riders: Sequence[Rider] = (),
 ) -> list[StepRun]:
-    """Insert the new attempts a plan schedules, with the run's ``run_changes``: a fan-out's
-    items in multi-row statements (``store.insert_attempts``), not one statement each; a
-    lone attempt claimed as it is inserted when ``claim_as`` says so (see apply_plan)."""
+    """Insert the new attempts a plan schedules, with the run's ``run_changes`` and the
+    plan's ``riders``: a fan-out's items in multi-row statements (``store.insert_attempts``),
+    not one statement each; a lone attempt claimed as it is inserted when ``claim_as`` says
+    so (see apply_plan)."""
     step_runs = [_attempt(run, action, now) for action in actions]
     if claim_as is not None and len(step_runs) == 1:
         claim = claim_as(step_runs[0])
@@ -467,7 +515,7 @@ def _schedule_all(
         {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
         for step_run in step_runs
     ]
-    ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None)
+    ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None, riders=riders)
     for step_run, step_run_id in zip(step_runs, ids, strict=True):
         step_run.id = step_run_id
     return step_runs

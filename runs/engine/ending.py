@@ -37,12 +37,12 @@ from workflows.kinds import Role
 
 from .. import dispatch, metrics, tracing
 from ..models import NotifyDelivery, Run, StepRun, Timer
-from ..moves import move_run, move_steps
+from ..moves import move_steps, moved, run_move
 from ..status import RUN_TERMINAL, STEP_IN_FLIGHT, RunStatus, StepStatus
 from . import slots
 from .journal import document_of
 from .sql import cursor as prepared_cursor
-from .store import request_advance
+from .store import request_advance, run_update_sql, update_run
 
 # An open condition row takes its run's failure; with any other end it is cancelled.
 _CONDITION_FAILS_WITH = frozenset({RunStatus.FAILED, RunStatus.TIMED_OUT})
@@ -102,7 +102,7 @@ def let_kinds_close(rows: list[tuple[int, str]], now: datetime) -> None:
 def _end(
     run: Run, status: str, *, now: datetime, output: Any, error: Mapping[str, Any] | None
 ) -> None:
-    move_run(
+    changes = run_move(
         run,
         status,
         output=output,
@@ -110,6 +110,10 @@ def _end(
         finished_at=now,
         updated_at=now,
     )
+    # The run's unfired timers are deleted, and what it leaves read, by the statement that
+    # moves it (one round trip; an ended run needs no timer).
+    left, children = _move_leaving(run.id, changes)
+    moved(run, changes)
     # Its slot, if it held one, to the key's next waiting run: durable with the end.
     slots.release(run, now=now)
     # Counted once this transaction commits, never on its path (runs.metrics).
@@ -124,8 +128,6 @@ def _end(
     if not run.body:
         # A body run is its parent's business: only a workflow's own run tells its hooks.
         _queue_notifications(run, status, now)
-    # The run's unfired timers are deleted in the same round trip: an ended run needs none.
-    left, children = _left(run.id, drop_timers=True)
     if left:
         in_flight = StepRun.objects.filter(run=run, status__in=STEP_IN_FLIGHT)
         let_kinds_close([(row_id, kind) for row_id, kind, _ in left], now)
@@ -187,18 +189,46 @@ SELECT NULL, NULL, NULL, id FROM {_RUNS}
 _DROP_TIMERS = f"DELETE FROM {_TIMERS} WHERE run_id = %s AND fired_at IS NULL"
 
 
-def _left(
-    run_id: Any, *, drop_timers: bool = False
+def _move_leaving(
+    run_id: Any, changes: dict[str, Any]
 ) -> tuple[list[tuple[int, str, str]], list[Any]]:
-    """The run's rows in flight (id, kind, task id) and its children that have not ended;
-    with ``drop_timers``, on Postgres, its unfired timers deleted by the same statement."""
+    """Write the run's end (``changes``, conditional on the status table as ``update_run``
+    writes it) and read what it leaves: its rows in flight (id, kind, task id) and its
+    children that have not ended. On Postgres one statement, which also deletes the run's
+    unfired timers: a fired run's end was three round trips of its seven (the move, this
+    read, the commit). The read sees the rows as they were before the statement, as it did
+    after the move: the move writes the run's own row only."""
+    if connection.vendor != "postgresql":
+        update_run(run_id, changes)
+        return _left(run_id)
+    update, params = run_update_sql(run_id, changes)
     key = Run._meta.pk.get_db_prep_value(run_id, connection)
-    sql, params = _LEFT, [key, key]
-    if drop_timers and connection.vendor == "postgresql":
-        sql, params = f"WITH dropped AS ({_DROP_TIMERS}) {_LEFT}", [key, key, key]
+    # The move's count rides in a row of its own, the only one whose last column is set: a
+    # run that leaves nothing returns that row alone.
+    sql = (
+        f"WITH moved AS ({update} RETURNING 1), dropped AS ({_DROP_TIMERS})"
+        " SELECT NULL, NULL, NULL, NULL, (SELECT count(*) FROM moved)"
+        f" UNION ALL SELECT *, NULL FROM ({_LEFT}) AS left_behind"
+    )
+    found = _found(sql, [*params, key, key, key])
+    if [row[4] for row in found if row[4] is not None] != [1]:
+        raise RuntimeError(f"run {run_id} cannot become {changes['status']} from its row")
+    return _left_of([row[:4] for row in found if row[4] is None])
+
+
+def _left(run_id: Any) -> tuple[list[tuple[int, str, str]], list[Any]]:
+    """The run's rows in flight (id, kind, task id) and its children that have not ended."""
+    key = Run._meta.pk.get_db_prep_value(run_id, connection)
+    return _left_of(_found(_LEFT, [key, key]))
+
+
+def _found(sql: str, params: list[Any]) -> list[Any]:
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
-        found = cursor.fetchall()
+        return list(cursor.fetchall())
+
+
+def _left_of(found: list[Any]) -> tuple[list[tuple[int, str, str]], list[Any]]:
     rows = [(row_id, kind, task_id) for row_id, kind, task_id, child in found if child is None]
     return rows, [child for *_, child in found if child is not None]
 

@@ -9,6 +9,7 @@ stores them, on Postgres and SQLite alike.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from django.db import connection
@@ -50,7 +51,7 @@ def prep_value(name: str, value: Any, model: type[Model] = StepRun) -> Any:
     return _field(name, model).get_db_prep_save(value, connection)
 
 
-def _run_update(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
+def run_update_sql(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
     """The UPDATE of a run's ``changes``. One that writes a status is conditional on the
     table (``runs.status.RUN_MOVES``): the row must be in a status that may move to it, or
     hold it already (the same status written again is no move)."""
@@ -66,10 +67,33 @@ def _run_update(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
     return sql, params
 
 
-def update_run(run_id: Any, changes: dict[str, Any]) -> None:
-    """UPDATE the given fields of a run (locked by the caller). A status the run's row may
-    not move to raises: the caller checked the move on a stale instance."""
-    sql, params = _run_update(run_id, changes)
+# A write whose answer nobody reads (a sleep's close), sent as a data-modifying WITH of the
+# next statement instead of a round trip of its own: (SQL, parameters).
+Rider = tuple[str, list[Any]]
+
+
+def _riding(riders: Sequence[Rider]) -> tuple[list[str], list[Any]]:
+    """The WITH entries of ``riders`` and their parameters, in order. Postgres runs every
+    data-modifying WITH once and to completion, whether or not the statement reads it."""
+    entries = [f"rider_{index} AS ({sql})" for index, (sql, _) in enumerate(riders)]
+    return entries, [param for _, params in riders for param in params]
+
+
+def send_riders(riders: Sequence[Rider]) -> None:
+    """The riders on their own, one statement each (nothing came for them to ride on)."""
+    with prepared_cursor() as cursor:
+        for sql, params in riders:
+            cursor.execute(sql, params)
+
+
+def update_run(run_id: Any, changes: dict[str, Any], *, riders: Sequence[Rider] = ()) -> None:
+    """UPDATE the given fields of a run (locked by the caller), with ``riders`` on Postgres.
+    A status the run's row may not move to raises: the caller checked the move on a stale
+    instance."""
+    sql, params = run_update_sql(run_id, changes)
+    if riders:
+        entries, rider_params = _riding(riders)
+        sql, params = f"WITH {', '.join(entries)} {sql}", rider_params + params
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         if cursor.rowcount != 1 and "status" in changes:
@@ -77,27 +101,37 @@ def update_run(run_id: Any, changes: dict[str, Any]) -> None:
 
 
 def insert_attempt(
-    values: dict[str, Any], *, run_id: Any = None, run_changes: dict[str, Any] | None = None
+    values: dict[str, Any],
+    *,
+    run_id: Any = None,
+    run_changes: dict[str, Any] | None = None,
+    riders: Sequence[Rider] = (),
 ) -> int:
     """INSERT one step run and return its id; ``values`` maps field names to values.
 
-    ``run_changes`` (the run's own changed fields) are written too: on Postgres in the same
-    statement, as a data-modifying WITH, which spares a round trip on every step.
+    ``run_changes`` (the run's own changed fields) are written too, and ``riders`` sent: on
+    Postgres in the same statement, as data-modifying WITHs, which spares a round trip each
+    on every step (Postgres only: there are riders only there).
     """
     params = [prep_value(name, value) for name, value in values.items()]
     insert = _insert_sql(tuple(values))
     # RETURNING needs SQLite 3.35; Django 5.2 runs on 3.31, which has only lastrowid.
     returning = connection.features.can_return_columns_from_insert
     with prepared_cursor() as cursor:
-        if run_changes and connection.vendor == "postgresql":
-            update, update_params = _run_update(run_id, run_changes)
+        if (run_changes or riders) and connection.vendor == "postgresql":
+            entries, with_params = _riding(riders)
+            counted = "NULL"
+            if run_changes:
+                update, update_params = run_update_sql(run_id, run_changes)
+                entries.append(f"run_update AS ({update} RETURNING 1)")
+                with_params += update_params
+                counted = "(SELECT count(*) FROM run_update)"
             cursor.execute(
-                f"WITH run_update AS ({update} RETURNING 1)"
-                f" {insert} RETURNING id, (SELECT count(*) FROM run_update)",
-                update_params + params,
+                f"WITH {', '.join(entries)} {insert} RETURNING id, {counted}",
+                with_params + params,
             )
             inserted, updated = cursor.fetchone()
-            if updated != 1 and "status" in run_changes:
+            if run_changes and updated != 1 and "status" in run_changes:
                 raise RuntimeError(f"run {run_id} cannot become {run_changes['status']}")
             return int(inserted)
         if run_changes:
@@ -115,23 +149,33 @@ INSERT_BATCH = 500
 
 
 def insert_attempts(
-    rows: list[dict[str, Any]], *, run_id: Any = None, run_changes: dict[str, Any] | None = None
+    rows: list[dict[str, Any]],
+    *,
+    run_id: Any = None,
+    run_changes: dict[str, Any] | None = None,
+    riders: Sequence[Rider] = (),
 ) -> list[int]:
     """INSERT many step runs (a fan-out's items or branches) and return their ids in order:
     one multi-row statement per ``INSERT_BATCH`` rows on Postgres instead of one per row.
     ``run_changes`` are written first (one UPDATE for the whole fan-out). Every row has the
     same fields. Elsewhere (SQLite without RETURNING), one row at a time."""
     if connection.vendor != "postgresql" or len(rows) < 2:
+        last = len(rows) - 1
         return [
             insert_attempt(
-                values, run_id=run_id, run_changes=run_changes if i == len(rows) - 1 else None
+                values,
+                run_id=run_id,
+                run_changes=run_changes if i == last else None,
+                riders=riders if i == last else (),
             )
             for i, values in enumerate(rows)
         ]
     names = list(rows[0])
     fields = [_field(name) for name in names]
     if run_changes:
-        update_run(run_id, run_changes)
+        update_run(run_id, run_changes, riders=riders)
+    elif riders:
+        send_riders(riders)
     insert = _insert_unnest_sql(tuple(names))
     ids: list[int] = []
     with prepared_cursor() as cursor:

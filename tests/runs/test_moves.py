@@ -224,6 +224,27 @@ def test_an_ended_run_closes_what_is_in_flight(status: str, condition: str) -> N
     assert (run.status, run.finished_at is not None) == (status, True)
 
 
+def test_an_end_on_a_stale_instance_raises_and_writes_nothing() -> None:
+    """The end's one statement (move, timers dropped, what is left read) on a run whose row
+    ended meanwhile: the move matches nothing, the caller hears of it, and its transaction
+    rolls the timers' deletion back with it."""
+    from django.utils import timezone
+
+    from runs.models import Timer
+
+    run = RunFactory(status=RunStatus.RUNNING)
+    Timer.objects.create(run=run, purpose="sleep", key="k", fire_at=timezone.now())
+    inside = StepRunFactory(run=run, step_id="a", status=StepStatus.SCHEDULED)
+    stale = Run.objects.get(id=run.id)
+    with unchecked():
+        Run.objects.filter(id=run.id).update(status=RunStatus.CANCELLED)
+    with pytest.raises(RuntimeError, match="cannot become completed"), transaction.atomic():
+        ending.end_run(stale, RunStatus.COMPLETED, now=timezone.now())
+    assert Run.objects.get(id=run.id).status == RunStatus.CANCELLED
+    assert Timer.objects.filter(run=run).count() == 1
+    assert StepRun.objects.get(id=inside.id).status == StepStatus.SCHEDULED
+
+
 def test_the_applier_s_run_write_leaves_a_row_the_table_does_not_let_move() -> None:
     """``store.update_run`` (the applier's and ``move_run``'s write) is conditional on the
     table itself, with the triggers out of the way: a run whose row has ended meanwhile

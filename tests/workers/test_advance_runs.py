@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.db import connection
 from django.utils import timezone
 
 from runs import dispatch, services
@@ -386,3 +387,85 @@ def test_a_batch_with_a_parent_and_its_child_reads_the_child_in_its_own_turn(sen
     assert not StepRun.objects.filter(
         run__in=[parent, child], status__in=["scheduled", "running", "waiting"]
     ).exists()
+
+
+def _fired_and_advanced(workflow_id: str, count: int) -> tuple[list[str], list[str]]:
+    """``count`` runs of ``workflow_id`` whose sleep ``nap`` is over, advanced in one batch;
+    (their ids, the statements the batch sent), read before anything else runs on the
+    connection (Django's query log is read lazily)."""
+    from django.test.utils import CaptureQueriesContext
+
+    runs = [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
+    run_ids = [str(run.id) for run in runs]
+    past = timezone.now() - timedelta(milliseconds=1)
+    Timer.objects.filter(run_id__in=run_ids, purpose="sleep").update(fire_at=past)
+    StepRun.objects.filter(run_id__in=run_ids, step_id="nap").update(not_before=past)
+    assert len(timers.claim_due(timezone.now(), 1000)) == count
+    with CaptureQueriesContext(connection) as captured:
+        execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    sent = [" ".join(query["sql"].split()) for query in captured.captured_queries]
+    return run_ids, sent
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_a_fired_sleeps_close_rides_on_its_next_attempts_insert_and_its_end_is_one_statement(
+    sent,
+) -> None:
+    definition_save(document=resumed.document())
+    run_ids, statements = _fired_and_advanced("resumed_after_nap", 10)
+    assert statuses(run_ids) == {"completed"}
+    assert sorted(ran) == sorted(run_ids)
+    naps = StepRun.objects.filter(run_id__in=run_ids, step_id="nap")
+    assert set(naps.values_list("status", flat=True)) == {"succeeded"}
+    assert naps.filter(finished_at__isnull=True).count() == 0
+    # The runs' deadline timers went with their ends.
+    assert not Timer.objects.filter(run_id__in=run_ids, fired_at__isnull=True).exists()
+    # The close is a data-modifying WITH of the insert, not a statement of its own.
+    closes = [s for s in statements if s.startswith("UPDATE runs_steprun SET status = 'succeeded'")]
+    assert closes == []
+    assert sum(s.startswith("WITH rider_0 AS (UPDATE runs_steprun") for s in statements) == 10
+    # The end moves the run, drops its timers and reads what it leaves, in one statement.
+    assert sum(s.startswith("WITH moved AS (UPDATE runs_run") for s in statements) == 10
+    separate = ("UPDATE runs_run", "DELETE FROM runs_timer")
+    assert not [s for s in statements if s.startswith(separate)]
+    # Per fired run: its close with its next attempt, that attempt's claim and record, the
+    # journal read, the end, the commit; the batch's lock, read, BEGIN and COMMIT shared.
+    # It was 9.5 before the close rode and the end was one statement.
+    assert len(statements) / len(run_ids) <= 8
+
+
+def test_a_sleep_closed_just_before_the_runs_end_is_written_before_the_end_reads(sent) -> None:
+    """A plan of a close then the run's end: the end reads the run's rows in flight and
+    cancels them, so the close (a rider) must be sent before it, not after."""
+    definition_save(
+        document={"id": "nap_only", "steps": [{"id": "nap", "kind": "sleep", "ms": 60_000}]}
+    )
+    run_ids, _ = _fired_and_advanced("nap_only", 2)
+    assert statuses(run_ids) == {"completed"}
+    naps = StepRun.objects.filter(run_id__in=run_ids)
+    assert list(naps.values_list("status", flat=True)) == ["succeeded", "succeeded"]
+
+
+def test_a_close_with_nothing_after_it_is_still_written(sent) -> None:
+    """A plan whose only write is the close (another branch still waits, the run's status
+    stays): the rider goes on its own."""
+    definition_save(
+        document={
+            "id": "nap_beside_wait",
+            "steps": [
+                {
+                    "id": "par",
+                    "kind": "parallel",
+                    "branches": {
+                        "nap": {"id": "nap", "kind": "sleep", "ms": 60_000},
+                        "wait": {"id": "wait", "kind": "wait_event", "event": "never"},
+                    },
+                }
+            ],
+        }
+    )
+    run_ids, _ = _fired_and_advanced("nap_beside_wait", 2)
+    assert statuses(run_ids) == {"waiting"}
+    rows = StepRun.objects.filter(run_id__in=run_ids)
+    assert set(rows.filter(step_id="nap").values_list("status", flat=True)) == {"succeeded"}
+    assert set(rows.filter(step_id="wait").values_list("status", flat=True)) == {"waiting"}
