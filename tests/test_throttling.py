@@ -116,6 +116,38 @@ def test_the_counts_live_in_the_shared_cache(rates, settings) -> None:
     assert any(f"throttle_user_{ada.pk}" in key for key in keys), keys
 
 
+def test_the_compose_stacks_counts_live_in_its_redis(rates, settings) -> None:
+    """docker-compose.yml counts in Redis (its database 2, behind the stack's password): the
+    same URL, on this machine's Redis (no password here, the tests' own database), gives a
+    cache every process shares, and the throttle counts there."""
+    from pathlib import Path
+    from urllib.parse import urlsplit
+
+    import environ
+    import redis
+    import yaml
+
+    compose = yaml.safe_load((Path(settings.BASE_DIR) / "docker-compose.yml").read_text())
+    url = compose["x-app"]["environment"]["CACHE_URL"]
+    # As compose substitutes it (a token_urlsafe password, README).
+    parts = urlsplit(url.replace("${REDIS_PASSWORD:?set REDIS_PASSWORD}", "s3cret-_x"))
+    assert parts.scheme == "redis" and parts.hostname == "redis" and parts.path == "/2"
+    assert parts.password == "s3cret-_x"
+    assert environ.Env.cache_url_config(parts.geturl())["LOCATION"] == parts.geturl()
+    here = urlsplit(settings.CELERY_BROKER_URL)
+    local = f"redis://{here.hostname}:{here.port}{here.path}"
+    settings.CACHES = {"default": environ.Env.cache_url_config(local)}
+    assert settings.CACHES["default"]["BACKEND"] == "django.core.cache.backends.redis.RedisCache"
+    rates(user="1/min")
+    ada = make_user("ada")
+    keys = redis.Redis.from_url(local)
+    for key in keys.scan_iter(match=f"*throttle_user_{ada.pk}"):
+        keys.delete(key)  # an earlier run's
+    assert token_client(ada).get("/api/v1/runs").status_code == 200
+    assert_throttled(token_client(ada).get("/api/v1/runs"))
+    assert list(keys.scan_iter(match=f"*throttle_user_{ada.pk}"))
+
+
 # --- Sign-ins ------------------------------------------------------------------------------
 
 
