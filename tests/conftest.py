@@ -25,12 +25,31 @@ from workflows import heartbeats
 xdist_services(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
+# Modules whose tests take half a minute to a minute and more each on 2 cores (a pip install,
+# the README pasted into a fresh clone, a whole standalone, a cron's wall-clock minute).
+# They run first: with --dist worksteal a process left without tests takes half of what the
+# other has not started yet, never the test it is running, and the production install started
+# last kept the other process idle for 53 s (2026-12-05). A module missing here costs time,
+# nothing else.
+LONGEST_FIRST = (
+    "tests/test_production_install.py",
+    "tests/test_readme.py",
+    "tests/schedules/test_schedules_e2e.py",
+    "tests/test_standalone_soak.py",
+    "tests/test_standalone.py",
+)
+
+
+# tryfirst: before pytest-django's own reordering (database tests, then transactional ones,
+# then the rest), which is a stable sort and so keeps this order within each of its groups.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that starts real worker or beat processes is a worker end-to-end test
     (marker ``worker_e2e``): .ci/run runs them a second time with the broker on RabbitMQ."""
     for item in items:
         if "celery_processes" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.worker_e2e)
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)
 
 
 @pytest.fixture(scope="session")

@@ -427,9 +427,15 @@ def test_a_dry_run_takes_no_lock_and_a_retry_does(api) -> None:
 
     run = completed_run(api)
     body = {"from_step": "two", "input": {"topic": "x"}}
+    # Each capture is read before the next request, which clears the connection's query log
+    # (django.db.reset_queries on request_started) that captured_queries reads lazily.
     with CaptureQueriesContext(connection) as preview:
         assert retry(api, run, {**body, "dry_run": True}).status_code == 200
-    assert not [q for q in preview.captured_queries if "FOR UPDATE" in q["sql"]]
+    previewed = [q["sql"] for q in preview.captured_queries]
+    # The preview read the run (the log is this request's), and locked nothing.
+    assert [q for q in previewed if 'FROM "runs_run"' in q], previewed
+    assert not [q for q in previewed if "FOR UPDATE" in q], previewed
     with CaptureQueriesContext(connection) as real:
         assert retry(api, run, body).status_code == 200
-    assert [q for q in real.captured_queries if "FOR UPDATE" in q["sql"]]
+    retried = [q["sql"] for q in real.captured_queries]
+    assert [q for q in retried if "FOR UPDATE" in q], retried
