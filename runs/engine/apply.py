@@ -252,18 +252,23 @@ class _Writer:
             run_changes["updated_at"] = now
         # The run's own changes ride on the inserts (one statement for a lone attempt, one
         # per batch of a fan-out, on Postgres).
+        # The riders go with the inserts, else with the run's update, else alone.
         lone = hold and len(self.schedules) == 1
         riders, self.riders = self.riders, []
-        if riders and not self.schedules and not run_changes:
+        inserted: list[StepRun] = []
+        if self.schedules:
+            inserted = _schedule_all(
+                run,
+                self.schedules,
+                now,
+                run_changes,
+                claim_as=claim_as if lone else None,
+                riders=riders,
+            )
+        elif run_changes:
+            update_run(run.id, run_changes, riders=riders)
+        elif riders:
             send_riders(riders)
-        inserted = _schedule_all(
-            run,
-            self.schedules,
-            now,
-            run_changes,
-            claim_as=claim_as if lone else None,
-            riders=riders if self.schedules else (),
-        )
         if hold and len(inserted) == 1:
             applied.held = inserted[0]
         elif len(inserted) == 1:
@@ -272,8 +277,6 @@ class _Writer:
             # Branches and items fanned out together: one message each, no chord (the
             # completions themselves ask for the fan-in's advance).
             dispatch.offer_fan_out_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
-        if run_changes and not self.schedules:
-            update_run(run.id, run_changes, riders=riders)
         return applied
 
 

@@ -71,12 +71,14 @@ def start_sleeping(workflow_id: str, count: int) -> list[Run]:
     return [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
 
 
-def fire(runs: list[Run]) -> list[str]:
-    """The sleeps' timers due and claimed, as a tick claims them; the runs' ids."""
+def fire(runs: list[Run], step_id: str | None = None) -> list[str]:
+    """The sleeps' timers due and claimed, as a tick claims them; the runs' ids. With
+    ``step_id``, only that step's wait is over (another waiting row stays as it is)."""
     past = timezone.now() - timedelta(milliseconds=1)
     ids = [run.id for run in runs]
     Timer.objects.filter(run_id__in=ids, purpose="sleep").update(fire_at=past)
-    StepRun.objects.filter(run_id__in=ids, status="waiting").update(not_before=past)
+    over = StepRun.objects.filter(run_id__in=ids, status="waiting")
+    (over.filter(step_id=step_id) if step_id else over).update(not_before=past)
     assert len(timers.claim_due(timezone.now(), 1000)) >= len(runs)
     return [str(run_id) for run_id in ids]
 
@@ -396,11 +398,7 @@ def _fired_and_advanced(workflow_id: str, count: int) -> tuple[list[str], list[s
     from django.test.utils import CaptureQueriesContext
 
     runs = [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
-    run_ids = [str(run.id) for run in runs]
-    past = timezone.now() - timedelta(milliseconds=1)
-    Timer.objects.filter(run_id__in=run_ids, purpose="sleep").update(fire_at=past)
-    StepRun.objects.filter(run_id__in=run_ids, step_id="nap").update(not_before=past)
-    assert len(timers.claim_due(timezone.now(), 1000)) == count
+    run_ids = fire(runs, step_id="nap")
     with CaptureQueriesContext(connection) as captured:
         execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
     sent = [" ".join(query["sql"].split()) for query in captured.captured_queries]
