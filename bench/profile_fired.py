@@ -78,17 +78,29 @@ def _check(run_ids: list[Any]) -> None:
 
 def _round(count: int, around: Callable[[Callable[[], int]], Any] | None = None) -> float:
     """One round of ``count`` fired runs; returns CPU ms per run (and prints it)."""
+    from django.db import connection
+
+    from bench.pg_counts import cpu_seconds
+
     run_ids = _park(count)
     batches = _due(run_ids)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        backend = [int(cursor.fetchone()[0])]
+    server = sum(cpu_seconds(backend).values())
     began, cpu = time.perf_counter(), time.process_time()
     if around is None:
         _fire(batches)
     else:
         around(lambda: _fire(batches))
     wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    server = sum(cpu_seconds(backend).values()) - server
     _check(run_ids)
     per_run = cpu * 1000 / count
-    print(f"{count} fired runs: {per_run:.2f} ms CPU, {wall * 1000 / count:.2f} ms wall a run")
+    print(
+        f"{count} fired runs: {per_run:.2f} ms CPU here, {server * 1000 / count:.2f} ms in"
+        f" Postgres, {wall * 1000 / count:.2f} ms wall a run"
+    )
     return per_run
 
 
@@ -103,14 +115,16 @@ def _statements() -> None:
     with CaptureQueriesContext(connection) as captured:
         _fire(batches)
     # Read before anything else runs on the connection (the log is read lazily).
-    queries = [" ".join(q["sql"].split())[:120] for q in captured.captured_queries]
+    queries = [
+        (" ".join(q["sql"].split())[:120], float(q["time"])) for q in captured.captured_queries
+    ]
     _check(run_ids)
-    kinds: dict[str, int] = {}
-    for sql in queries:
-        head = sql.split(" (")[0][:70]
-        kinds[head] = kinds.get(head, 0) + 1
-    for head, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
-        print(f"{n / size:6.2f}  {head}")
+    kinds: dict[str, list[float]] = {}
+    for sql, seconds in queries:
+        kinds.setdefault(sql.split(" (")[0][:70], []).append(seconds)
+    print("a run  ms each  statement (wall from the client: the round trip and the server's work)")
+    for head, times in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
+        print(f"{len(times) / size:5.2f}  {1000 * sum(times) / len(times):7.3f}  {head}")
     print(f"{len(queries) / size:.2f} statements a fired run (batch of {size})")
 
 

@@ -334,7 +334,9 @@ class Timer(models.Model):
     never a Celery ETA or a beat entry per timer.
     """
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="timers")
+    # No index of its own: timer_run_key_unique (run, key) finds a run's timers (its cascade
+    # included), and timer_unfired_run its timers not fired yet (see there).
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="timers", db_index=False)
     step_run = models.ForeignKey(
         StepRun, null=True, blank=True, on_delete=models.CASCADE, related_name="timers"
     )
@@ -355,6 +357,14 @@ class Timer(models.Model):
         ]
         indexes = [
             models.Index(fields=["fire_at"], name="timer_due", condition=Q(fired_at__isnull=True)),
+            # A run's end deletes its timers not fired yet. With a plain index on run and
+            # statistics from a quiet table (the estimate between bursts), Postgres ANDed it
+            # with timer_due, reading every unfired timer of every run on each end: 0.2 ms of
+            # a fired run's 0.45 ms end with 6,000 pending (auto_explain), O(n) a run in a
+            # burst. This index matches the delete alone, whatever the estimates.
+            models.Index(
+                fields=["run"], name="timer_unfired_run", condition=Q(fired_at__isnull=True)
+            ),
             models.Index(
                 fields=["fired_at"], name="timer_fired", condition=Q(fired_at__isnull=False)
             ),

@@ -1,15 +1,17 @@
-"""The tick's claim of due timers (``runs.engine.timers.claim_due``) as Postgres plans it."""
+"""Timers' statements as Postgres plans them: the tick's claim of due timers
+(``runs.engine.timers.claim_due``) and a run's end deleting its unfired ones."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.db import connection
 from django.utils import timezone
 
-from runs.engine import timers
-from runs.models import Timer
+from runs.engine import ending, timers
+from runs.models import Run, Timer
 
 from .factories import RunFactory
 
@@ -43,3 +45,54 @@ def test_the_claim_never_joins_every_due_timer_with_every_claimed_one() -> None:
     assert len(claimed) == 100
     assert Timer.objects.filter(fired_at__isnull=False).count() == 100
     assert len(timers.claim_due(timezone.now(), 1000)) == 500
+
+
+def test_a_runs_end_reads_only_its_own_unfired_timers() -> None:
+    """A run's end deletes its timers not fired yet. With statistics from an empty table,
+    Postgres ANDed the run's index with the unfired timers' (timer_due), reading every
+    pending timer of every run on each end: in a burst of 3,000 fired runs, each with its
+    deadline an hour away, a cost per end that grew with the burst (bench/README.md). The
+    delete has an index of its own (timer_unfired_run) and touches the run's rows alone."""
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE runs_timer")
+    later = timezone.now() + timedelta(hours=1)
+    first = RunFactory()
+    # As in a burst: many runs, each with its deadline pending (and a sleep fired).
+    others = Run.objects.bulk_create(
+        Run(workflow=first.workflow, version=first.version, status="pending", input={})
+        for _ in range(PENDING - 1)
+    )
+    runs = [first, *others]
+    Timer.objects.bulk_create(
+        Timer(run=run, purpose=purpose, key=purpose, fire_at=later)
+        for run in runs
+        for purpose in ("run_deadline", "sleep")
+    )
+    Timer.objects.filter(purpose="sleep").update(fired_at=timezone.now())
+    ending_run = runs[PENDING // 2]
+    with connection.cursor() as cursor:
+        # As a worker's prepared cursor plans it (runs.engine.sql): once, for any run.
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        drop = ending._DROP_TIMERS.replace("%s", "$1")
+        cursor.execute(f"PREPARE drop_timers(uuid) AS {drop}")
+        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE drop_timers('{ending_run.id}')")
+        plan = cursor.fetchone()[0][0]["Plan"]
+        cursor.execute("DEALLOCATE drop_timers")
+    scans = _scans(plan)
+    # One index read, of the run's own unfired timer: not the 2,000 pending.
+    assert [(node.get("Index Name"), node["Actual Rows"]) for node in scans] == [
+        ("timer_unfired_run", 1)
+    ], scans
+    assert list(Timer.objects.filter(run=ending_run).values_list("purpose", flat=True)) == ["sleep"]
+    assert Timer.objects.filter(fired_at__isnull=True).count() == PENDING - 1
+
+
+PENDING = 2000
+
+
+def _scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan's scans (an index's, a bitmap's, the table's), depth first."""
+    found = [plan] if "Scan" in plan["Node Type"] else []
+    for child in plan.get("Plans", []):
+        found += _scans(child)
+    return found
