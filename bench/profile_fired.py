@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", action="store_true", help="pyinstrument one more round")
     parser.add_argument("--cprofile", action="store_true", help="cProfile one more round")
     parser.add_argument("--queries", action="store_true", help="one batch's statements")
+    parser.add_argument("--sort", default="cumulative", help="cProfile's order (tottime: own time)")
     args = parser.parse_args(argv)
     # No worker process here: this process runs the steps itself.
     os.environ["DJFLOW_START_CHECKS_WORKERS"] = "false"
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
 
         profile = cProfile.Profile()
         _round(args.runs, lambda fire: profile.runcall(fire))
-        pstats.Stats(profile).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(45)
 
 
 if __name__ == "__main__":
