@@ -22,7 +22,7 @@ from django.utils import timezone
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun
 from . import events, journal
-from .apply import ClaimAs, apply_plan
+from .apply import ClaimAs, Deferred, apply_plan
 from .plan import Plan, plan
 from .sql import cursor as prepared_cursor
 from .store import record_result, recording, request_advance, take_advance_request
@@ -139,6 +139,10 @@ def advance_many(
     # Autocommit, before any journal is read, as run_advance takes each run's request.
     take_advance_requests(ordered)
     held: list[tuple[StepRun, str]] = []
+    # The lone next attempts of the runs read together, inserted together (one statement
+    # for the batch instead of one a run): a run read on its own (inside a tree) may read
+    # what the runs before it wrote, so they are inserted before it is advanced.
+    deferred = Deferred()
     try:
         with transaction.atomic():
             read = _read_many(ordered)
@@ -147,17 +151,28 @@ def advance_many(
                 # a fired run's statements. A run that raises rolls the chunk back, and the
                 # caller advances its runs one by one (BatchFailed): that run alone fails.
                 try:
-                    run, first = read.get(run_id) or (lock_run(run_id), None)
+                    run, first = read.get(run_id) or (None, None)
+                    if run is None:
+                        deferred.flush()
+                        run = lock_run(run_id)
                     if run is None:
                         logger.warning("advance: run %s does not exist", run_id)
                         continue
                     _, attempt = advance_locked(
-                        run, hold=hold, budget=Budget(ADVANCE_ACTIONS), read=first
+                        run,
+                        hold=hold,
+                        budget=Budget(ADVANCE_ACTIONS),
+                        read=first,
+                        defer=deferred if first is not None else None,
                     )
                 except Exception as error:
                     raise BatchFailed(f"advancing run {run_id} failed") from error
                 if attempt is not None:
                     held.append((attempt, run.workflow_id))
+            try:
+                deferred.flush()
+            except Exception as error:
+                raise BatchFailed(f"inserting {len(ordered)} runs' next attempts failed") from error
             if before_commit is not None:
                 before_commit(held)
     except DatabaseError as error:
@@ -333,6 +348,7 @@ def advance_locked(
     hand_over_rest: bool = True,
     claim_as: ClaimAs | None = None,
     read: tuple[int, list[Any]] | None = None,
+    defer: Deferred | None = None,
 ) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
     with ``hold``, also the lone new attempt left for the caller to run (see apply_plan),
@@ -343,6 +359,8 @@ def advance_locked(
     ``hand_over_rest`` is false (the caller plans on itself). ``read`` is the run's journal
     after a row id, read by the caller under the lock (a batch reads several runs' at once):
     the first round uses it if it plans from that row, and reads the journal itself if not.
+    ``defer`` (a batch's, see apply_plan) may take a held attempt's insert: the attempt has
+    its id once the caller flushes it.
 
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
@@ -358,7 +376,11 @@ def advance_locked(
     # The run's settled beginning (plan.Prefix): this process's from an earlier plan, then
     # the one each round cuts (its rows, this transaction's writes among them, are seen here).
     prefix = journal.prefix_for(run)
-    for _ in range(MAX_ROUNDS):
+    for round_ in range(MAX_ROUNDS):
+        if round_ and defer is not None:
+            # A round reads the journal: nothing this advance wrote may wait (a deferring
+            # plan is its advance's last, but this costs nothing when nothing is pending).
+            defer.flush()
         now = timezone.now()
         prefix = journal.prefix_for(run, prefix) if prefix is not None else None
         checked = prefix is not None and settings.DJFLOW["CHECK_PREFIX"]
@@ -395,7 +417,12 @@ def advance_locked(
         budget.actions -= len(planned.actions)
         holding = hold and held is None
         applied = apply_plan(
-            run, planned, now, hold=holding, claim_as=claim_as if holding else None
+            run,
+            planned,
+            now,
+            hold=holding,
+            claim_as=claim_as if holding else None,
+            defer=defer if holding else None,
         )
         held = held or applied.held
         for child in applied.children:

@@ -38,8 +38,10 @@ from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import (
+    LoneAttempt,
     Rider,
     insert_attempts,
+    insert_lone_attempts,
     prep_value,
     request_advance,
     send_riders,
@@ -66,6 +68,28 @@ class Applied:
     children: list[Run] = field(default_factory=list)
 
 
+class Deferred:
+    """The lone attempts of several runs' plans (a batch of fired runs, ``advance_many``),
+    inserted together when ``flush`` is called: one statement for the batch instead of one
+    a run (``store.insert_lone_attempts``). A plan is deferred only when nothing after it in
+    the transaction reads what it writes before the flush (see ``_Writer.defers``)."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[StepRun, LoneAttempt]] = []
+
+    def add(self, step_run: StepRun, entry: LoneAttempt) -> None:
+        self.pending.append((step_run, entry))
+
+    def flush(self) -> None:
+        """Insert what was deferred; each attempt gets its id."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        ids = insert_lone_attempts([entry for _, entry in pending])
+        for (step_run, _), step_run_id in zip(pending, ids, strict=True):
+            step_run.id = step_run_id
+
+
 def apply_plan(
     run: Run,
     planned: p.Plan,
@@ -73,6 +97,7 @@ def apply_plan(
     *,
     hold: bool = False,
     claim_as: ClaimAs | None = None,
+    defer: Deferred | None = None,
 ) -> Applied:
     """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. The child
     runs it starts are returned (``Applied.children``) for the caller to plan in the same
@@ -87,6 +112,10 @@ def apply_plan(
     when the caller runs it, and it is inserted claimed, or None (inserted ``scheduled``).
     An attempt inserted and claimed in one transaction was a second statement and a second
     version of its row on every step of a sequential run.
+
+    With ``defer`` (and ``hold``), a plan that only schedules one attempt, besides closes,
+    timers and the run's own fields, leaves that attempt's insert (with the run's update
+    and the riders) to ``defer``: the held attempt has no id until the caller flushes it.
     """
     writer = _Writer(run, now)
     for action in planned.actions:
@@ -94,7 +123,22 @@ def apply_plan(
             # What this action writes or reads may depend on rows a rider changes.
             writer.send_riders()
         _WRITE[type(action)](writer, action)
+    if hold and defer is not None and claim_as is None and _defers(planned):
+        return writer.defer(planned, defer)
     return writer.done(planned, hold=hold, claim_as=claim_as if hold else None)
+
+
+def _defers(planned: p.Plan) -> bool:
+    """Whether the plan's writes may wait for a batch's flush: it ends nothing, schedules
+    one attempt and otherwise only closes rows, sets timers and changes the run's fields
+    (nothing it opens is read again in its transaction: no wait, child or hand-off), and
+    plans nothing more for now (the caller would read the journal again)."""
+    return (
+        planned.finish is None
+        and not planned.more
+        and sum(type(action) is p.Schedule for action in planned.actions) == 1
+        and all(type(action) in _RIDERS_WAIT for action in planned.actions)
+    )
 
 
 # See apply_plan: a held attempt (not yet inserted) -> the fields of its claim, or None.
@@ -234,22 +278,45 @@ class _Writer:
         # The run's end is written by ending.end_run, not with the other fields.
         _finish(self.run, action, self.now)
 
-    def done(self, planned: p.Plan, *, hold: bool, claim_as: ClaimAs | None = None) -> Applied:
-        run, now, applied = self.run, self.now, self.applied
-        if planned.finish is None:
-            _show_waiting(run, planned, self.fields)
-            if self.timers:
-                # The same journal planned twice asks for the same keys: one row each.
-                Timer.objects.bulk_create(self.timers, ignore_conflicts=True)
-        run_changes = {name: getattr(run, name) for name in sorted(self.fields)}
+    def defer(self, planned: p.Plan, defer: Deferred) -> Applied:
+        """``done`` for a plan that schedules one attempt (see ``_defers``), its insert left
+        to ``defer``."""
+        _show_waiting(self.run, planned, self.fields)
+        self.write_timers()
+        (action,) = self.schedules
+        step_run = _attempt(self.run, action, self.now)
+        values = {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
+        riders, self.riders = self.riders, []
+        defer.add(step_run, LoneAttempt(self.run.id, values, self.run_changes(), riders))
+        self.applied.held = step_run
+        return self.applied
+
+    def write_timers(self) -> None:
+        if self.timers:
+            # The same journal planned twice asks for the same keys: one row each.
+            Timer.objects.bulk_create(self.timers, ignore_conflicts=True)
+
+    def run_changes(self) -> dict[str, Any]:
+        """The run's fields this plan changed, ``updated_at`` among them when more than the
+        count of attempts changed."""
+        run = self.run
+        changes = {name: getattr(run, name) for name in sorted(self.fields)}
         if self.fields - {"attempts"}:
             # Not for a count of attempts alone, as most steps write: updated_at is in an
             # index (the reconciler's look for idle runs), and writing it made every step's
             # run update a new version in each of the run's 17 indexes; without it the update
             # is a heap-only tuple (HOT). A run going from step to step always has an attempt
             # in flight, which the reconciler's look leaves alone however old updated_at is.
-            run.updated_at = now
-            run_changes["updated_at"] = now
+            run.updated_at = self.now
+            changes["updated_at"] = self.now
+        return changes
+
+    def done(self, planned: p.Plan, *, hold: bool, claim_as: ClaimAs | None = None) -> Applied:
+        run, now, applied = self.run, self.now, self.applied
+        if planned.finish is None:
+            _show_waiting(run, planned, self.fields)
+            self.write_timers()
+        run_changes = self.run_changes()
         # The run's own changes ride on the inserts (one statement for a lone attempt, one
         # per batch of a fan-out, on Postgres).
         # The riders go with the inserts, else with the run's update, else alone.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import connection
@@ -194,6 +195,68 @@ def insert_attempts(
             # bulk_create on Postgres inserts through UNNEST and counts on it too).
             ids += [int(found[0]) for found in cursor.fetchall()]
     return ids
+
+
+@dataclass(frozen=True)
+class LoneAttempt:
+    """One run's lone next attempt (``values``, field names to values), with the run's own
+    changed fields and its plan's riders: what ``insert_attempt`` writes for one run."""
+
+    run_id: Any
+    values: dict[str, Any]
+    run_changes: dict[str, Any]
+    riders: Sequence[Rider]
+
+
+def insert_lone_attempts(entries: Sequence[LoneAttempt]) -> list[int]:
+    """The lone attempts of several runs' plans (a batch of fired runs, all locked by the
+    caller), each with its run's update and riders, in one statement on Postgres: the
+    attempts through one ``UNNEST``, every update and rider a data-modifying ``WITH``.
+    Returns the attempts' ids in order. A run whose status may not move as its changes say
+    raises (the caller's transaction then rolls the statement back, as for
+    ``insert_attempt``). Every attempt has the same fields."""
+    if connection.vendor != "postgresql" or len(entries) < 2:
+        return [
+            insert_attempt(
+                entry.values,
+                run_id=entry.run_id,
+                run_changes=entry.run_changes or None,
+                riders=entry.riders,
+            )
+            for entry in entries
+        ]
+    withs: list[str] = []
+    params: list[Any] = []
+    updates: list[str] = []
+    for index, entry in enumerate(entries):
+        for sql, rider_params in entry.riders:
+            withs.append(f"rider_{len(withs)} AS ({sql})")
+            params += rider_params
+        if entry.run_changes:
+            update, update_params = run_update_sql(entry.run_id, entry.run_changes)
+            updates.append(f"run_update_{index}")
+            withs.append(f"{updates[-1]} AS ({update} RETURNING 1)")
+            params += update_params
+    names = tuple(entries[0].values)
+    fields = [_field(name) for name in names]
+    columns = [
+        [field.get_db_prep_save(entry.values[name], connection) for entry in entries]
+        for name, field in zip(names, fields, strict=True)
+    ]
+    counted = " + ".join(f"(SELECT count(*) FROM {name})" for name in updates) or "0"
+    insert = _insert_unnest_sql(names)
+    sql = f"WITH {', '.join(withs)} {insert}, {counted}" if withs else f"{insert}, 0"
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, params + columns)
+        found = cursor.fetchall()
+    # A run's update without a status always finds its (locked) row: a count short of the
+    # updates is a status the row may not move to (see run_update_sql).
+    if found and found[0][1] != len(updates):
+        raise RuntimeError(
+            f"{len(updates) - found[0][1]} of {len(updates)} runs cannot move as planned"
+        )
+    # Postgres inserts and returns the rows of UNNEST in their order (see insert_attempts).
+    return [int(row[0]) for row in found]
 
 
 @functools.cache

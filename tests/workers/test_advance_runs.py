@@ -418,18 +418,24 @@ def test_a_fired_sleeps_close_rides_on_its_next_attempts_insert_and_its_end_is_o
     assert naps.filter(finished_at__isnull=True).count() == 0
     # The runs' deadline timers went with their ends.
     assert not Timer.objects.filter(run_id__in=run_ids, fired_at__isnull=True).exists()
-    # The close is a data-modifying WITH of the insert, not a statement of its own.
+    # The close is a data-modifying WITH of the insert, not a statement of its own; the
+    # chunk's ten runs (ADVANCE_RUNS_CHUNK) insert their next attempts in one statement,
+    # each run's close and update riding on it.
     closes = [s for s in statements if s.startswith("UPDATE runs_steprun SET status = 'succeeded'")]
     assert closes == []
-    assert sum(s.startswith("WITH rider_0 AS (UPDATE runs_steprun") for s in statements) == 10
+    [insert] = [s for s in statements if "INSERT INTO runs_steprun" in s]
+    assert insert.startswith("WITH rider_0 AS (UPDATE runs_steprun") and "UNNEST(" in insert
+    assert insert.count("UPDATE runs_steprun SET status = 'succeeded'") == 10
+    assert insert.count("UPDATE runs_run SET") == 10
     # The end moves the run, drops its timers and reads what it leaves, in one statement.
     assert sum(s.startswith("WITH moved AS (UPDATE runs_run") for s in statements) == 10
     separate = ("UPDATE runs_run", "DELETE FROM runs_timer")
     assert not [s for s in statements if s.startswith(separate)]
-    # Per fired run: its close with its next attempt, that attempt's claim and record, the
-    # journal read, the end, the commit; the batch's lock, read, BEGIN and COMMIT shared.
-    # It was 9.5 before the close rode and the end was one statement.
-    assert len(statements) / len(run_ids) <= 8
+    # Per fired run: its next attempt's claim and record, the journal read, the end, the
+    # commit; the chunk's lock, read, inserts (with the closes), BEGIN and COMMIT shared.
+    # It was 9.5 before the close rode and the end was one statement, 7.5 before the
+    # chunk's inserts were one.
+    assert len(statements) / len(run_ids) <= 6.7
 
 
 def test_a_sleep_closed_just_before_the_runs_end_is_written_before_the_end_reads(sent) -> None:
@@ -467,3 +473,117 @@ def test_a_close_with_nothing_after_it_is_still_written(sent) -> None:
     rows = StepRun.objects.filter(run_id__in=run_ids)
     assert set(rows.filter(step_id="nap").values_list("status", flat=True)) == {"succeeded"}
     assert set(rows.filter(step_id="wait").values_list("status", flat=True)) == {"waiting"}
+
+
+def test_a_chunk_of_runs_that_end_close_or_go_on_is_written_in_order(sent) -> None:
+    """One chunk of runs whose plans differ: a next attempt (its insert deferred to the
+    chunk's one statement), the run's end right after a close, a close alone (another
+    branch still waits). Each is written as if advanced alone."""
+    for document in (
+        resumed.document(),
+        {"id": "nap_only", "steps": [{"id": "nap", "kind": "sleep", "ms": 60_000}]},
+        {
+            "id": "nap_beside_wait",
+            "steps": [
+                {
+                    "id": "par",
+                    "kind": "parallel",
+                    "branches": {
+                        "nap": {"id": "nap", "kind": "sleep", "ms": 60_000},
+                        "wait": {"id": "wait", "kind": "wait_event", "event": "never"},
+                    },
+                }
+            ],
+        },
+    ):
+        definition_save(document=document)
+    kinds = {"resumed_after_nap": 3, "nap_only": 3, "nap_beside_wait": 3}
+    runs = [
+        services.run_start(workflow=workflow_id, input={}).run
+        for workflow_id, count in kinds.items()
+        for _ in range(count)
+    ]
+    run_ids = fire(runs, step_id="nap")
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    by_workflow = {
+        workflow_id: statuses([str(run.id) for run in runs if run.workflow_id == workflow_id])
+        for workflow_id in kinds
+    }
+    assert by_workflow == {
+        "resumed_after_nap": {"completed"},
+        "nap_only": {"completed"},
+        "nap_beside_wait": {"waiting"},
+    }
+    assert set(StepRun.objects.filter(step_id="nap").values_list("status", flat=True)) == {
+        "succeeded"
+    }
+    afters = StepRun.objects.filter(step_id="after")
+    assert sorted(afters.values_list("run_id", flat=True)) == sorted(
+        run.id for run in runs if run.workflow_id == "resumed_after_nap"
+    )
+    assert set(afters.values_list("status", "attempt")) == {("succeeded", 1)}
+    # Each run's own update rode on the chunk's insert: its count of attempts scheduled.
+    resumed_runs = Run.objects.filter(workflow_id="resumed_after_nap")
+    assert set(resumed_runs.values_list("attempts", flat=True)) == {1}
+
+
+def test_a_chunk_whose_inserts_fail_is_advanced_one_run_at_a_time(sent, monkeypatch) -> None:
+    """The chunk's one statement of next attempts failing (a run that cannot move as
+    planned, a lost connection) rolls the chunk back, and its runs are advanced one by
+    one, each with its own insert."""
+    from runs.engine import apply
+
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    tried: list[int] = []
+
+    def failing(entries: Any) -> Any:
+        tried.append(len(entries))
+        raise RuntimeError("1 of 3 runs cannot move as planned")
+
+    monkeypatch.setattr(apply, "insert_lone_attempts", failing)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    assert tried == [3]
+    assert sorted(ran) == sorted(run_ids)
+    assert statuses(run_ids) == {"completed"}
+    assert StepRun.objects.filter(run_id__in=run_ids, step_id="after").count() == 3
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'")
+def test_the_chunks_insert_refuses_a_run_that_cannot_move_and_its_transaction_writes_nothing(
+    sent,
+) -> None:
+    import uuid
+
+    from django.db import transaction
+
+    from runs.engine import apply, store
+
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    template = {name: getattr(StepRun(), attname) for name, attname in apply._ATTEMPT_FIELDS}
+
+    def entry(run_id: str, status: str) -> store.LoneAttempt:
+        values = {
+            **template,
+            "run": uuid.UUID(run_id),
+            "step_id": "after",
+            "kind": "task",
+            "attempt": 1,
+            "status": "scheduled",
+            "input": {},
+        }
+        return store.LoneAttempt(run_id, values, {"attempts": 1, "status": status}, [])
+
+    # A waiting run may become running; a completed one may not become waiting (a plan
+    # made on a stale instance).
+    Run.objects.filter(id=run_ids[2]).update(status="completed")
+    with pytest.raises(RuntimeError, match="1 of 2 runs cannot move"), transaction.atomic():
+        store.insert_lone_attempts([entry(run_ids[0], "running"), entry(run_ids[2], "waiting")])
+    assert statuses(run_ids[:2]) == {"waiting"}
+    assert not StepRun.objects.filter(run_id__in=run_ids, step_id="after").exists()
+    with transaction.atomic():
+        ids = store.insert_lone_attempts(
+            [entry(run_ids[0], "running"), entry(run_ids[1], "running")]
+        )
+    attempts = StepRun.objects.in_bulk(ids)
+    assert [str(attempts[i].run_id) for i in ids] == run_ids[:2]
+    assert statuses(run_ids[:2]) == {"running"}
