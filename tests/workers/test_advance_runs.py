@@ -405,6 +405,24 @@ def _fired_and_advanced(workflow_id: str, count: int) -> tuple[list[str], list[s
     return run_ids, sent
 
 
+# A sleep alone: its run ends when it is over.
+NAP_ONLY = {"id": "nap_only", "steps": [{"id": "nap", "kind": "sleep", "ms": 60_000}]}
+# A sleep beside a wait that never ends: the run waits on once the sleep is over.
+NAP_BESIDE_WAIT = {
+    "id": "nap_beside_wait",
+    "steps": [
+        {
+            "id": "par",
+            "kind": "parallel",
+            "branches": {
+                "nap": {"id": "nap", "kind": "sleep", "ms": 60_000},
+                "wait": {"id": "wait", "kind": "wait_event", "event": "never"},
+            },
+        }
+    ],
+}
+
+
 @pytest.mark.skipif("connection.vendor != 'postgresql'")
 def test_a_fired_sleeps_close_rides_on_its_next_attempts_insert_and_its_end_is_one_statement(
     sent,
@@ -441,9 +459,7 @@ def test_a_fired_sleeps_close_rides_on_its_next_attempts_insert_and_its_end_is_o
 def test_a_sleep_closed_just_before_the_runs_end_is_written_before_the_end_reads(sent) -> None:
     """A plan of a close then the run's end: the end reads the run's rows in flight and
     cancels them, so the close (a rider) must be sent before it, not after."""
-    definition_save(
-        document={"id": "nap_only", "steps": [{"id": "nap", "kind": "sleep", "ms": 60_000}]}
-    )
+    definition_save(document=NAP_ONLY)
     run_ids, _ = _fired_and_advanced("nap_only", 2)
     assert statuses(run_ids) == {"completed"}
     naps = StepRun.objects.filter(run_id__in=run_ids)
@@ -453,21 +469,7 @@ def test_a_sleep_closed_just_before_the_runs_end_is_written_before_the_end_reads
 def test_a_close_with_nothing_after_it_is_still_written(sent) -> None:
     """A plan whose only write is the close (another branch still waits, the run's status
     stays): the rider goes on its own."""
-    definition_save(
-        document={
-            "id": "nap_beside_wait",
-            "steps": [
-                {
-                    "id": "par",
-                    "kind": "parallel",
-                    "branches": {
-                        "nap": {"id": "nap", "kind": "sleep", "ms": 60_000},
-                        "wait": {"id": "wait", "kind": "wait_event", "event": "never"},
-                    },
-                }
-            ],
-        }
-    )
+    definition_save(document=NAP_BESIDE_WAIT)
     run_ids, _ = _fired_and_advanced("nap_beside_wait", 2)
     assert statuses(run_ids) == {"waiting"}
     rows = StepRun.objects.filter(run_id__in=run_ids)
@@ -479,23 +481,7 @@ def test_a_chunk_of_runs_that_end_close_or_go_on_is_written_in_order(sent) -> No
     """One chunk of runs whose plans differ: a next attempt (its insert deferred to the
     chunk's one statement), the run's end right after a close, a close alone (another
     branch still waits). Each is written as if advanced alone."""
-    for document in (
-        resumed.document(),
-        {"id": "nap_only", "steps": [{"id": "nap", "kind": "sleep", "ms": 60_000}]},
-        {
-            "id": "nap_beside_wait",
-            "steps": [
-                {
-                    "id": "par",
-                    "kind": "parallel",
-                    "branches": {
-                        "nap": {"id": "nap", "kind": "sleep", "ms": 60_000},
-                        "wait": {"id": "wait", "kind": "wait_event", "event": "never"},
-                    },
-                }
-            ],
-        },
-    ):
+    for document in (resumed.document(), NAP_ONLY, NAP_BESIDE_WAIT):
         definition_save(document=document)
     kinds = {"resumed_after_nap": 3, "nap_only": 3, "nap_beside_wait": 3}
     runs = [
