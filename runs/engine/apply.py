@@ -72,7 +72,7 @@ class Deferred:
     """The lone attempts of several runs' plans (a batch of fired runs, ``advance_many``),
     inserted together when ``flush`` is called: one statement for the batch instead of one
     a run (``store.insert_lone_attempts``). A plan is deferred only when nothing after it in
-    the transaction reads what it writes before the flush (see ``_Writer.defers``)."""
+    the transaction reads what it writes before the flush (see ``_defers``)."""
 
     def __init__(self) -> None:
         self.pending: list[tuple[StepRun, LoneAttempt]] = []
@@ -285,9 +285,8 @@ class _Writer:
         self.write_timers()
         (action,) = self.schedules
         step_run = _attempt(self.run, action, self.now)
-        values = {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
         riders, self.riders = self.riders, []
-        defer.add(step_run, LoneAttempt(self.run.id, values, self.run_changes(), riders))
+        defer.add(step_run, LoneAttempt(self.run.id, _row(step_run), self.run_changes(), riders))
         self.applied.held = step_run
         return self.applied
 
@@ -581,10 +580,7 @@ def _schedule_all(
             check_step_move(StepStatus.SCHEDULED, claim["status"])
             for name, value in claim.items():
                 setattr(step_runs[0], name, value)
-    rows = [
-        {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
-        for step_run in step_runs
-    ]
+    rows = [_row(step_run) for step_run in step_runs]
     ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None, riders=riders)
     for step_run, step_run_id in zip(step_runs, ids, strict=True):
         step_run.id = step_run_id
@@ -595,6 +591,11 @@ def _schedule_all(
 _ATTEMPT_FIELDS = [
     (field.name, field.attname) for field in StepRun._meta.concrete_fields if not field.primary_key
 ]
+
+
+def _row(step_run: StepRun) -> dict[str, Any]:
+    """The values an attempt's insert writes, by field name."""
+    return {name: getattr(step_run, attname) for name, attname in _ATTEMPT_FIELDS}
 
 
 def _attempt(run: Run, action: p.Schedule, now: datetime) -> StepRun:

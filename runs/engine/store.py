@@ -171,26 +171,17 @@ def insert_attempts(
             )
             for i, values in enumerate(rows)
         ]
-    names = list(rows[0])
-    fields = [_field(name) for name in names]
+    names = tuple(rows[0])
     if run_changes:
         update_run(run_id, run_changes, riders=riders)
     elif riders:
         send_riders(riders)
-    insert = _insert_unnest_sql(tuple(names))
+    insert = _insert_unnest_sql(names)
     ids: list[int] = []
     with prepared_cursor() as cursor:
         for start in range(0, len(rows), INSERT_BATCH):
             batch = rows[start : start + INSERT_BATCH]
-            # One array a column: the statement's text is the same for any number of rows,
-            # so it is parsed (and prepared) once, not as a VALUES list of 20,000
-            # placeholders that psycopg split and Postgres parsed again for every round of
-            # a fan-out (py-spy: a fifth of a fan-out's advance in psycopg's _split_query).
-            columns = [
-                [field.get_db_prep_save(values[name], connection) for values in batch]
-                for name, field in zip(names, fields, strict=True)
-            ]
-            cursor.execute(insert, columns)
+            cursor.execute(insert, _unnest_columns(names, batch))
             # Postgres inserts and returns the rows of UNNEST in their order (Django's
             # bulk_create on Postgres inserts through UNNEST and counts on it too).
             ids += [int(found[0]) for found in cursor.fetchall()]
@@ -225,29 +216,20 @@ def insert_lone_attempts(entries: Sequence[LoneAttempt]) -> list[int]:
             )
             for entry in entries
         ]
-    withs: list[str] = []
-    params: list[Any] = []
+    withs, params = _riding([rider for entry in entries for rider in entry.riders])
     updates: list[str] = []
     for index, entry in enumerate(entries):
-        for sql, rider_params in entry.riders:
-            withs.append(f"rider_{len(withs)} AS ({sql})")
-            params += rider_params
         if entry.run_changes:
             update, update_params = run_update_sql(entry.run_id, entry.run_changes)
             updates.append(f"run_update_{index}")
             withs.append(f"{updates[-1]} AS ({update} RETURNING 1)")
             params += update_params
     names = tuple(entries[0].values)
-    fields = [_field(name) for name in names]
-    columns = [
-        [field.get_db_prep_save(entry.values[name], connection) for entry in entries]
-        for name, field in zip(names, fields, strict=True)
-    ]
     counted = " + ".join(f"(SELECT count(*) FROM {name})" for name in updates) or "0"
-    insert = _insert_unnest_sql(names)
-    sql = f"WITH {', '.join(withs)} {insert}, {counted}" if withs else f"{insert}, 0"
+    insert = f"{_insert_unnest_sql(names)}, {counted}"
     with prepared_cursor() as cursor:
-        cursor.execute(sql, params + columns)
+        columns = _unnest_columns(names, [entry.values for entry in entries])
+        cursor.execute(f"WITH {', '.join(withs)} {insert}" if withs else insert, params + columns)
         found = cursor.fetchall()
     # A run's update without a status always finds its (locked) row: a count short of the
     # updates is a status the row may not move to (see run_update_sql).
@@ -257,6 +239,19 @@ def insert_lone_attempts(entries: Sequence[LoneAttempt]) -> list[int]:
         )
     # Postgres inserts and returns the rows of UNNEST in their order (see insert_attempts).
     return [int(row[0]) for row in found]
+
+
+def _unnest_columns(names: tuple[str, ...], rows: Sequence[dict[str, Any]]) -> list[list[Any]]:
+    """``rows``' values as ``_insert_unnest_sql`` takes them: one array a column, each value
+    as the ORM writes it. The statement's text is then the same for any number of rows, so
+    it is parsed (and prepared) once, not as a VALUES list of 20,000 placeholders that
+    psycopg split and Postgres parsed again for every round of a fan-out (py-spy: a fifth of
+    a fan-out's advance in psycopg's _split_query)."""
+    fields = [_field(name) for name in names]
+    return [
+        [field.get_db_prep_save(values[name], connection) for values in rows]
+        for name, field in zip(names, fields, strict=True)
+    ]
 
 
 @functools.cache
