@@ -639,7 +639,7 @@ DJFLOW = {
     "START_CHECKS_WORKERS": env.bool("DJFLOW_START_CHECKS_WORKERS", default=True),
     # POST /runs plans the run's first step in the request up to this many times a second per
     # web process; past it the request inserts the run and a worker plans it (runs.services).
-    "START_INLINE_PER_SECOND": env.float("DJFLOW_START_INLINE_PER_SECOND", default=10.0),
+    "START_INLINE_PER_SECOND": env.float("DJFLOW_START_INLINE_PER_SECOND", default=1.0),
     # A worker that finished a step runs the run's next step itself (no broker hop) for at
     # most this many steps and seconds in one task, then offers it through the broker.
     "INLINE_MAX_STEPS": env.int("DJFLOW_INLINE_MAX_STEPS", default=50),
