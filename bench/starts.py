@@ -107,12 +107,35 @@ def _http_sender(base_url: str, token: str) -> Callable[[int], None]:
     return send
 
 
+def _floor_sender(base_url: str) -> Callable[[int], None]:
+    """GET /, anonymous, one connection per request as above: every middleware and a
+    redirect to the sign-in page, no statement, no message. The most Django's request path
+    on this gunicorn answers: the ceiling of any view."""
+    parts = urlsplit(base_url)
+
+    def send(count: int) -> None:
+        for _ in range(count):
+            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+            try:
+                connection.request("GET", "/")
+                response = connection.getresponse()
+                response.read()
+            finally:
+                connection.close()
+            if response.status != 302:
+                raise RuntimeError(f"GET /: {response.status}")
+
+    return send
+
+
 def _client(side: str, count: int, arg: Any, ready: Any, go: Any, results: Any) -> None:
     """Warm up, say so, wait for the go, then ``count`` starts; report (began, ended)."""
     try:
         _setup_client()
         if side == "http":
             send = _http_sender(*arg)
+        elif side == "floor":
+            send = _floor_sender(arg)
         elif side == "service":
             send = _service_client
         else:
@@ -307,6 +330,7 @@ def measure(
             ("bare", None),
             ("service", None),
             ("http", [(url, token) for token in tokens]),
+            ("floor", [url] * clients),
         ]
         if cache_url:
             other = stack.enter_context(running_gunicorn(web_workers, cache_url))
@@ -328,6 +352,7 @@ def measure(
         ("service", f"{label}: run_start vs apply_async"),
         ("http", f"{http}) vs apply_async"),
         ("http_cache", f"{http}, CACHE_URL={cache_url}) vs apply_async"),
+        ("floor", f"{label}: GET / (anonymous redirect, no view: Django's ceiling) vs apply_async"),
     ]
     return [
         common.Row(name, "starts/s", statistics.median(rates[side]), bare, False)
