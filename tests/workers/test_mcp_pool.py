@@ -203,3 +203,19 @@ def test_a_pool_used_in_a_parent_works_in_a_forked_child(
         assert parent.open_count() == 1
     finally:
         parent.shutdown()
+
+
+def test_the_step_kinds_load_without_the_sdk() -> None:
+    """Every worker, web process and command loads the step kinds, and so this module: the
+    SDK (0.43 s of the 1.9 s a process spent importing) is loaded at the first client made
+    or answer read, not with them."""
+    probe = (
+        "import sys, django; django.setup(); import workers.tasks, workers.kinds.mcp_tool; "
+        "from workers.mcp import pool; pool.pool(); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'mcp', 'mcp_types'}))"
+    )
+    answer = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.strip().splitlines()[-1] == "[]"

@@ -37,25 +37,26 @@ import contextlib
 import contextvars
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import httpx2
 from django.conf import settings
-from mcp import Client, MCPError, StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
-from mcp_types import (
-    CONNECTION_CLOSED,
-    INTERNAL_ERROR,
-    REQUEST_TIMEOUT,
-    CallToolResult,
-    TextContent,
-)
+
+if TYPE_CHECKING:
+    from mcp import Client
+    from mcp_types import CallToolResult
+
+# The SDK (``mcp``, ``mcp_types``) is imported where a client is made or an answer read, not
+# here: it took 0.43 s of the 1.9 s every worker, web process and command spends importing
+# (``python -X importtime``), since the step kinds load this module, and most never call a
+# tool.
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,9 @@ def _client_for(
     caller closes it: the SDK leaves a client it was given open). ``on_status`` hears each
     HTTP error status: the SDK turns every one but 404 into the same JSON-RPC error, and
     whether another try may help (503) or not (401) is in the status."""
+    from mcp import Client, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamable_http_client
 
     async def heard(response: httpx2.Response) -> None:
         if response.status_code >= 400:
@@ -170,7 +174,10 @@ def _client_for(
         return Client(streamable_http_client(config["url"], http_client=http)), http
     command = list(config["command"])
     params = StdioServerParameters(command=command[0], args=command[1:], env=config.get("env"))
-    return Client(params), None
+    # The server's stderr goes to this process's own, named here: the SDK's default is
+    # ``sys.stderr`` as it was when the SDK was imported, and imported now, in a Celery pool
+    # process, that is Celery's LoggingProxy, which has no file descriptor to give a child.
+    return Client(stdio_client(params, errlog=sys.__stderr__ or sys.stderr)), None
 
 
 class _Held:
@@ -534,6 +541,9 @@ async def _bounded(held: _Held, call: Awaitable[T], seconds: float) -> T:
 
 
 def _mapped(error: BaseException, http_status: int | None = None) -> BaseException:
+    from mcp import MCPError
+    from mcp_types import CONNECTION_CLOSED, INTERNAL_ERROR, REQUEST_TIMEOUT
+
     leaf = _leaf(error)
     if http_status is not None and isinstance(leaf, MCPError) and leaf.error.code == INTERNAL_ERROR:
         if http_status in (408, 429) or http_status >= 500:
@@ -569,6 +579,8 @@ def _named(error: BaseException) -> str:
 
 
 def _result_of(result: CallToolResult) -> ToolResult:
+    from mcp_types import TextContent
+
     texts = [block.text for block in result.content if isinstance(block, TextContent)]
     meta = dict(result.meta or {})
     return ToolResult(
