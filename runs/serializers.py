@@ -438,7 +438,11 @@ class StepRunSerializer(serializers.ModelSerializer):
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
         if not step.error:
             return None
-        if self.context.get("tracebacks", False) or "traceback" not in step.error:
+        if (
+            self.context.get("tracebacks", False)
+            or not isinstance(step.error, dict)
+            or "traceback" not in step.error
+        ):
             return step.error
         # Tracebacks are for the workflow's operators (CONTRACT section 8): they show code,
         # paths and values that a starter or a viewer has no business reading.

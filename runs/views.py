@@ -155,7 +155,7 @@ def _render(request: Request, run: Run) -> Any:
     # Asked only of a journal that holds one: a run just started has none, and its starter's
     # global permissions need not be read for it (access.require_start did not).
     tracebacks = any(
-        step.error and "traceback" in step.error for step in run.steps.all()
+        isinstance(step.error, dict) and "traceback" in step.error for step in run.steps.all()
     ) and access.may_see_tracebacks(request.user, run.workflow_id)
     return RunSerializer(run, context={"tracebacks": tracebacks}).data
 

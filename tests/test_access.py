@@ -409,6 +409,21 @@ def test_tracebacks_only_for_operators(billing: WorkflowVersion) -> None:
     assert gate["error"]["traceback"] == "Traceback: /srv/app.py"
 
 
+def test_an_operator_reads_a_journal_whose_error_is_not_an_object(
+    billing: WorkflowVersion,
+) -> None:
+    """The engine writes errors as objects; one written otherwise (by hand, in the database)
+    still reads, for an operator and for the run's starter: it has no traceback to hide."""
+    starter = user_with("starter")
+    run = start(starter)
+    StepRun.objects.filter(run=run, step_id="gate").update(status=StepStatus.FAILED, error=5)
+    for reader in (user_with("operator"), starter):
+        response = api_for(reader).get(f"/api/v1/runs/{run.id}")
+        assert response.status_code == 200, response.content
+        [gate] = [step for step in response.json()["steps"] if step["step_id"] == "gate"]
+        assert gate["error"] == 5
+
+
 def test_ids_do_not_leak_a_run_one_may_not_see_is_the_same_404_as_none(
     billing: WorkflowVersion,
 ) -> None:
