@@ -94,17 +94,29 @@ def _http_sender(base_url: str, token: str) -> Callable[[int], None]:
 
     def send(count: int) -> None:
         for _ in range(count):
-            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-            try:
-                connection.request("POST", "/api/v1/runs", body, headers)
-                response = connection.getresponse()
-                answer = response.read()
-            finally:
-                connection.close()
-            if response.status != 201:
-                raise RuntimeError(f"POST /api/v1/runs: {response.status} {answer[:500]!r}")
+            _request(parts, "POST", "/api/v1/runs", 201, body, headers)
 
     return send
+
+
+def _request(
+    parts: Any,
+    method: str,
+    path: str,
+    expected: int,
+    body: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
+    """One request on a connection of its own, closed once the answer is read."""
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request(method, path, body, headers or {})
+        response = connection.getresponse()
+        answer = response.read()
+    finally:
+        connection.close()
+    if response.status != expected:
+        raise RuntimeError(f"{method} {path}: {response.status} {answer[:500]!r}")
 
 
 def _floor_sender(base_url: str) -> Callable[[int], None]:
@@ -115,15 +127,7 @@ def _floor_sender(base_url: str) -> Callable[[int], None]:
 
     def send(count: int) -> None:
         for _ in range(count):
-            connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
-            try:
-                connection.request("GET", "/")
-                response = connection.getresponse()
-                response.read()
-            finally:
-                connection.close()
-            if response.status != 302:
-                raise RuntimeError(f"GET /: {response.status}")
+            _request(parts, "GET", "/", 302)
 
     return send
 

@@ -379,6 +379,12 @@ def _content(content: Any) -> dict[str, Any] | None:
     return {"digest": content.digest, "size": content.size, **body}
 
 
+def has_traceback(error: Any) -> bool:
+    """Whether a step's error shows a traceback (an operator's to read, CONTRACT section 8).
+    The engine writes errors as objects; anything else has none to hide."""
+    return isinstance(error, dict) and "traceback" in error
+
+
 class StepRunSerializer(serializers.ModelSerializer):
     """One attempt of one step."""
 
@@ -438,11 +444,7 @@ class StepRunSerializer(serializers.ModelSerializer):
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
         if not step.error:
             return None
-        if (
-            self.context.get("tracebacks", False)
-            or not isinstance(step.error, dict)
-            or "traceback" not in step.error
-        ):
+        if self.context.get("tracebacks", False) or not has_traceback(step.error):
             return step.error
         # Tracebacks are for the workflow's operators (CONTRACT section 8): they show code,
         # paths and values that a starter or a viewer has no business reading.

@@ -39,6 +39,7 @@ from .serializers import (
     RunStartSerializer,
     RunTraceSerializer,
     StepResolveSerializer,
+    has_traceback,
 )
 from .status import RunStatus
 
@@ -155,7 +156,7 @@ def _render(request: Request, run: Run) -> Any:
     # Asked only of a journal that holds one: a run just started has none, and its starter's
     # global permissions need not be read for it (access.require_start did not).
     tracebacks = any(
-        isinstance(step.error, dict) and "traceback" in step.error for step in run.steps.all()
+        has_traceback(step.error) for step in run.steps.all()
     ) and access.may_see_tracebacks(request.user, run.workflow_id)
     return RunSerializer(run, context={"tracebacks": tracebacks}).data
 
