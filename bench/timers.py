@@ -178,7 +178,7 @@ def worker_rss(worker: CeleryProcess) -> dict[str, float]:
 
 
 # The engine's own periodic tasks: one may be running when the worker is asked.
-CLOCK_TASKS = frozenset({"runs.fire_timers", "runs.reconcile"})
+CLOCK_TASKS = frozenset({"runs.fire_timers", "runs.wake_timers", "runs.reconcile"})
 
 
 def inspect_counts(worker: CeleryProcess) -> dict[str, int]:

@@ -31,7 +31,13 @@ from runs import tracing
 
 # The tasks whose routine Celery lines are dropped.
 CLOCK_TASKS = frozenset(
-    {"runs.fire_timers", "runs.reconcile", "workers.sweep_kb_embeddings", "schedules.sweep"}
+    {
+        "runs.fire_timers",
+        "runs.wake_timers",
+        "runs.reconcile",
+        "workers.sweep_kb_embeddings",
+        "schedules.sweep",
+    }
 )
 # The loggers emitting them: "Task ... received" (the worker's consumer), "Task ... succeeded
 # in ..." (the pool process running it), "Scheduler: Sending due task ..." (beat).

@@ -424,6 +424,7 @@ CELERY_TASK_QUEUES = [Queue("default"), Queue("engine"), Queue("timers"), Queue(
 CELERY_TASK_ROUTES = {
     "approvals.send_mail": {"queue": "mail"},
     "runs.fire_timers": {"queue": "timers"},
+    "runs.wake_timers": {"queue": "timers"},
     "runs.reconcile": {"queue": "timers"},
     # Run-end webhooks go out beside the mail: a slow receiver delays only outbound messages.
     "workers.deliver_notification": {"queue": "mail"},
@@ -619,6 +620,12 @@ DJFLOW = {
     "TIMER_TICK_SECONDS": env.float("DJFLOW_TIMER_TICK_SECONDS", default=5.0),
     "TIMER_INLINE_RUNS": env.int("DJFLOW_TIMER_INLINE_RUNS", default=20),
     "TIMER_ADVANCE_BATCH": env.int("DJFLOW_TIMER_ADVANCE_BATCH", default=20),
+    # Between two ticks the engine wakes at the next timer due before the next tick (an ETA
+    # message, runs.wake_timers), no sooner than this many milliseconds after now: timers
+    # fire within about this much of their instant, not up to a second late. 0: the tick
+    # alone fires them. Measured (bench.timers precision, 100 timers a second): firing p99
+    # 985 ms with 0, 111 ms with 100 for 0.09 core more, 61 ms with 50 for 0.23 core more.
+    "TIMER_RESOLUTION_MS": env.int("DJFLOW_TIMER_RESOLUTION_MS", default=100),
     # Fired timers are kept this long (for inspection), then deleted by the reconciler.
     "TIMER_RETENTION_SECONDS": env.int("DJFLOW_TIMER_RETENTION_SECONDS", default=86400),
     # A worker without a step's handler hands the attempt back (class unservable) at most

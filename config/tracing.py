@@ -41,7 +41,13 @@ logger = logging.getLogger(__name__)
 # The engine's clock and housekeeping: a trace a second of beat's tick is noise, not insight.
 # Their spans (and what they cause that carries no run's context) are not sampled.
 QUIET_TASKS = frozenset(
-    {"runs.fire_timers", "runs.reconcile", "workers.sweep_kb_embeddings", "celery.backend_cleanup"}
+    {
+        "runs.fire_timers",
+        "runs.wake_timers",
+        "runs.reconcile",
+        "workers.sweep_kb_embeddings",
+        "celery.backend_cleanup",
+    }
 )
 
 _lock = threading.Lock()

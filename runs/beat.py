@@ -30,7 +30,7 @@ def install_beat_entries(
     the tick and the reconciler go before any run's messages a worker could take instead
     (kombu's Redis transport pops every queue's highest-priority list first, across queues),
     so urgent runs never delay the clock."""
-    every_second = _interval(interval_model, 1)
+    every_second = _interval(interval_model, 1)  # runs.dispatch.TICK_SECONDS
     every_reconcile = _interval(interval_model, max(1, int(reconcile_seconds)))
     task_model.objects.filter(name=OLD_SWEEP).delete()
     task_model.objects.update_or_create(

@@ -15,7 +15,10 @@ tasks), as it did when the task objects were imported.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import current_app
@@ -29,6 +32,7 @@ ADVANCE = "runs.advance"
 EXECUTE_STEP = "workers.execute_step"
 ADVANCE_RUNS = "workers.advance_runs"
 DELIVER_NOTIFICATION = "workers.deliver_notification"
+WAKE_TIMERS = "runs.wake_timers"
 
 
 # A run's priority when nothing says otherwise (POST /runs's default).
@@ -283,4 +287,55 @@ def notify_on_commit(delivery_ids: list[int], *, countdown: float | None = None)
                 ).apply_async(producer=producer, countdown=countdown)
 
     # robust: a broker outage leaves the rows pending; the reconciler offers them again.
+    transaction.on_commit(send, robust=True)
+
+
+# beat's period for the clock's tick, runs.fire_timers (runs.beat installs the entry).
+TICK_SECONDS = 1.0
+# A wake-up delivered this long after its instant is dropped: the tick has fired its timers by
+# then (a worker that restarted hands its held ETA messages back to the broker).
+WAKE_EXPIRES_SECONDS = 5.0
+
+
+def wake_timers_at(eta: datetime, *, until: datetime | None) -> None:
+    """A wake-up of the clock at ``eta`` (``runs.wake_timers``, on the clock's queue at its
+    priority): it fires the timers due then and, given ``until``, asks for the next wake-up
+    before that instant (runs.engine.timers.wake_before). Sent now. A broker outage is logged,
+    not raised: the one-second tick fires the timers anyway, only later."""
+    try:
+        current_app.signature(
+            WAKE_TIMERS,
+            kwargs={"until": until.timestamp() if until is not None else None},
+            ignore_result=True,
+            priority=broker_priority(9),
+        ).apply_async(eta=eta, expires=eta + timedelta(seconds=WAKE_EXPIRES_SECONDS))
+    except Exception:
+        logger.warning("could not send a wake-up of the clock", exc_info=True)
+
+
+# The instants (in TIMER_RESOLUTION_MS slots) this process asked a wake-up for when it armed
+# a timer, and when each is past: the runs of a burst armed for one instant ask once.
+_wakes_asked: dict[int, float] = {}
+
+
+def wake_timers_on_commit(fire_at: datetime) -> None:
+    """A timer armed for ``fire_at``: if that is before the next tick, a wake-up at its
+    instant, rounded up to ``TIMER_RESOLUTION_MS``, once the transaction commits, unless this
+    process asked for one at that instant already (the wake-up fires every timer then due)."""
+    resolution = settings.DJFLOW["TIMER_RESOLUTION_MS"]
+    if resolution <= 0 or fire_at.timestamp() >= time.time() + TICK_SECONDS:
+        return
+    slot = math.ceil(fire_at.timestamp() * 1000 / resolution)
+    at = slot * resolution / 1000
+
+    def send() -> None:
+        if slot in _wakes_asked:
+            return
+        if len(_wakes_asked) > 64:
+            now = time.time()
+            for past in [slot for slot, when in _wakes_asked.items() if when < now]:
+                del _wakes_asked[past]
+        _wakes_asked[slot] = at
+        wake_timers_at(datetime.fromtimestamp(at, tz=UTC), until=None)
+
     transaction.on_commit(send, robust=True)

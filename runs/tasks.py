@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime, timedelta
 
 from celery import shared_task
 from django.conf import settings
 from django.db import DatabaseError
+from django.utils import timezone
 
 from . import bulk, metrics, retention
+from .dispatch import TICK_SECONDS
 from .engine.advance import run_advance
 from .engine.reconcile import reconcile as reconcile_once
-from .engine.timers import fire_due
+from .engine.timers import fire_due, wake_before
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,32 @@ def fire_timers() -> int:
     """The engine's clock tick (beat, every second): fire due timers, advance their runs.
     Said at info only when it fired some: an idle tick is debug (config.logging drops
     Celery's own lines about it)."""
+    began = timezone.now()
     fired = fire_due()
+    # The timers due before the next tick fire at their instant, not at that tick.
+    _wake_before(began + timedelta(seconds=TICK_SECONDS))
     logger.log(logging.INFO if fired else logging.DEBUG, "timers: fired %d due timer(s)", fired)
     return fired
+
+
+@shared_task(name="runs.wake_timers", ignore_result=True, send_events=False)
+def wake_timers(until: float | None = None) -> int:
+    """A wake-up of the clock between ticks (runs.engine.timers.wake_before): fire what is
+    due; given ``until`` (the next tick's instant, epoch seconds), ask for the next wake-up
+    before it. As quiet as the tick: Flower and the log hear of it only when it fired some."""
+    fired = fire_due(tick=False)
+    if until is not None:
+        _wake_before(datetime.fromtimestamp(until, tz=UTC))
+    logger.log(logging.INFO if fired else logging.DEBUG, "timers: fired %d due timer(s)", fired)
+    return fired
+
+
+def _wake_before(until: datetime) -> None:
+    try:
+        wake_before(until)
+    except DatabaseError:
+        # The tick fires them anyway, a second later at most.
+        logger.warning("timers: could not look for the next due timer", exc_info=True)
 
 
 @shared_task(name="runs.reconcile", ignore_result=True)

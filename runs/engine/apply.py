@@ -294,6 +294,8 @@ class _Writer:
         if self.timers:
             # The same journal planned twice asks for the same keys: one row each.
             Timer.objects.bulk_create(self.timers, ignore_conflicts=True)
+            # One due before the next tick: the clock wakes for it (runs.engine.timers).
+            dispatch.wake_timers_on_commit(min(timer.fire_at for timer in self.timers))
 
     def run_changes(self) -> dict[str, Any]:
         """The run's fields this plan changed, ``updated_at`` among them when more than the

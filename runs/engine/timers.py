@@ -14,6 +14,14 @@ A handful of runs is advanced by the tick itself; more are handed to workers in 
 advanced run's next step itself when it serves it. Should such a message be lost, the
 reconciler finds its runs (see reconcile.py).
 
+Between two ticks the clock wakes at the next due timer (``wake_before``): the tick, and each
+wake-up, ask for a wake-up (an ETA message, ``runs.wake_timers``) at the earliest unfired
+timer due before the next tick, no sooner than ``TIMER_RESOLUTION_MS`` from now; a timer armed
+due before the next tick asks for one as its transaction commits
+(``dispatch.wake_timers_on_commit``). Timers then fire within about the resolution of their
+instant instead of up to a second late. A wake-up is only ever early help: lost, late or
+doubled, the tick still fires every timer, and the claim fires each once.
+
 The tick has a time budget (``TIMER_TICK_SECONDS``): it stops claiming once it is spent, and
 what it advances itself is one bounded round per run (``advance.ADVANCE_ACTIONS``), only while
 the budget lasts; the rest goes to workers. One huge run cannot hold everyone's timers.
@@ -58,23 +66,57 @@ RETURNING t.run_id, t.purpose, t.step_run_id
 """
 
 
-def fire_due(*, budget_seconds: float | None = None) -> int:
+def fire_due(*, budget_seconds: float | None = None, tick: bool = True) -> int:
     """Fire every due timer, batch after batch, for at most ``budget_seconds``; returns how
-    many were fired by this call."""
+    many were fired by this call.
+
+    ``tick`` false, a wake-up between ticks: the runs of lapsed leases are left to the tick,
+    which looks for them once a second, and every fired run goes to workers in batches, none
+    is advanced here. A wake-up fires a few runs at a time; advanced here, each would cost an
+    ``execute_step`` message of its own. Measured with 100 timers a second due 10 ms apart
+    (bench.timers precision, a 50 ms resolution): the worker took 1.2 cores that way, 0.7 in
+    batches."""
     tunables = settings.DJFLOW
     budget = tunables["TIMER_TICK_SECONDS"] if budget_seconds is None else budget_seconds
     batch = tunables["TIMER_BATCH"]
     until = time.monotonic() + budget
     fired = 0
-    _advance(lapsed_leases(timezone.now(), batch), until)
+    if tick:
+        _advance(lapsed_leases(timezone.now(), batch), until)
     while True:
         claimed = claim_due(timezone.now(), batch)
         fired += len(claimed)
         _fire_hooks(claimed)
         _end_waits([step for _, purpose, step in claimed if purpose == TimerPurpose.UNSERVABLE])
-        _advance(_runs_to_advance(claimed), until)
+        fired_runs = _runs_to_advance(claimed)
+        if tick:
+            _advance(fired_runs, until)
+        elif fired_runs:
+            _to_workers(fired_runs)
         if len(claimed) < batch or time.monotonic() >= until:
             return fired
+
+
+def wake_before(until: datetime) -> datetime | None:
+    """Ask for a wake-up at the earliest unfired timer due before ``until`` (the next tick),
+    no sooner than ``TIMER_RESOLUTION_MS`` from now; returns its instant, or None when the
+    tick comes first (or the resolution is 0). One probe of ``timer_due``."""
+    resolution = settings.DJFLOW["TIMER_RESOLUTION_MS"]
+    if resolution <= 0:
+        return None
+    due = (
+        Timer.objects.filter(fired_at__isnull=True, fire_at__lt=until)
+        .order_by("fire_at")
+        .values_list("fire_at", flat=True)
+        .first()
+    )
+    if due is None:
+        return None
+    eta = max(due, timezone.now() + timedelta(milliseconds=resolution))
+    if eta >= until:
+        return None
+    dispatch.wake_timers_at(eta, until=until)
+    return eta
 
 
 def lapsed_leases(now: datetime, batch: int) -> list[Any]:

@@ -7,7 +7,9 @@ Celery sends with ``send_task``, which knows none of a task's declared options."
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -19,7 +21,13 @@ from approvals import outbox
 from config.celery import app
 from runs import dispatch
 
-TASKS = ("runs.advance", "workers.execute_step", "workers.advance_runs", "approvals.send_mail")
+TASKS = (
+    "runs.advance",
+    "runs.wake_timers",
+    "workers.execute_step",
+    "workers.advance_runs",
+    "approvals.send_mail",
+)
 
 
 @pytest.fixture(params=["imported", "not imported"])
@@ -45,6 +53,7 @@ def sent(request) -> Iterator[list[dict[str, Any]]]:
                 "timelimit": tuple(headers["timelimit"]),
                 "queue": getattr(queue, "name", queue),
                 "chord": embed.get("chord"),
+                **{key: headers[key] for key in ("eta", "expires") if headers.get(key)},
             }
         )
 
@@ -226,3 +235,56 @@ def test_a_runs_priority_orders_its_messages_on_a_redis_queue() -> None:
             channel.client.delete(*[channel._q_for_pri(queue, p) for p in channel.priority_steps])
     assert taken == ["pri-9", "pri-5", "pri-0"]
     assert [dispatch.broker_priority(p) for p in (None, 0, 9)] == [4, 9, 0]
+
+
+@pytest.fixture
+def no_wakes_asked() -> Iterator[None]:
+    dispatch._wakes_asked.clear()
+    yield
+    dispatch._wakes_asked.clear()
+
+
+def test_a_wake_up_of_the_clock_goes_to_the_timers_queue_at_its_instant(sent) -> None:
+    """Between ticks the clock wakes at the next due timer: an ETA message on the clock's
+    queue, dropped 5 s past its instant (the tick has fired its timers by then)."""
+    eta = datetime(2026, 12, 6, 12, 0, 0, 250000, tzinfo=UTC)
+    until = eta + timedelta(seconds=0.5)
+    dispatch.wake_timers_at(eta, until=until)
+    dispatch.wake_timers_at(eta, until=None)
+    assert [(m["task"], m["kwargs"], m["queue"], m["ignore_result"]) for m in sent] == [
+        ("runs.wake_timers", {"until": until.timestamp()}, "timers", True),
+        ("runs.wake_timers", {"until": None}, "timers", True),
+    ]
+    for message in sent:
+        assert datetime.fromisoformat(message["eta"]) == eta
+        assert datetime.fromisoformat(message["expires"]) == eta + timedelta(seconds=5)
+
+
+def test_a_timer_armed_due_before_the_next_tick_asks_once_for_a_wake_up_at_its_instant(
+    sent, settings, no_wakes_asked
+) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 100}
+    now = datetime.now(UTC)
+    # 20 ms into a 100 ms slot, 0.3 to 0.4 s from now.
+    soon = datetime.fromtimestamp(math.floor(now.timestamp() * 10 + 3) / 10 + 0.02, UTC)
+    dispatch.wake_timers_on_commit(soon)
+    # The same 100 ms slot (a burst's runs armed for one instant): asked for already.
+    dispatch.wake_timers_on_commit(soon + timedelta(milliseconds=1))
+    # Past the next tick: the tick's own look finds it.
+    dispatch.wake_timers_on_commit(now + timedelta(seconds=1.5))
+    [message] = sent
+    assert (message["task"], message["kwargs"]) == ("runs.wake_timers", {"until": None})
+    eta = datetime.fromisoformat(message["eta"])
+    # Rounded up to the resolution: never before the timer is due.
+    # Rounded up to the slot's end: never before the timer is due (within float rounding).
+    assert abs(eta - (soon + timedelta(milliseconds=80))) <= timedelta(microseconds=2)
+    sent.clear()
+    dispatch.wake_timers_on_commit(soon + timedelta(milliseconds=100))
+    [following] = [datetime.fromisoformat(m["eta"]) for m in sent]
+    assert abs(following - (eta + timedelta(milliseconds=100))) <= timedelta(microseconds=2)
+
+
+def test_no_wake_up_is_asked_with_a_resolution_of_zero(sent, settings, no_wakes_asked) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 0}
+    dispatch.wake_timers_on_commit(datetime.now(UTC) + timedelta(seconds=0.3))
+    assert sent == []

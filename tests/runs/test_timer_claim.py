@@ -96,3 +96,43 @@ def _scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
     for child in plan.get("Plans", []):
         found += _scans(child)
     return found
+
+
+def test_the_clock_asks_to_wake_at_the_next_timer_due_before_the_next_tick(settings) -> None:
+    """``wake_before``: the earliest unfired timer due before the next tick, no sooner than
+    the resolution from now; nothing when the tick comes first or the resolution is 0."""
+    from unittest import mock
+
+    from runs import dispatch
+
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 100}
+    run = RunFactory()
+    now = timezone.now()
+    until = now + timedelta(seconds=1)
+
+    def asked(fired: Any = None, **timers_at: Any) -> list[Any]:
+        Timer.objects.all().delete()
+        if fired is not None:
+            Timer.objects.create(run=run, purpose="sleep", key="f", fire_at=fired, fired_at=now)
+        for key, at in timers_at.items():
+            Timer.objects.create(run=run, purpose="sleep", key=key, fire_at=at)
+        with mock.patch.object(dispatch, "wake_timers_at") as wake:
+            eta = timers.wake_before(until)
+        assert [call.kwargs["until"] for call in wake.call_args_list] == [until] * len(
+            wake.call_args_list
+        )
+        sent = [call.args[0] for call in wake.call_args_list]
+        assert sent == ([] if eta is None else [eta])
+        return sent
+
+    soon, later = now + timedelta(milliseconds=400), now + timedelta(milliseconds=700)
+    assert asked(a=later, b=soon, c=now + timedelta(hours=1)) == [soon]
+    # A fired timer is not waited for, nor one the next tick comes before.
+    assert asked(fired=soon, a=now + timedelta(seconds=1.5)) == []
+    assert asked(fired=soon, a=later) == [later]
+    assert asked() == []
+    # One due already (a tick out of budget): not before the resolution from now.
+    [eta] = asked(a=now - timedelta(seconds=3))
+    assert eta >= now + timedelta(milliseconds=100)
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 0}
+    assert asked(a=soon) == []

@@ -170,6 +170,36 @@ def test_sleep_until_a_past_time_is_over_at_once_and_a_later_one_waits_for_it(
     assert Timer.objects.get(run=ahead, purpose="sleep").fires == 1
 
 
+def test_timers_fire_at_their_instant_not_at_the_next_tick(
+    celery_worker, celery_beat, celery_processes
+) -> None:
+    """Between beat's one-second ticks the clock wakes at the next due timer
+    (``runs.wake_timers``, DJFLOW_TIMER_RESOLUTION_MS 100 by default). Sleeps due at six
+    instants spread over one second each fire within the resolution and a message's latency
+    of their instant; so do three armed due within the second, each of which asks for a
+    wake-up as it commits. From the tick alone, lateness spreads from 0 to 1 s over the
+    phases of a second: at most two of the six would be under 350 ms."""
+    celery_worker(workflow_modules=FLOWS)
+    celery_beat()
+    base = timezone.now() + timedelta(seconds=3)
+    runs = [start("alarm", {"until": epoch_ms(base + timedelta(seconds=k / 6))}) for k in range(6)]
+    all_finished([run.id for run in runs], timeout=30, logs=celery_processes.logs)
+    soon = []
+    for _ in range(3):
+        soon.append(start("alarm", {"until": epoch_ms(timezone.now() + timedelta(seconds=0.4))}))
+        time.sleep(0.37)
+    all_finished([run.id for run in soon], timeout=30, logs=celery_processes.logs)
+    timers = Timer.objects.filter(run__in=[*runs, *soon], purpose="sleep")
+    late = sorted((t.fired_at - t.fire_at).total_seconds() for t in timers)
+    print("sleeps fired " + ", ".join(f"{s * 1000:.0f}" for s in late) + " ms after their instant")
+    assert len(late) == 9 and late[0] >= 0, late
+    assert late[-1] <= 0.35, late
+    assert Counter(timers.values_list("fires", flat=True)) == {1: 9}
+    assert Counter(
+        Run.objects.filter(id__in=[r.id for r in [*runs, *soon]]).values_list("status", flat=True)
+    ) == {"completed": 9}
+
+
 # --- 3. a thousand runs due at one instant ---------------------------------------------------
 
 
