@@ -99,6 +99,36 @@ def test_the_tick_hands_many_fired_runs_to_workers_in_batches(sent, settings) ->
     assert statuses([str(run.id) for run in runs]) == {"waiting"}
 
 
+def test_a_wake_up_hands_even_a_few_fired_runs_to_workers_and_leaves_leases_to_the_tick(
+    sent, settings, monkeypatch
+) -> None:
+    """Between ticks a wake-up fires a few runs at a time: they go to workers in a batch
+    (advanced by the wake-up, each would cost an execute_step message of its own), and the
+    lapsed leases, which the tick looks for every second, are not looked for."""
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_INLINE_RUNS": 20, "TIMER_ADVANCE_BATCH": 4}
+    runs = start_sleeping("resumed_after_nap", 2)
+    past = timezone.now() - timedelta(milliseconds=1)
+    Timer.objects.filter(run__in=runs, purpose="sleep").update(fire_at=past)
+    leases = []
+    monkeypatch.setattr(timers, "lapsed_leases", lambda *a: leases.append(a) or [])
+    assert timers.fire_due(tick=False) == 2
+    [(batched, size)] = sent["batches"]
+    assert size == 4 and sorted(batched) == sorted(run.id for run in runs)
+    assert statuses([str(run.id) for run in runs]) == {"waiting"} and leases == []
+    assert sent["offered"] == [] and not StepRun.objects.filter(step_id="after").exists()
+    # The tick, with as few, advances them itself and looks for lapsed leases.
+    more = start_sleeping("resumed_after_nap", 2)
+    # The sleeps over too (the planner reads the row's instant; the timer's alone re-arms).
+    StepRun.objects.filter(run__in=more, step_id="nap").update(not_before=past)
+    Timer.objects.filter(run__in=more, purpose="sleep").update(fire_at=past)
+    assert timers.fire_due() == 2
+    assert len(sent["batches"]) == 1 and len(leases) == 1
+    # Each run's next step written and offered by the tick's own advance.
+    after = StepRun.objects.filter(step_id="after")
+    assert sorted(after.values_list("run_id", flat=True)) == sorted(run.id for run in more)
+    assert sorted(sent["offered"]) == sorted(after.values_list("id", flat=True))
+
+
 def test_a_batch_advances_each_run_and_runs_its_next_step_without_a_message(sent) -> None:
     run_ids = fire(start_sleeping("resumed_after_nap", 3))
     ran_here = execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
