@@ -333,8 +333,10 @@ def wake_timers_on_commit(fire_at: datetime) -> None:
             return
         if len(_wakes_asked) > 64:
             now = time.time()
-            for past in [slot for slot, when in _wakes_asked.items() if when < now]:
-                del _wakes_asked[past]
+            # A copy (one C call under the GIL): a threaded web process's other requests
+            # may ask meanwhile.
+            for past in [slot for slot, when in _wakes_asked.copy().items() if when < now]:
+                _wakes_asked.pop(past, None)
         _wakes_asked[slot] = at
         wake_timers_at(datetime.fromtimestamp(at, tz=UTC), until=None)
 

@@ -288,3 +288,13 @@ def test_no_wake_up_is_asked_with_a_resolution_of_zero(sent, settings, no_wakes_
     settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 0}
     dispatch.wake_timers_on_commit(datetime.now(UTC) + timedelta(seconds=0.3))
     assert sent == []
+
+
+def test_the_instants_asked_for_are_forgotten_once_past(sent, settings, no_wakes_asked) -> None:
+    """A long-lived process asks for wake-ups all day: what it remembers stays small."""
+    settings.DJFLOW = {**settings.DJFLOW, "TIMER_RESOLUTION_MS": 100}
+    past = datetime.now(UTC) - timedelta(seconds=60)
+    for index in range(200):
+        dispatch.wake_timers_on_commit(past + timedelta(milliseconds=100 * index))
+    assert len(sent) == 200
+    assert len(dispatch._wakes_asked) <= 65
