@@ -51,7 +51,10 @@ def wake_timers(until: float | None = None) -> int:
     before it. As quiet as the tick: Flower and the log hear of it only when it fired some."""
     fired = fire_due(tick=False)
     if until is not None:
-        _wake_before(datetime.fromtimestamp(until, tz=UTC))
+        # Never past the next tick as this worker sees it: a message's ``until`` (a skewed
+        # clock's, or one written by hand) cannot make a chain of wake-ups that never ends.
+        next_tick = timezone.now() + timedelta(seconds=TICK_SECONDS)
+        _wake_before(min(datetime.fromtimestamp(until, tz=UTC), next_tick))
     logger.log(logging.INFO if fired else logging.DEBUG, "timers: fired %d due timer(s)", fired)
     return fired
 

@@ -89,6 +89,7 @@ def test_the_clock_has_a_queue_of_its_own_and_a_plain_worker_consumes_it() -> No
         return app.amqp.router.route({}, task)["queue"].name
 
     assert queue_of("runs.fire_timers") == queue_of("runs.reconcile") == "timers"
+    assert queue_of("runs.wake_timers") == "timers"
     assert queue_of("runs.advance") == "engine"
     assert {"default", "engine", "timers"} <= set(app.amqp.queues)
 
@@ -103,6 +104,64 @@ def test_a_broker_outage_while_the_tick_hands_runs_out_is_logged_not_raised(capl
     ):
         dispatch.advance_many(["r1", "r2"])  # the reconciler advances them later
     assert "could not send advance for 2 runs" in caplog.text
+
+
+def test_a_wake_up_goes_at_the_clocks_priority_and_a_broker_outage_is_logged(caplog) -> None:
+    """A wake-up is sent like the tick, at the top of the broker's scale; a broker that is
+    down costs only the wake-up (the tick fires its timers), logged, not raised."""
+    from datetime import UTC, datetime
+    from unittest import mock
+
+    from config.celery import app
+    from runs import dispatch
+
+    eta = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    with mock.patch.object(app.amqp, "send_task_message") as send:
+        dispatch.wake_timers_at(eta, until=None)
+    assert send.call_args.kwargs["priority"] == dispatch.broker_priority(9)
+    with mock.patch.object(
+        app.amqp, "send_task_message", side_effect=ConnectionError("broker down")
+    ):
+        dispatch.wake_timers_at(eta, until=None)
+    assert "could not send a wake-up of the clock" in caplog.text
+
+
+def test_a_database_error_looking_for_the_next_timer_does_not_fail_the_tick(db, caplog) -> None:
+    """The tick has fired what was due; a failed look for the next timer (the wake-up's) is
+    logged, and the tick returns its count: the next tick looks again."""
+    from unittest import mock
+
+    from django.db import OperationalError
+
+    from runs import tasks
+
+    with mock.patch.object(tasks, "wake_before", side_effect=OperationalError("gone")):
+        assert tasks.fire_timers() == 0
+        assert tasks.wake_timers(until=None) == 0
+        assert tasks.wake_timers(until=4102444800.0) == 0
+    assert caplog.text.count("could not look for the next due timer") == 2
+
+
+def test_a_wake_up_never_chains_past_the_next_tick_whatever_its_message_says(db) -> None:
+    """``until`` comes from a message: one far in the future (a skewed clock, a hand-made
+    message) is cut to the next tick as the worker sees it."""
+    from datetime import timedelta
+    from unittest import mock
+
+    from django.utils import timezone
+
+    from runs import tasks
+
+    with mock.patch.object(tasks, "wake_before") as wake:
+        before = timezone.now()
+        tasks.wake_timers(until=4102444800.0)  # 2100
+        after = timezone.now()
+    [until] = wake.call_args.args
+    assert before + timedelta(seconds=1) <= until <= after + timedelta(seconds=1)
+    with mock.patch.object(tasks, "wake_before") as wake:
+        soon = (timezone.now() + timedelta(milliseconds=300)).timestamp()
+        tasks.wake_timers(until=soon)
+    assert wake.call_args.args[0].timestamp() == soon
 
 
 def test_beats_start_gives_the_clock_the_brokers_highest_priority(db) -> None:
