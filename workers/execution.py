@@ -43,7 +43,7 @@ from runs.engine.advance import (
 )
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import attempts_in_flight, record_result, request_advance
-from runs.models import Run, StepRun
+from runs.models import Effect, Run, StepRun
 from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
@@ -184,6 +184,9 @@ class _Chain:
     # claimed.
     then: tuple[StepRun, str] | None = None
     then_claimed: Claimed | None = None
+    # A batch's attempts claimed ahead (advance_and_execute): their results, kept here to be
+    # recorded together (_record_all) instead of each in a transaction of its own.
+    collect: list[_Result] | None = None
 
     def goes_on_with(self, step_run: StepRun) -> bool:
         """Whether this task runs ``step_run`` (the run's next attempt) itself."""
@@ -282,31 +285,52 @@ class _Batch:
             and _serves(step_run, workflow_id)
         )
 
+    def ahead(self, step_run: StepRun) -> bool:
+        """Whether the attempt is claimed as the chunk inserts it, run with the chunk's other
+        such attempts, and recorded with them (``run_ahead``): an ``at_least_once`` attempt
+        at the top of its run that this task runs. A worker lost in between leaves it
+        ``running`` until its lease lapses, and the run tries it again, as the contract lets
+        an ``at_least_once`` attempt be; an ``at_most_once`` one is claimed only just before
+        its body runs, and its result recorded as soon as it ends."""
+        return (
+            step_run.effect != Effect.AT_MOST_ONCE
+            and not step_run.path
+            and self.runs_here(step_run, step_run.run.workflow_id)
+        )
+
     def advance(self, run_ids: list[str]) -> None:
         claims: dict[int, Claimed | None] = {}
         token = uuid.uuid4()
+        now = timezone.now()
+
+        def claim_ahead(step_run: StepRun) -> dict[str, Any] | None:
+            if not self.ahead(step_run):
+                return None
+            return claim_of(step_run, worker=self.worker, now=now, claim=token)
 
         def claim_first(held: list[tuple[StepRun, str]]) -> None:
             # In the chunk's transaction, which commits before the body runs: the first
             # attempt's claim costs no commit of its own.
             for step_run, workflow_id in held:
-                if self.runs_here(step_run, workflow_id):
+                if step_run.claim is None and self.runs_here(step_run, workflow_id):
                     claims[step_run.id] = claim_attempt(
                         step_run.id, worker=self.worker, now=timezone.now(), claim=token
                     )
                     return
 
         try:
-            held = advance_many(run_ids, hold=True, before_commit=claim_first)
+            held = advance_many(run_ids, hold=True, claim_as=claim_ahead, before_commit=claim_first)
         except BatchFailed:
             logger.warning("advance_runs: %d runs one by one", len(run_ids), exc_info=True)
-            if claims:
-                # The commit may have gone through unacknowledged: that claim is nobody's.
-                with contextlib.suppress(Exception):
-                    _release(token)
+            # The commit may have gone through unacknowledged: what it claimed (the first
+            # attempt, and those inserted claimed) is nobody's.
+            with contextlib.suppress(Exception):
+                _release(token)
             self.advance_each(run_ids)
             return
         shown = task_events.StepEvents.for_current_task()
+        nexts = self.run_ahead([entry for entry in held if entry[0].claim is not None], shown)
+        held = [entry for entry in held if entry[0].claim is None]
         for index, (step_run, workflow_id) in enumerate(held):
             claimed = claims.pop(step_run.id, None)
             # Not self.spent(): the time is looked at between chunks, and an attempt of a run
@@ -329,6 +353,54 @@ class _Batch:
             if after is not None and chain.then_claimed is not None:
                 # Claimed by the last recording: run next, whatever happened after it.
                 claims[after[0].id] = chain.then_claimed
+        for step_run, workflow_id, _ in nexts:
+            # The next steps of the runs recorded together, each claimed as it is run.
+            if not self.runs_here(step_run, workflow_id):
+                dispatch.offer_now(step_run, workflow_id=workflow_id)
+                continue
+            try:
+                self.chained = _run_chain(
+                    self.chain(step_run), shown, (step_run, workflow_id, None)
+                )
+            except Exception:
+                logger.exception(
+                    "advance_runs: run %s failed; the reconciler takes it", step_run.run_id
+                )
+
+    def run_ahead(self, ahead: list[tuple[StepRun, str]], shown: Any) -> list[Held]:
+        """Run the attempts the chunk's transaction inserted claimed (``ahead``), one after
+        another, and record their results in one transaction (``_record_all``): a fired
+        run's step then costs no transaction of its own. Returns the runs' next attempts
+        (committed ``scheduled``). Past the task's time, the attempts not yet run are handed
+        back (offered again)."""
+        if not ahead:
+            return []
+        claimed = [(*entry, claimed_from(entry[0], entry[0].run)) for entry in ahead]
+        # Claimed, not yet started: their leases kept alive while the others run.
+        for _, _, row in claimed:
+            keeper.hold(row.id, row.claim, row.deadline_at)
+        results: list[_Result] = []
+        try:
+            for index, held in enumerate(claimed):
+                chain = self.chain(held[0])
+                if not chain.goes_on_with(held[0]):
+                    _give_back(claimed[index:])
+                    break
+                chain.collect = results
+                try:
+                    _run_chain(chain, shown, held)
+                except Exception:
+                    logger.exception(
+                        "advance_runs: run %s failed; the reconciler takes it", held[0].run_id
+                    )
+                self.chained = chain.chained
+        finally:
+            try:
+                outcomes = _record_all(results)
+            finally:
+                for _, _, row in claimed:
+                    keeper.release(row.id)
+        return [held for _, held in outcomes if held is not None]
 
     def advance_each(self, run_ids: list[str]) -> None:
         """Each run in a transaction of its own (a chunk whose transaction failed)."""
@@ -362,6 +434,17 @@ def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:
             dispatch.offer_now(held[0], workflow_id=held[1])
             break
     return chain.chained
+
+
+def _give_back(ahead: list[tuple[StepRun, str, Claimed]]) -> None:
+    """Attempts a batch claimed ahead and will not run (its time is spent): back to
+    ``scheduled`` and offered, as an attempt a worker hands back."""
+    with transaction.atomic():
+        now = timezone.now()
+        for step_run, workflow_id, row in ahead:
+            if _returned(row.id, row.claim, now):
+                dispatch.offer_on_commit(step_run, workflow_id=workflow_id)
+    logger.info("advance_runs: %d attempts claimed ahead offered again", len(ahead))
 
 
 def _serves(step_run: StepRun, workflow_id: str) -> bool:
@@ -540,38 +623,130 @@ def _record(
     chain: _Chain | None = None,
 ) -> tuple[str, Held | None]:
     """Record the attempt's result and advance the run, in one transaction; through a
-    database restart, keep trying (the body must not be lost, nor run again)."""
+    database restart, keep trying (the body must not be lost, nor run again). An attempt a
+    batch claimed ahead (``chain.collect``) is kept to be recorded with the batch's others."""
     if ctx.trace_span is not None:
         tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
+    result = _Result(row, claim, status, output, error, ctx, run_secrets)
+    if chain is not None and chain.collect is not None and not row.path:
+        # Its lease kept alive until the batch records it (see _Batch.run_ahead).
+        keeper.hold(row.id, claim, row.deadline_at)
+        chain.collect.append(result)
+        return status, None
+    return _recording(result, chain)
+
+
+@dataclass
+class _Result:
+    """An attempt's result, to be recorded (``_record_once``'s arguments but the chain)."""
+
+    row: Claimed
+    claim: uuid.UUID
+    status: str
+    output: Any
+    error: dict[str, Any] | None
+    ctx: StepContext
+    run_secrets: dict[str, Any]
+
+
+def _recording(result: _Result, chain: _Chain | None) -> tuple[str, Held | None]:
+    """``_record``'s transaction, tried again through a database restart."""
     give_up = time.monotonic() + settings.DJFLOW["RECORD_RETRY_SECONDS"]
     pause = 0.1
     # Claims on the next attempt made by tries that failed, perhaps after their commit.
     unsure: list[uuid.UUID] = []
     while True:
         try:
-            recorded = _record_once(row, claim, status, output, error, ctx, run_secrets, chain)
+            recorded = _record_once(*_arguments(result), chain)
         except (OperationalError, InterfaceError):
             if chain is not None:
                 unsure += chain.pending
             if time.monotonic() + pause > give_up:
                 raise
-            logger.warning("recording attempt %s failed; reconnecting", row.id, exc_info=True)
+            logger.warning(
+                "recording attempt %s failed; reconnecting", result.row.id, exc_info=True
+            )
             connection.close()
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
         else:
             for lost in unsure:
                 _release(lost)
-            # Committed: counted now, off the recording's transaction (runs.metrics).
-            metrics.attempt_recorded(
-                workflow=row.workflow_id,
-                kind=row.kind,
-                status=None if recorded[0] == "dropped" else status,
-                error=error,
-                seconds=time.monotonic() - ctx.started,
-                spans=ctx.spans,
-            )
+            _counted(result, recorded[0])
             return recorded
+
+
+def _arguments(
+    result: _Result,
+) -> tuple[Claimed, uuid.UUID, str, Any, dict[str, Any] | None, StepContext, dict[str, Any]]:
+    return (
+        result.row,
+        result.claim,
+        result.status,
+        result.output,
+        result.error,
+        result.ctx,
+        result.run_secrets,
+    )
+
+
+def _counted(result: _Result, outcome: str) -> None:
+    """Committed: counted now, off the recording's transaction (runs.metrics)."""
+    metrics.attempt_recorded(
+        workflow=result.row.workflow_id,
+        kind=result.row.kind,
+        status=None if outcome == "dropped" else result.status,
+        error=result.error,
+        seconds=time.monotonic() - result.ctx.started,
+        spans=result.ctx.spans,
+    )
+
+
+def _record_all(results: list[_Result]) -> list[tuple[str, Held | None]]:
+    """Record a batch's results (``_Batch.run_ahead``) in one transaction: one commit, one
+    BEGIN, for them all instead of one each; returns each one's outcome and the run's next
+    attempt, held unclaimed (the caller runs or offers it). Should that transaction fail (a
+    database error, one run's plan raising), each is recorded in a transaction of its own, as
+    an attempt run alone is; one that fails there too is logged and left to its lease: the
+    tick gives it up and the run retries it (these attempts are all ``at_least_once``)."""
+    # As while each body ran: logs and error reports of the recording mask the secrets.
+    exposed = [text for result in results for text in secrets.plaintexts(result.run_secrets)]
+    try:
+        with secrets.exposing(exposed):
+            return _recorded_together(results) or _recorded_each(results)
+    finally:
+        for result in results:
+            keeper.release(result.row.id)
+
+
+def _recorded_together(results: list[_Result]) -> list[tuple[str, Held | None]] | None:
+    """The results recorded in one transaction, or None when it failed (or there is one)."""
+    if len(results) < 2:
+        return None
+    try:
+        with transaction.atomic():
+            # No savepoint each (two round trips): one run that raises rolls the batch
+            # back, and each is then recorded alone (_recorded_each).
+            outcomes = [_record_once(*_arguments(result), savepoint=False) for result in results]
+    except Exception:
+        logger.warning("advance_runs: %d results recorded one by one", len(results), exc_info=True)
+        return None
+    for result, (outcome, _) in zip(results, outcomes, strict=True):
+        _counted(result, outcome)
+    return outcomes
+
+
+def _recorded_each(results: list[_Result]) -> list[tuple[str, Held | None]]:
+    outcomes: list[tuple[str, Held | None]] = []
+    for result in results:
+        try:
+            outcomes.append(_recording(result, None))
+        except Exception:
+            logger.exception(
+                "advance_runs: run %s failed; the reconciler takes it", result.row.run_id
+            )
+            outcomes.append(("unrecorded", None))
+    return outcomes
 
 
 def _record_once(
@@ -583,6 +758,8 @@ def _record_once(
     ctx: StepContext,
     run_secrets: dict[str, Any],
     chain: _Chain | None = None,
+    *,
+    savepoint: bool = True,
 ) -> tuple[str, Held | None]:
     if chain is not None:
         chain.pending, chain.then_claimed = [], None
@@ -607,7 +784,7 @@ def _record_once(
     }
     if row.path:
         return _record_inside(row, claim, result, cost, ctx)
-    with transaction.atomic():
+    with transaction.atomic(savepoint=savepoint):
         # The journal after this process's settled prefix, read with the lock in one round
         # trip (used by the plan only if that prefix still applies). Not when the attempt is
         # charged below: the plan must read its cost (limits.max_cost_usd).

@@ -115,6 +115,7 @@ def advance_many(
     run_ids: Sequence[Any],
     *,
     hold: bool = False,
+    claim_as: ClaimAs | None = None,
     before_commit: Callable[[list[tuple[StepRun, str]]], None] | None = None,
 ) -> list[tuple[StepRun, str]]:
     """One bounded round of :func:`run_advance_holding` for each run (fired timers' runs), in
@@ -127,8 +128,9 @@ def advance_many(
     batches of the same runs
     (a redelivered message beside the reconciler's) take turns instead of deadlocking. With
     ``hold``, returns each run's lone new attempt left for the caller (see apply_plan) with
-    its workflow id, in that order; ``before_commit`` sees them inside the transaction (a
-    worker claims the first it runs there). A run left with more to plan asks for an advance
+    its workflow id, in that order, each inserted claimed when ``claim_as`` says so (see
+    apply_plan); ``before_commit`` sees them inside the transaction (a worker claims the
+    first it runs there). A run left with more to plan asks for an advance
     task, as a one-round ``run_advance`` does.
 
     Raises :class:`BatchFailed` when a run's advance or the transaction fails: nothing of it
@@ -162,6 +164,7 @@ def advance_many(
                         run,
                         hold=hold,
                         budget=Budget(ADVANCE_ACTIONS),
+                        claim_as=claim_as,
                         read=first,
                         defer=deferred if first is not None else None,
                     )

@@ -115,7 +115,8 @@ def apply_plan(
 
     With ``defer`` (and ``hold``), a plan that only schedules one attempt, besides closes,
     timers and the run's own fields, leaves that attempt's insert (with the run's update
-    and the riders) to ``defer``: the held attempt has no id until the caller flushes it.
+    and the riders) to ``defer``: the held attempt has no id until the caller flushes it
+    (inserted claimed, too, when ``claim_as`` says so).
     """
     writer = _Writer(run, now)
     for action in planned.actions:
@@ -123,8 +124,8 @@ def apply_plan(
             # What this action writes or reads may depend on rows a rider changes.
             writer.send_riders()
         _WRITE[type(action)](writer, action)
-    if hold and defer is not None and claim_as is None and _defers(planned):
-        return writer.defer(planned, defer)
+    if hold and defer is not None and _defers(planned):
+        return writer.defer(planned, defer, claim_as)
     return writer.done(planned, hold=hold, claim_as=claim_as if hold else None)
 
 
@@ -278,13 +279,14 @@ class _Writer:
         # The run's end is written by ending.end_run, not with the other fields.
         _finish(self.run, action, self.now)
 
-    def defer(self, planned: p.Plan, defer: Deferred) -> Applied:
+    def defer(self, planned: p.Plan, defer: Deferred, claim_as: ClaimAs | None = None) -> Applied:
         """``done`` for a plan that schedules one attempt (see ``_defers``), its insert left
         to ``defer``."""
         _show_waiting(self.run, planned, self.fields)
         self.write_timers()
         (action,) = self.schedules
         step_run = _attempt(self.run, action, self.now)
+        _claimed_as(step_run, claim_as)
         riders, self.riders = self.riders, []
         defer.add(step_run, LoneAttempt(self.run.id, _row(step_run), self.run_changes(), riders))
         self.applied.held = step_run
@@ -576,17 +578,22 @@ def _schedule_all(
     not one statement each; a lone attempt claimed as it is inserted when ``claim_as`` says
     so (see apply_plan)."""
     step_runs = [_attempt(run, action, now) for action in actions]
-    if claim_as is not None and len(step_runs) == 1:
-        claim = claim_as(step_runs[0])
-        if claim is not None:
-            check_step_move(StepStatus.SCHEDULED, claim["status"])
-            for name, value in claim.items():
-                setattr(step_runs[0], name, value)
+    if len(step_runs) == 1:
+        _claimed_as(step_runs[0], claim_as)
     rows = [_row(step_run) for step_run in step_runs]
     ids = insert_attempts(rows, run_id=run.id, run_changes=run_changes or None, riders=riders)
     for step_run, step_run_id in zip(step_runs, ids, strict=True):
         step_run.id = step_run_id
     return step_runs
+
+
+def _claimed_as(step_run: StepRun, claim_as: ClaimAs | None) -> None:
+    """The fields of the claim ``claim_as`` gives a lone attempt about to be inserted."""
+    claim = claim_as(step_run) if claim_as is not None else None
+    if claim is not None:
+        check_step_move(StepStatus.SCHEDULED, claim["status"])
+        for name, value in claim.items():
+            setattr(step_run, name, value)
 
 
 # (name, attribute) of each column an attempt's insert writes.

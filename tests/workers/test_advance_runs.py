@@ -36,6 +36,17 @@ def after(ctx: Any, input: Any, prior: Any) -> str:
     return "after"
 
 
+# The same with an at_most_once step: claimed only before its body, recorded at once.
+once = workflow("resumed_at_most_once", limits={"run_timeout_ms": 600_000})
+once.sleep("nap", ms=60_000)
+
+
+@once.step("after", effect="at_most_once")
+def after_once(ctx: Any, input: Any, prior: Any) -> str:
+    ran.append(ctx.run_id)
+    return "after"
+
+
 # The same on a queue of its own, which a worker may not consume.
 elsewhere = workflow("resumed_elsewhere", limits={"run_timeout_ms": 600_000})
 elsewhere.sleep("nap", ms=60_000)
@@ -66,7 +77,11 @@ def sent(monkeypatch) -> dict[str, list[Any]]:
 
 
 def start_sleeping(workflow_id: str, count: int) -> list[Run]:
-    document = {"resumed_after_nap": resumed, "resumed_elsewhere": elsewhere}[workflow_id]
+    document = {
+        "resumed_after_nap": resumed,
+        "resumed_elsewhere": elsewhere,
+        "resumed_at_most_once": once,
+    }[workflow_id]
     definition_save(document=document.document())
     return [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
 
@@ -277,40 +292,150 @@ def test_a_chunk_committed_unacknowledged_leaves_no_attempt_claimed_by_nobody(
     monkeypatch.setattr(execution, "advance_many", committed_then_lost)
     execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
     attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
-    # Nothing was run, and the claim nobody would run is handed back and offered; the runs
-    # advanced again plan nothing new (the other attempt is the reconciler's lost message).
+    # Nothing was run, and the claims nobody would run (both attempts were inserted claimed)
+    # are handed back and offered; the runs advanced again plan nothing new.
     assert ran == []
     assert set(attempts.values_list("status", flat=True)) == {"scheduled"}
-    assert len(sent["offered"]) == 1
+    assert sorted(sent["offered"]) == sorted(attempts.values_list("id", flat=True))
 
 
-def test_each_attempt_of_a_batch_is_claimed_by_the_transaction_before_it(sent, monkeypatch) -> None:
-    """The chunk's transaction claims the first attempt, each recording the next: no claim
-    of its own for any of them."""
-    from workers import claims
+def test_a_batchs_attempts_are_inserted_claimed_and_recorded_in_one_transaction(
+    sent, monkeypatch
+) -> None:
+    """The chunk's transaction inserts its at_least_once attempts claimed (no claim
+    statement), and their results are recorded together: one transaction (here a savepoint,
+    inside the test's) for the four, not one each."""
+    from django.test.utils import CaptureQueriesContext
 
     run_ids = fire(start_sleeping("resumed_after_nap", 4))
-    claimed_in: list[bool] = []
+    claimed: list[Any] = []
+    monkeypatch.setattr(execution, "claim_attempt", lambda *a, **k: claimed.append(a))
+    with CaptureQueriesContext(connection) as queries:
+        assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 4
+    assert claimed == []
+    assert statuses(run_ids) == {"completed"}
+    assert sorted(ran) == sorted(run_ids)
+    savepoints = [q for q in queries.captured_queries if q["sql"].startswith("SAVEPOINT")]
+    # The chunk's advance, the four records.
+    assert len(savepoints) == 2, [q["sql"][:60] for q in queries.captured_queries]
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    assert set(attempts.values_list("worker", flat=True)) == {"w:1"}
+    assert len(set(attempts.values_list("claim", flat=True))) == 1
+
+
+def test_an_at_most_once_attempt_is_claimed_before_its_body_and_recorded_on_its_own(
+    sent, monkeypatch
+) -> None:
+    """Not inserted claimed: a worker lost before its body would leave it failed without
+    having run. Claimed in the chunk's transaction or the recording before it, as before."""
+    run_ids = fire(start_sleeping("resumed_at_most_once", 3))
     real = execution.claim_attempt
+    claimed: list[int] = []
 
-    def claim(*args: Any, **options: Any) -> Any:
-        from django.db import connection
-
-        # Inside a test's transaction an engine's transaction is a savepoint; a claim in
-        # autocommit (a commit of its own) has none open.
-        claimed_in.append(bool(connection.savepoint_ids))
-        return real(*args, **options)
+    def claim(step_run_id: int, **options: Any) -> Any:
+        claimed.append(step_run_id)
+        return real(step_run_id, **options)
 
     monkeypatch.setattr(execution, "claim_attempt", claim)
-    assert claims.claim_attempt is real
-    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 4
-    assert claimed_in == [True] * 4
+    recorded: list[bool] = []
+    real_once = execution._record_once
+
+    def record_once(*args: Any, savepoint: bool = True, **options: Any) -> Any:
+        recorded.append(savepoint)
+        return real_once(*args, savepoint=savepoint, **options)
+
+    monkeypatch.setattr(execution, "_record_once", record_once)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    assert sorted(claimed) == sorted(attempts.values_list("id", flat=True))
+    # Each in a transaction of its own (a savepoint of the test's), none together.
+    assert recorded == [True] * 3
     assert statuses(run_ids) == {"completed"}
+
+
+def test_a_batch_whose_record_fails_records_each_result_on_its_own(sent, monkeypatch) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    real_once = execution._record_once
+
+    def record_once(*args: Any, savepoint: bool = True, **options: Any) -> Any:
+        if not savepoint:
+            raise advance.DatabaseError("the batch's transaction failed")
+        return real_once(*args, savepoint=savepoint, **options)
+
+    monkeypatch.setattr(execution, "_record_once", record_once)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    # Each body ran once, and its result was recorded alone.
+    assert sorted(ran) == sorted(run_ids)
+    assert statuses(run_ids) == {"completed"}
+    assert not execution.keeper.held()
+
+
+def test_a_result_that_cannot_be_recorded_is_left_to_its_lease(sent, monkeypatch) -> None:
+    """One run's record fails alone too: the others are recorded, and its attempt stays
+    running, its lease no longer kept (the tick gives it up, the run retries it)."""
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    broken = sorted(run_ids)[1]
+    real_once = execution._record_once
+
+    def record_once(row: Any, *args: Any, **options: Any) -> Any:
+        if str(row.run_id) == broken:
+            raise ValueError("this run's plan raised")
+        return real_once(row, *args, **options)
+
+    monkeypatch.setattr(execution, "_record_once", record_once)
+    execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    assert statuses([r for r in run_ids if r != broken]) == {"completed"}
+    assert StepRun.objects.get(run_id=broken, step_id="after").status == "running"
+    assert not execution.keeper.held()
+
+
+def test_the_leases_of_attempts_claimed_ahead_are_kept_until_they_are_recorded(
+    sent, monkeypatch
+) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 4))
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    held_while_running: list[set[int]] = []
+    real = execution._run_chain
+
+    def run_chain(*args: Any, **options: Any) -> Any:
+        held_while_running.append(set(execution.keeper.held()))
+        return real(*args, **options)
+
+    monkeypatch.setattr(execution, "_run_chain", run_chain)
+    execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    ids = set(attempts.values_list("id", flat=True))
+    # Before each body: every attempt of the chunk held (run or not yet run).
+    assert held_while_running == [ids] * 4
+    assert not execution.keeper.held()
+    assert statuses(run_ids) == {"completed"}
+
+
+def test_attempts_claimed_ahead_past_the_tasks_time_are_handed_back(
+    sent, monkeypatch, settings
+) -> None:
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    real = execution._run_chain
+
+    def run_chain(*args: Any, **options: Any) -> Any:
+        try:
+            return real(*args, **options)
+        finally:
+            # The first body took the task's time.
+            monkeypatch.setitem(settings.DJFLOW, "INLINE_SECONDS", 0)
+
+    monkeypatch.setattr(execution, "_run_chain", run_chain)
+    execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    assert len(ran) == 1
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after").exclude(run_id=ran[0])
+    assert set(attempts.values_list("status", "claim")) == {("scheduled", None)}
+    assert sorted(sent["offered"]) == sorted(attempts.values_list("id", flat=True))
+    assert statuses([ran[0]]) == {"completed"}
+    assert not execution.keeper.held()
 
 
 def test_a_fired_runs_statements_do_not_grow(sent) -> None:
     """Statements per fired run of a batch (advance, claim, body, record): one transaction
-    for the chunk's advances, no claim statement of its own."""
+    for the chunk's advances, one for its records, no claim statement."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -323,9 +448,10 @@ def test_a_fired_runs_statements_do_not_grow(sent) -> None:
 
 
 # Measured (issue 17): 16.0 before chunks were advanced in one transaction, 14.3 with it,
-# 12.5 with the chunk's runs locked and their journals read in one statement each. Raise it
-# only with a reason.
-PER_FIRED_RUN = 12.5
+# 12.5 with the chunk's runs locked and their journals read in one statement each, 3.8 with
+# the chunk's attempts inserted claimed and their results recorded in one transaction (no
+# savepoint, claim, BEGIN or COMMIT of their own). Raise it only with a reason.
+PER_FIRED_RUN = 3.8
 
 
 def test_the_task_hands_the_service_the_queues_its_worker_consumes(monkeypatch) -> None:
