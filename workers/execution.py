@@ -39,6 +39,7 @@ from runs.engine.advance import (
     advance_locked,
     advance_many,
     lock_run_recording_reading,
+    lock_runs_recording_reading,
     run_advance_holding,
 )
 from runs.engine.plan import MAX_VALUE_BYTES
@@ -720,14 +721,38 @@ def _record_all(results: list[_Result]) -> list[tuple[str, Held | None]]:
 
 
 def _recorded_together(results: list[_Result]) -> list[tuple[str, Held | None]] | None:
-    """The results recorded in one transaction, or None when it failed (or there is one)."""
-    if len(results) < 2:
+    """The results recorded in one transaction, or None when it failed (or there is one).
+    The runs are locked, the results written and the journals read in three statements
+    for them all (``lock_runs_recording_reading``); then each run is planned on in turn."""
+    runs = {str(result.row.run_id) for result in results}
+    if len(results) < 2 or len(runs) < len(results):
         return None
+    if any(result.row.root_run_id is not None for result in results):
+        # A run inside a tree may be changed by its parent's plan earlier in the batch, and
+        # read before: recorded alone, it is locked and read in its own turn.
+        return None
+    values = [_values(*_arguments(result)[2:]) for result in results]
     try:
         with transaction.atomic():
-            # No savepoint each (two round trips): one run that raises rolls the batch
-            # back, and each is then recorded alone (_recorded_each).
-            outcomes = [_record_once(*_arguments(result), savepoint=False) for result in results]
+            locked = lock_runs_recording_reading(
+                [
+                    (
+                        result.row.run_id,
+                        result.row.id,
+                        result.claim,
+                        written,
+                        # As _record_once: no read when the plan must see a charge.
+                        None if cost else journal.kept_through(result.row.run_id),
+                    )
+                    for result, (cost, written) in zip(results, values, strict=True)
+                ]
+            )
+            # One run that raises rolls the batch back, and each is then recorded alone
+            # (_recorded_each).
+            outcomes = [
+                _recorded(result.row, result.status, result.ctx, cost, *found)
+                for result, (cost, _), found in zip(results, values, locked, strict=True)
+            ]
     except Exception:
         logger.warning("advance_runs: %d results recorded one by one", len(results), exc_info=True)
         return None
@@ -758,11 +783,31 @@ def _record_once(
     ctx: StepContext,
     run_secrets: dict[str, Any],
     chain: _Chain | None = None,
-    *,
-    savepoint: bool = True,
 ) -> tuple[str, Held | None]:
     if chain is not None:
         chain.pending, chain.then_claimed = [], None
+    cost, result = _values(status, output, error, ctx, run_secrets)
+    if row.path:
+        return _record_inside(row, claim, result, cost, ctx)
+    with transaction.atomic():
+        # The journal after this process's settled prefix, read with the lock in one round
+        # trip (used by the plan only if that prefix still applies). Not when the attempt is
+        # charged below: the plan must read its cost (limits.max_cost_usd).
+        after = None if cost else journal.kept_through(row.run_id)
+        run, recorded, read = lock_run_recording_reading(
+            row.run_id, row.id, claim, result, after=after
+        )
+        return _recorded(row, status, ctx, cost, run, recorded, read, chain)
+
+
+def _values(
+    status: str,
+    output: Any,
+    error: dict[str, Any] | None,
+    ctx: StepContext,
+    run_secrets: dict[str, Any],
+) -> tuple[Any, dict[str, Any]]:
+    """What recording an attempt charges its run, and the values it writes to its row."""
     # The run is charged what was not charged during the attempt (a recipe's model calls
     # are, as each is settled); the attempt shows all it cost.
     cost = ctx.uncharged_usd()
@@ -772,7 +817,7 @@ def _record_once(
         {"output": output, "error": error, "spans": [span.as_dict() for span in ctx.spans]},
         run_secrets,
     )
-    result = {
+    return cost, {
         "status": status,
         **answered,
         "finished_at": timezone.now(),
@@ -782,48 +827,52 @@ def _record_once(
         # released: the attempt is over (runs.engine.costs).
         "reserved_usd": 0,
     }
-    if row.path:
-        return _record_inside(row, claim, result, cost, ctx)
-    with transaction.atomic(savepoint=savepoint):
-        # The journal after this process's settled prefix, read with the lock in one round
-        # trip (used by the plan only if that prefix still applies). Not when the attempt is
-        # charged below: the plan must read its cost (limits.max_cost_usd).
-        after = None if cost else journal.kept_through(row.run_id)
-        run, recorded, read = lock_run_recording_reading(
-            row.run_id, row.id, claim, result, after=after
+
+
+def _recorded(
+    row: Claimed,
+    status: str,
+    ctx: StepContext,
+    cost: Any,
+    run: Run | None,
+    recorded: bool,
+    read: tuple[int, list[Any]] | None,
+    chain: _Chain | None = None,
+) -> tuple[str, Held | None]:
+    """The rest of recording an attempt, in the transaction that locked its run (``run``,
+    None if it is gone) and wrote its result (``recorded``, False if its claim was lost)."""
+    if run is None:
+        return "dropped", None
+    # The model calls it made, recorded and charged whether or not the result is still
+    # wanted: they were made either way.
+    calls.calls_record(ctx.model_calls)
+    calls.tool_calls_record(ctx.tool_calls)
+    if not recorded:
+        # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
+        logger.info("attempt %s finished after it was given up; result dropped", row.id)
+        return "dropped", None
+    if cost:
+        Run.objects.filter(id=run.id).update(cost_usd=F("cost_usd") + cost)
+        _charge_attempt(row.id, cost)
+    held = None
+    if run.status not in RUN_TERMINAL:
+        budget = Budget(ADVANCE_ACTIONS)
+        _, next_attempt = advance_locked(
+            run, hold=True, budget=budget, claim_as=_claim_as(chain), read=read
         )
-        if run is None:
-            return "dropped", None
-        # The model calls it made, recorded and charged whether or not the result is still
-        # wanted: they were made either way.
-        calls.calls_record(ctx.model_calls)
-        calls.tool_calls_record(ctx.tool_calls)
-        if not recorded:
-            # Given up meanwhile (time-out, lost lease, cancel): the journal already says so.
-            logger.info("attempt %s finished after it was given up; result dropped", row.id)
-            return "dropped", None
-        if cost:
-            Run.objects.filter(id=run.id).update(cost_usd=F("cost_usd") + cost)
-            _charge_attempt(row.id, cost)
-        held = None
-        if run.status not in RUN_TERMINAL:
-            budget = Budget(ADVANCE_ACTIONS)
-            _, next_attempt = advance_locked(
-                run, hold=True, budget=budget, claim_as=_claim_as(chain), read=read
-            )
-            if next_attempt is not None:
-                claimed = None
-                if chain is not None and next_attempt.claim is not None:
-                    # Inserted claimed by this transaction, which commits before its body
-                    # runs: the next step's claim costs no statement and no commit.
-                    claimed = claimed_from(next_attempt, run)
-                held = (next_attempt, run.workflow_id, claimed)
-        if chain is not None and chain.then is not None and (held is None or held[2] is None):
-            # This run's chain stops here: the batch's next attempt (another run's) is
-            # claimed by this transaction, as a run's own next step is.
-            step_run = chain.then[0]
-            if chain.has_time_for(step_run):
-                chain.then_claimed = _claim_next(chain, step_run.id)
+        if next_attempt is not None:
+            claimed = None
+            if chain is not None and next_attempt.claim is not None:
+                # Inserted claimed by this transaction, which commits before its body
+                # runs: the next step's claim costs no statement and no commit.
+                claimed = claimed_from(next_attempt, run)
+            held = (next_attempt, run.workflow_id, claimed)
+    if chain is not None and chain.then is not None and (held is None or held[2] is None):
+        # This run's chain stops here: the batch's next attempt (another run's) is
+        # claimed by this transaction, as a run's own next step is.
+        step_run = chain.then[0]
+        if chain.has_time_for(step_run):
+            chain.then_claimed = _claim_next(chain, step_run.id)
     return status, held
 
 

@@ -351,3 +351,40 @@ def _prep_now() -> Any:
     return AdvanceRequest._meta.get_field("requested_at").get_db_prep_save(
         timezone.now(), connection
     )
+
+
+def record_results(entries: Sequence[tuple[int, Any, dict[str, Any]]]) -> set[int]:
+    """:func:`record_result` for several attempts (id, claim, values), in one statement on
+    Postgres (a batch of fired runs' results, recorded together); returns the ids recorded.
+    Every entry's values have the same fields."""
+    if connection.vendor != "postgresql" or len(entries) < 2:
+        return {
+            step_run_id
+            for step_run_id, claim, values in entries
+            if record_result(step_run_id, claim, values)
+        }
+    for status in {values["status"] for _, _, values in entries}:
+        # Each result's move, checked against the table as recording() checks one.
+        step_sources(status, [StepStatus.RUNNING])
+    names = tuple(entries[0][2])
+    columns = _unnest_columns(
+        ("id", "claim", *names),
+        [{"id": i, "claim": claim, **values} for i, claim, values in entries],
+    )
+    with prepared_cursor() as cursor:
+        cursor.execute(_record_unnest_sql(names), [*columns, str(StepStatus.RUNNING)])
+        return {int(row[0]) for row in cursor.fetchall()}
+
+
+@functools.cache
+def _record_unnest_sql(names: tuple[str, ...]) -> str:
+    """``UPDATE ... FROM UNNEST(...)``: each attempt's result if its claim still holds."""
+    every = ("id", "claim", *names)
+    types = [str(_field(name).db_type(connection)).split("(")[0] for name in every]
+    arrays = ", ".join(f"(%s)::{db_type}[]" for db_type in types)
+    aliases = ", ".join(f"v_{_column(name)}" for name in every)
+    assignments = ", ".join(f"{_column(n)} = v.v_{_column(n)}" for n in names)
+    return (
+        f"UPDATE {_TABLE} AS s SET {assignments} FROM UNNEST({arrays}) AS v({aliases})"
+        f" WHERE s.id = v.v_id AND s.status = %s AND s.claim = v.v_claim RETURNING s.id"
+    )
