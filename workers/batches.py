@@ -64,6 +64,9 @@ class Rest:
     ids: list[int]
     # Called with the ids left (and together=True for one message).
     offer: Callable[..., None]
+    # Watched and offered even with no id left: the offer has more to do than offer ids
+    # (a batch's results waiting to be recorded, workers.execution._Batch.run_ahead).
+    always: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _running_since: float | None = None
 
@@ -79,13 +82,13 @@ class Rest:
     def hand_off(self) -> int:
         """Offer what is left through the broker (the task stops here); returns how many."""
         taken = self.take()
-        if taken:
+        if taken or self.always:
             self.offer(taken)
         return len(taken)
 
     def running(self) -> None:
         """An item starts: the thread offers the rest should it run past HAND_OFF_SECONDS."""
-        if self.ids:
+        if self.ids or self.always:
             with self._lock:
                 self._running_since = time.monotonic()
             _watch(self)

@@ -187,7 +187,7 @@ class _Chain:
     then_claimed: Claimed | None = None
     # A batch's attempts claimed ahead (advance_and_execute): their results, kept here to be
     # recorded together (_record_all) instead of each in a transaction of its own.
-    collect: list[_Result] | None = None
+    collect: _Collected | None = None
 
     def goes_on_with(self, step_run: StepRun) -> bool:
         """Whether this task runs ``step_run`` (the run's next attempt) itself."""
@@ -296,6 +296,7 @@ class _Batch:
         return (
             step_run.effect != Effect.AT_MOST_ONCE
             and not step_run.path
+            and _lost_before_late(step_run)
             and self.runs_here(step_run, step_run.run.workflow_id)
         )
 
@@ -311,7 +312,11 @@ class _Batch:
 
         def claim_first(held: list[tuple[StepRun, str]]) -> None:
             # In the chunk's transaction, which commits before the body runs: the first
-            # attempt's claim costs no commit of its own.
+            # attempt's claim costs no commit of its own. Not when attempts were claimed
+            # ahead: their bodies run first, and this one (perhaps at_most_once) would wait
+            # claimed behind them, its lease running down; it is claimed as it runs.
+            if any(step_run.claim is not None for step_run, _ in held):
+                return
             for step_run, workflow_id in held:
                 if step_run.claim is None and self.runs_here(step_run, workflow_id):
                     claims[step_run.id] = claim_attempt(
@@ -330,7 +335,13 @@ class _Batch:
             self.advance_each(run_ids)
             return
         shown = task_events.StepEvents.for_current_task()
-        nexts = self.run_ahead([entry for entry in held if entry[0].claim is not None], shown)
+        nexts: list[Held] = []
+        try:
+            nexts = self.run_ahead([entry for entry in held if entry[0].claim is not None], shown)
+        except Exception:
+            # The chunk's other runs must not wait for the reconciler too. What was recorded
+            # is committed; the runs' next attempts, held, are the reconciler's lost messages.
+            logger.exception("advance_runs: %d attempts run ahead failed", len(held))
         held = [entry for entry in held if entry[0].claim is None]
         for index, (step_run, workflow_id) in enumerate(held):
             claimed = claims.pop(step_run.id, None)
@@ -372,35 +383,55 @@ class _Batch:
         """Run the attempts the chunk's transaction inserted claimed (``ahead``), one after
         another, and record their results in one transaction (``_record_all``): a fired
         run's step then costs no transaction of its own. Returns the runs' next attempts
-        (committed ``scheduled``). Past the task's time, the attempts not yet run are handed
-        back (offered again)."""
+        (committed ``scheduled``).
+
+        Nothing claimed waits long behind a slow body: while one runs past
+        ``batches.HAND_OFF_SECONDS``, the hand-off thread records the results collected so
+        far and hands back the attempts not yet run (offered again), as it offers the rest of
+        a fan-out's message (``_overdue``). Past the task's time, the attempts not yet run
+        are handed back too. Otherwise a claimed attempt waiting behind a body longer than
+        its own time limit would be timed out by the tick without having run."""
         if not ahead:
             return []
-        claimed = [(*entry, claimed_from(entry[0], entry[0].run)) for entry in ahead]
+        claimed = {
+            step_run.id: (step_run, workflow_id, claimed_from(step_run, step_run.run))
+            for step_run, workflow_id in ahead
+        }
         # Claimed, not yet started: their leases kept alive while the others run.
-        for _, _, row in claimed:
+        for _, _, row in claimed.values():
             keeper.hold(row.id, row.claim, row.deadline_at)
-        results: list[_Result] = []
+        results = _Collected()
+        rest = batches.Rest(list(claimed), partial(_overdue, claimed, results), always=True)
         try:
-            for index, held in enumerate(claimed):
+            while (step_run_id := rest.next()) is not None:
+                held = claimed[step_run_id]
                 chain = self.chain(held[0])
                 if not chain.goes_on_with(held[0]):
-                    _give_back(claimed[index:])
+                    _give_back([held, *(claimed[i] for i in rest.take())])
                     break
                 chain.collect = results
+                rest.running()
                 try:
                     _run_chain(chain, shown, held)
                 except Exception:
                     logger.exception(
                         "advance_runs: run %s failed; the reconciler takes it", held[0].run_id
                     )
+                finally:
+                    rest.ran()
                 self.chained = chain.chained
         finally:
             try:
-                outcomes = _record_all(results)
+                # Stopped early (a BaseException): what was not run goes back now.
+                left = rest.take()
+                if left:
+                    _give_back([claimed[i] for i in left])
             finally:
-                for _, _, row in claimed:
-                    keeper.release(row.id)
+                try:
+                    outcomes = _record_all(results.take())
+                finally:
+                    for _, _, row in claimed.values():
+                        keeper.release(row.id)
         return [held for _, held in outcomes if held is not None]
 
     def advance_each(self, run_ids: list[str]) -> None:
@@ -437,9 +468,60 @@ def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:
     return chain.chained
 
 
+def _lost_before_late(step_run: StepRun) -> bool:
+    """Whether a worker lost with the attempt claimed leaves it ``lost`` (offered again
+    without using its retry budget), not ``timed_out``: its lease (``LEASE_SECONDS``) lapses
+    before its deadline plus grace does. A batch claims ahead only such attempts: a lost
+    worker may leave several claimed that never ran, and a short step's would each use up a
+    try (runs.engine.plan: a lapse past the deadline is a time-out)."""
+    djflow = settings.DJFLOW
+    return bool(
+        step_run.timeout_ms / 1000 + djflow["DEADLINE_GRACE_SECONDS"] > djflow["LEASE_SECONDS"]
+    )
+
+
+class _Collected:
+    """The results of a batch's attempts claimed ahead, waiting to be recorded together;
+    taken by the task or by the hand-off thread (see ``_Batch.run_ahead``)."""
+
+    def __init__(self) -> None:
+        self._results: list[_Result] = []
+        self._lock = threading.Lock()
+
+    def append(self, result: _Result) -> None:
+        with self._lock:
+            self._results.append(result)
+
+    def take(self) -> list[_Result]:
+        with self._lock:
+            taken, self._results = self._results, []
+            return taken
+
+
+def _overdue(
+    claimed: dict[int, tuple[StepRun, str, Claimed]],
+    results: _Collected,
+    left: list[int],
+    **_: Any,
+) -> None:
+    """In the hand-off thread, while a body of a batch runs long: record the results
+    collected so far and hand back the attempts claimed ahead and not yet run. The runs'
+    next attempts are offered (this thread runs no body)."""
+    try:
+        _give_back([claimed[i] for i in left])
+        for _outcome, held in _record_all(results.take()):
+            if held is not None:
+                dispatch.offer_now(held[0], workflow_id=held[1])
+    finally:
+        # This thread's own connection, opened for this: not kept between hand-offs.
+        connection.close()
+
+
 def _give_back(ahead: list[tuple[StepRun, str, Claimed]]) -> None:
-    """Attempts a batch claimed ahead and will not run (its time is spent): back to
-    ``scheduled`` and offered, as an attempt a worker hands back."""
+    """Attempts a batch claimed ahead and will not run (its time is spent, or a body runs
+    long): back to ``scheduled`` and offered, as an attempt a worker hands back."""
+    if not ahead:
+        return
     with transaction.atomic():
         now = timezone.now()
         for step_run, workflow_id, row in ahead:
@@ -630,8 +712,11 @@ def _record(
         tracing.attempt_recorded(ctx.trace_span, status, error, ctx.cost_usd())
     result = _Result(row, claim, status, output, error, ctx, run_secrets)
     if chain is not None and chain.collect is not None and not row.path:
-        # Its lease kept alive until the batch records it (see _Batch.run_ahead).
+        # Its lease kept alive until the batch records it (see _Batch.run_ahead); its
+        # values (its finish) and its duration as the body ended, not as it is recorded.
         keeper.hold(row.id, claim, row.deadline_at)
+        result.values = _values(status, output, error, ctx, run_secrets)
+        result.seconds = time.monotonic() - ctx.started
         chain.collect.append(result)
         return status, None
     return _recording(result, chain)
@@ -648,6 +733,9 @@ class _Result:
     error: dict[str, Any] | None
     ctx: StepContext
     run_secrets: dict[str, Any]
+    # Set as a batch collects it: what recording charges and writes, and how long it ran.
+    values: tuple[Any, dict[str, Any]] | None = None
+    seconds: float | None = None
 
 
 def _recording(result: _Result, chain: _Chain | None) -> tuple[str, Held | None]:
@@ -698,7 +786,9 @@ def _counted(result: _Result, outcome: str) -> None:
         kind=result.row.kind,
         status=None if outcome == "dropped" else result.status,
         error=result.error,
-        seconds=time.monotonic() - result.ctx.started,
+        seconds=result.seconds
+        if result.seconds is not None
+        else time.monotonic() - result.ctx.started,
         spans=result.ctx.spans,
     )
 
@@ -731,7 +821,7 @@ def _recorded_together(results: list[_Result]) -> list[tuple[str, Held | None]] 
         # A run inside a tree may be changed by its parent's plan earlier in the batch, and
         # read before: recorded alone, it is locked and read in its own turn.
         return None
-    values = [_values(*_arguments(result)[2:]) for result in results]
+    values = [result.values or _values(*_arguments(result)[2:]) for result in results]
     try:
         with transaction.atomic():
             locked = lock_runs_recording_reading(

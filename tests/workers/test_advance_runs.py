@@ -6,7 +6,9 @@ the messages the engine would send are recorded, not sent."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -30,9 +32,16 @@ resumed = workflow("resumed_after_nap", limits={"run_timeout_ms": 600_000})
 resumed.sleep("nap", ms=60_000)
 
 
+# Seconds a run's step sleeps (a slow body), by run id; when each step ended.
+naps: dict[str, float] = {}
+ended: dict[str, float] = {}
+
+
 @resumed.step("after")
 def after(ctx: Any, input: Any, prior: Any) -> str:
     ran.append(ctx.run_id)
+    time.sleep(naps.get(ctx.run_id, 0.0))
+    ended[ctx.run_id] = time.time()
     return "after"
 
 
@@ -45,6 +54,12 @@ once.sleep("nap", ms=60_000)
 def after_once(ctx: Any, input: Any, prior: Any) -> str:
     ran.append(ctx.run_id)
     return "after"
+
+
+# The same with a step shorter than the lease: a lost worker would leave it timed out.
+brief = workflow("resumed_brief", limits={"run_timeout_ms": 600_000})
+brief.sleep("nap", ms=60_000)
+brief.step("after", timeout_ms=1000)(after)
 
 
 # The same on a queue of its own, which a worker may not consume.
@@ -81,6 +96,7 @@ def start_sleeping(workflow_id: str, count: int) -> list[Run]:
         "resumed_after_nap": resumed,
         "resumed_elsewhere": elsewhere,
         "resumed_at_most_once": once,
+        "resumed_brief": brief,
     }[workflow_id]
     definition_save(document=document.document())
     return [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
@@ -347,6 +363,67 @@ def test_an_at_most_once_attempt_is_claimed_before_its_body_and_recorded_on_its_
     assert statuses(run_ids) == {"completed"}
 
 
+def test_a_step_shorter_than_the_lease_is_not_claimed_ahead(sent, monkeypatch) -> None:
+    """Claimed ahead and its worker lost, it would be timed out (a try used) instead of
+    lost (offered again for free): it is claimed as it runs."""
+    run_ids = fire(start_sleeping("resumed_brief", 3))
+    claimed: list[int] = []
+    real = execution.claim_attempt
+
+    def claim(step_run_id: int, **options: Any) -> Any:
+        claimed.append(step_run_id)
+        return real(step_run_id, **options)
+
+    monkeypatch.setattr(execution, "claim_attempt", claim)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    attempts = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    assert sorted(claimed) == sorted(attempts.values_list("id", flat=True))
+    assert statuses(run_ids) == {"completed"}
+
+
+def test_an_at_most_once_attempt_beside_attempts_claimed_ahead_is_claimed_after_them(
+    sent,
+) -> None:
+    """Claimed in the chunk's transaction, it would wait claimed behind their bodies, its
+    lease running down (in doubt, then run anyway): it is claimed as it runs, after them."""
+    ahead = fire(start_sleeping("resumed_after_nap", 2))
+    lone = fire(start_sleeping("resumed_at_most_once", 1))
+    assert execution.advance_and_execute(ahead + lone, worker="w:1", queues={"default"}) == 3
+    assert statuses(ahead + lone) == {"completed"}
+    claimed_at = StepRun.objects.get(run_id=lone[0], step_id="after").started_at
+    assert claimed_at.timestamp() > max(ended[run_id] for run_id in ahead)
+
+
+def test_a_failure_running_ahead_does_not_stop_the_chunks_other_runs(sent, monkeypatch) -> None:
+    ahead = fire(start_sleeping("resumed_after_nap", 2))
+    lone = fire(start_sleeping("resumed_at_most_once", 1))
+
+    def broken(self: Any, *args: Any) -> Any:
+        raise RuntimeError("a bug running ahead")
+
+    monkeypatch.setattr(execution._Batch, "run_ahead", broken)
+    execution.advance_and_execute(ahead + lone, worker="w:1", queues={"default"})
+    assert statuses(lone) == {"completed"}
+
+
+def test_a_results_finish_and_duration_are_its_bodys_not_its_records(sent) -> None:
+    run_ids = sorted(fire(start_sleeping("resumed_after_nap", 3)))
+    naps.update({run_id: 0.05 for run_id in run_ids})
+    try:
+        execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    finally:
+        naps.clear()
+    finished = {
+        str(run_id): at
+        for run_id, at in StepRun.objects.filter(run_id__in=run_ids, step_id="after").values_list(
+            "run_id", "finished_at"
+        )
+    }
+    # Each finished as its body ended, before the next body did (recorded after all three).
+    for run_id, later in itertools.pairwise(run_ids):
+        assert finished[run_id].timestamp() < ended[later]
+
+
 def test_a_batch_whose_record_fails_records_each_result_on_its_own(sent, monkeypatch) -> None:
     run_ids = fire(start_sleeping("resumed_after_nap", 3))
 
@@ -435,6 +512,30 @@ def test_a_results_claim_lost_meanwhile_is_dropped_and_the_others_recorded(sent)
         execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
     assert StepRun.objects.get(run_id=given_up, step_id="after").status == "failed"
     assert statuses([r for r in run_ids if r != given_up]) == {"completed"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_body_keeps_neither_the_results_before_it_nor_the_claims_after_it(sent) -> None:
+    """While a body of a batch runs past HAND_OFF_SECONDS, the hand-off thread records the
+    results collected before it and hands back the attempts claimed after it: none waits
+    behind it (a claimed attempt could be timed out by the tick without having run)."""
+    from runs.models import Run
+
+    run_ids = sorted(fire(start_sleeping("resumed_after_nap", 3)))
+    first, slow, third = run_ids  # the chunk's order: the runs' ids
+    naps[slow] = 1.0
+    try:
+        execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    finally:
+        naps.clear()
+    assert ran == [first, slow]
+    # The first's result was recorded while the slow body still ran.
+    assert Run.objects.get(id=first).finished_at.timestamp() < ended[slow]
+    assert statuses([first, slow]) == {"completed"}
+    handed_back = StepRun.objects.get(run_id=third, step_id="after")
+    assert (handed_back.status, handed_back.claim) == ("scheduled", None)
+    assert sent["offered"] == [handed_back.id]
+    assert not execution.keeper.held()
 
 
 def test_the_leases_of_attempts_claimed_ahead_are_kept_until_they_are_recorded(
