@@ -340,8 +340,11 @@ class _Batch:
             nexts = self.run_ahead([entry for entry in held if entry[0].claim is not None], shown)
         except Exception:
             # The chunk's other runs must not wait for the reconciler too. What was recorded
-            # is committed; the runs' next attempts, held, are the reconciler's lost messages.
+            # is committed (the runs' next attempts, held, are the reconciler's lost
+            # messages); what is still claimed and unrecorded is handed back and offered.
             logger.exception("advance_runs: %d attempts run ahead failed", len(held))
+            with contextlib.suppress(Exception):
+                _release(token)
         held = [entry for entry in held if entry[0].claim is None]
         for index, (step_run, workflow_id) in enumerate(held):
             claimed = claims.pop(step_run.id, None)
@@ -471,13 +474,14 @@ def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:
 def _lost_before_late(step_run: StepRun) -> bool:
     """Whether a worker lost with the attempt claimed leaves it ``lost`` (offered again
     without using its retry budget), not ``timed_out``: its lease (``LEASE_SECONDS``) lapses
-    before its deadline plus grace does. A batch claims ahead only such attempts: a lost
-    worker may leave several claimed that never ran, and a short step's would each use up a
-    try (runs.engine.plan: a lapse past the deadline is a time-out)."""
+    well before its deadline plus grace does. A batch claims ahead only such attempts: a
+    lost worker may leave several claimed that never ran, and a short step's would each use
+    up a try (runs.engine.plan: a lapse the tick sees past the deadline is a time-out). The
+    margin, a third of the lease, covers a renewal made while the attempt waited (the lease
+    then runs from it) and a late tick."""
     djflow = settings.DJFLOW
-    return bool(
-        step_run.timeout_ms / 1000 + djflow["DEADLINE_GRACE_SECONDS"] > djflow["LEASE_SECONDS"]
-    )
+    lease = djflow["LEASE_SECONDS"]
+    return bool(step_run.timeout_ms / 1000 + djflow["DEADLINE_GRACE_SECONDS"] > lease * 4 / 3)
 
 
 class _Collected:
@@ -504,16 +508,37 @@ def _overdue(
     left: list[int],
     **_: Any,
 ) -> None:
-    """In the hand-off thread, while a body of a batch runs long: record the results
-    collected so far and hand back the attempts claimed ahead and not yet run. The runs'
-    next attempts are offered (this thread runs no body)."""
+    """From the hand-off thread, while a body of a batch runs long: record the results
+    collected so far and hand back the attempts claimed ahead and not yet run, on a thread
+    of its own (a recording may retry through a database outage for a minute: the hand-off
+    thread must stay free to watch the next message). The runs' next attempts are offered
+    (that thread runs no body)."""
+    taken = results.take()
+    if not left and not taken:
+        return
+    worker = threading.Thread(
+        target=_catch_up, args=([claimed[i] for i in left], taken), name="batch-catch-up"
+    )
+    worker.daemon = True
+    worker.start()
+
+
+def _catch_up(left: list[tuple[StepRun, str, Claimed]], results: list[_Result]) -> None:
     try:
-        _give_back([claimed[i] for i in left])
-        for _outcome, held in _record_all(results.take()):
+        try:
+            _give_back(left)
+        except Exception:
+            # Their leases lapse (no longer kept) and the tick gives them up as lost.
+            logger.warning("could not hand back %d attempts", len(left), exc_info=True)
+            for _, _, row in left:
+                keeper.release(row.id)
+        for _outcome, held in _record_all(results):
             if held is not None:
                 dispatch.offer_now(held[0], workflow_id=held[1])
+    except Exception:
+        logger.exception("advance_runs: recording a batch's results while a body ran failed")
     finally:
-        # This thread's own connection, opened for this: not kept between hand-offs.
+        # This thread's own connection.
         connection.close()
 
 
@@ -746,7 +771,7 @@ def _recording(result: _Result, chain: _Chain | None) -> tuple[str, Held | None]
     unsure: list[uuid.UUID] = []
     while True:
         try:
-            recorded = _record_once(*_arguments(result), chain)
+            recorded = _record_once(*_arguments(result), chain, values=result.values)
         except (OperationalError, InterfaceError):
             if chain is not None:
                 unsure += chain.pending
@@ -873,10 +898,13 @@ def _record_once(
     ctx: StepContext,
     run_secrets: dict[str, Any],
     chain: _Chain | None = None,
+    *,
+    values: tuple[Any, dict[str, Any]] | None = None,
 ) -> tuple[str, Held | None]:
     if chain is not None:
         chain.pending, chain.then_claimed = [], None
-    cost, result = _values(status, output, error, ctx, run_secrets)
+    # Taken as the body ended when a batch collected it (see _record).
+    cost, result = values or _values(status, output, error, ctx, run_secrets)
     if row.path:
         return _record_inside(row, claim, result, cost, ctx)
     with transaction.atomic():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +20,7 @@ from django.utils import timezone
 from runs import dispatch, services
 from runs.engine import advance, timers
 from runs.models import Run, StepRun, Timer
-from workers import execution
+from workers import batches, execution
 from workflows.sdk import workflow
 from workflows.services import definition_save
 
@@ -75,6 +76,9 @@ def sent(monkeypatch) -> dict[str, list[Any]]:
     ran.clear()
     # However slow this machine: each test's batch is one task unless it says otherwise.
     monkeypatch.setattr(execution, "ADVANCE_RUNS_SECONDS", 60.0)
+    # Nor is a body handed off as slow on a loaded machine: the hand-off's thread has a
+    # connection of its own, which does not see a test's uncommitted rows.
+    monkeypatch.setattr(batches, "HAND_OFF_SECONDS", 60.0)
     messages: dict[str, list[Any]] = {"offered": [], "advance": [], "batches": []}
 
     def offered(step_run: Any, **_: Any) -> None:
@@ -404,6 +408,10 @@ def test_a_failure_running_ahead_does_not_stop_the_chunks_other_runs(sent, monke
     monkeypatch.setattr(execution._Batch, "run_ahead", broken)
     execution.advance_and_execute(ahead + lone, worker="w:1", queues={"default"})
     assert statuses(lone) == {"completed"}
+    # What was claimed ahead and never run is handed back and offered, not left to lapse.
+    attempts = StepRun.objects.filter(run_id__in=ahead, step_id="after")
+    assert set(attempts.values_list("status", "claim")) == {("scheduled", None)}
+    assert sorted(sent["offered"]) == sorted(attempts.values_list("id", flat=True))
 
 
 def test_a_results_finish_and_duration_are_its_bodys_not_its_records(sent) -> None:
@@ -514,28 +522,65 @@ def test_a_results_claim_lost_meanwhile_is_dropped_and_the_others_recorded(sent)
     assert statuses([r for r in run_ids if r != given_up]) == {"completed"}
 
 
+def _caught_up() -> None:
+    """Wait for the threads that record a batch's results while a body runs long."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "batch-catch-up":
+            thread.join(10)
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_slow_body_keeps_neither_the_results_before_it_nor_the_claims_after_it(sent) -> None:
+@pytest.mark.parametrize("slow_at", [1, 2])
+def test_a_slow_body_keeps_neither_the_results_before_it_nor_the_claims_after_it(
+    sent, monkeypatch, slow_at
+) -> None:
     """While a body of a batch runs past HAND_OFF_SECONDS, the hand-off thread records the
     results collected before it and hands back the attempts claimed after it: none waits
-    behind it (a claimed attempt could be timed out by the tick without having run)."""
+    behind it (a claimed attempt could be timed out by the tick without having run). The
+    last body too: the results before it have no attempt after them to wait for."""
     from runs.models import Run
 
-    run_ids = sorted(fire(start_sleeping("resumed_after_nap", 3)))
-    first, slow, third = run_ids  # the chunk's order: the runs' ids
+    monkeypatch.setattr(batches, "HAND_OFF_SECONDS", 0.2)
+    run_ids = sorted(fire(start_sleeping("resumed_after_nap", 3)))  # the chunk's order
+    slow, before, after = run_ids[slow_at], run_ids[:slow_at], run_ids[slow_at + 1 :]
     naps[slow] = 1.0
     try:
         execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
     finally:
         naps.clear()
-    assert ran == [first, slow]
-    # The first's result was recorded while the slow body still ran.
-    assert Run.objects.get(id=first).finished_at.timestamp() < ended[slow]
-    assert statuses([first, slow]) == {"completed"}
-    handed_back = StepRun.objects.get(run_id=third, step_id="after")
-    assert (handed_back.status, handed_back.claim) == ("scheduled", None)
-    assert sent["offered"] == [handed_back.id]
+        _caught_up()
+    assert ran == [*before, slow]
+    # The results before it were recorded while the slow body still ran.
+    for run_id in before:
+        assert Run.objects.get(id=run_id).finished_at.timestamp() < ended[slow]
+    assert statuses([*before, slow]) == {"completed"}
+    handed_back = StepRun.objects.filter(run_id__in=after, step_id="after")
+    assert set(handed_back.values_list("status", "claim")) <= {("scheduled", None)}
+    assert sorted(sent["offered"]) == sorted(handed_back.values_list("id", flat=True))
     assert not execution.keeper.held()
+
+
+def test_a_hand_back_that_fails_while_a_body_runs_leaves_the_attempts_to_their_leases(
+    monkeypatch,
+) -> None:
+    """Their leases are no longer kept: the tick gives them up as lost (offered again)."""
+    from types import SimpleNamespace
+
+    def broken(left: Any) -> None:
+        raise execution.OperationalError("the database is restarting")
+
+    monkeypatch.setattr(execution, "_give_back", broken)
+    row = SimpleNamespace(id=-7)
+    execution.keeper.hold(row.id, uuid.uuid4(), timezone.now())
+    # On a thread of its own, as the hand-off starts it (it closes its own connection).
+    import threading
+
+    thread = threading.Thread(target=execution._catch_up, args=([(None, "wf", row)], []))
+    thread.start()
+    thread.join(10)
+    assert row.id not in execution.keeper.held()
 
 
 def test_the_leases_of_attempts_claimed_ahead_are_kept_until_they_are_recorded(
@@ -880,3 +925,65 @@ def test_the_chunks_insert_refuses_a_run_that_cannot_move_and_its_transaction_wr
     attempts = StepRun.objects.in_bulk(ids)
     assert [str(attempts[i].run_id) for i in ids] == run_ids[:2]
     assert statuses(run_ids[:2]) == {"running"}
+
+
+def test_results_written_together_are_each_as_written_alone_and_fenced_by_their_claim(
+    sent,
+) -> None:
+    """store.record_results: a success with no output, a failure with an error, a time-out,
+    each row as record_result writes it; a claim lost meanwhile writes nothing."""
+    from runs.engine import store
+
+    run_ids = fire(start_sleeping("resumed_after_nap", 4))
+    attempts = []
+    for run_id in run_ids:
+        row = StepRun.objects.get(run_id=run_id, step_id="nap")
+        attempt = StepRun.objects.create(
+            run_id=run_id,
+            step_id="after",
+            kind="task",
+            attempt=1,
+            status="running",
+            claim=uuid.uuid4(),
+            input={},
+            idempotency_key=f"{run_id}::after",
+            celery_task_id=str(uuid.uuid4()),
+            generation=row.generation,
+        )
+        attempts.append(attempt)
+    now = timezone.now()
+    common = {"finished_at": now, "lease_expires_at": None, "usage": {}, "reserved_usd": 0}
+    values = [
+        {"status": "succeeded", "output": None, "error": None, "spans": [], **common},
+        {
+            "status": "failed",
+            "output": None,
+            "error": {"class": "fatal", "message": "x"},
+            "spans": [{"name": "s"}],
+            **common,
+        },
+        {
+            "status": "timed_out",
+            "output": None,
+            "error": {"class": "timeout"},
+            "spans": [],
+            **common,
+        },
+        {"status": "succeeded", "output": {"a": [1, "é"]}, "error": None, "spans": [], **common},
+    ]
+    stale = uuid.uuid4()  # the last one's claim was lost (given up, claimed again)
+    entries = [
+        (a.id, a.claim if n < 3 else stale, v)
+        for n, (a, v) in enumerate(zip(attempts, values, strict=True))
+    ]
+    assert store.record_results(entries) == {a.id for a in attempts[:3]}
+    for attempt, written in zip(attempts[:3], values[:3], strict=True):
+        row = StepRun.objects.get(id=attempt.id)
+        assert (row.status, row.output, row.error, row.spans) == (
+            written["status"],
+            written["output"],
+            written["error"],
+            written["spans"],
+        )
+        assert row.finished_at == now and row.lease_expires_at is None
+    assert StepRun.objects.get(id=attempts[3].id).status == "running"
