@@ -318,7 +318,7 @@ class _Batch:
             if any(step_run.claim is not None for step_run, _ in held):
                 return
             for step_run, workflow_id in held:
-                if step_run.claim is None and self.runs_here(step_run, workflow_id):
+                if self.runs_here(step_run, workflow_id):
                     claims[step_run.id] = claim_attempt(
                         step_run.id, worker=self.worker, now=timezone.now(), claim=token
                     )
