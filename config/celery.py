@@ -2,11 +2,12 @@
 
 import logging
 import os
-import threading
+from functools import cached_property
 from types import FrameType
 from typing import Any
 
 from celery import Celery, platforms
+from celery.apps.beat import Beat as CeleryBeat
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
@@ -22,7 +23,45 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 logger = logging.getLogger(__name__)
 
-app = Celery("config")
+
+def _stop_between_ticks(service: Any) -> None:
+    """SIGTERM and SIGINT end beat's loop after its current pass, instead of saving the
+    schedule inside the signal handler as Celery's own handler does.
+
+    DatabaseScheduler queries the database on every pass (and when it is built, and our
+    ``beat_init`` receivers write the engine's entries); a signal landing during such a query
+    ran Celery's handler on top of it, whose save waited for the connection's lock, held by
+    the interrupted query: beat hung until SIGKILL (seen as a 10 s stop in tests, and a
+    deploy's kill timeout in production). Here the handler only sets the service's shutdown
+    flag; the loop ends after its sleep (a second with the engine's 1 s tick), or before its
+    first pass, and the service saves the schedule on its way out, with no query interrupted.
+    """
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        service.stop(wait=False)
+
+    platforms.signals.update(SIGTERM=stop, SIGINT=stop)
+
+
+class Beat(CeleryBeat):
+    """``celery beat``: the handlers above from the start, in place of Celery's.
+
+    Installing them from a ``beat_init`` receiver left a window: the service builds its
+    scheduler (queries) and sends ``beat_init`` (our receivers write entries) with Celery's
+    saving handler in place, and a stop landing there hung (CI, test_beat_starts_..._stops).
+    """
+
+    def install_sync_handler(self, service: Any) -> None:
+        _stop_between_ticks(service)
+
+
+class App(Celery):
+    @cached_property
+    def Beat(self) -> Any:  # Celery's name for it
+        return self.subclass_with_self(Beat)
+
+
+app = App("config")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 # Each worker writes which handlers it serves (by name: loaded once Django is set up).
@@ -82,27 +121,6 @@ def install_beat_entries(**_: object) -> None:
             clock_priority=broker_priority(9),
         )
         install_schedules(IntervalSchedule, PeriodicTask, settings.DJFLOW["RECONCILE_SECONDS"])
-
-
-@beat_init.connect
-def stop_beat_between_ticks(sender: Any = None, **_: object) -> None:
-    """SIGTERM and SIGINT end beat's loop after its current pass, instead of saving the
-    schedule inside the signal handler as Celery's own handler does.
-
-    DatabaseScheduler queries the database on every pass; a signal landing during that query
-    ran Celery's handler on top of it, whose save waited for the connection's lock, held by
-    the interrupted query: beat hung until SIGKILL (seen as a 10 s stop in tests, and a
-    deploy's kill timeout in production). Here the handler only sets the service's shutdown
-    flag; the loop ends after its sleep (a second with the engine's 1 s tick) and the service
-    saves the schedule on its way out, with no query interrupted.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return  # a beat embedded in a worker's thread: only the main thread has handlers
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        sender.stop(wait=False)
-
-    platforms.signals.update(SIGTERM=stop, SIGINT=stop)
 
 
 @task_prerun.connect

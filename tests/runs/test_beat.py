@@ -51,6 +51,19 @@ def test_a_duplicate_interval_does_not_stop_the_install(db) -> None:
     assert IntervalSchedule.objects.filter(every=9, period="seconds").count() == 2
 
 
+def _waits_for_lock(cursor, table: str) -> bool:
+    """Whether one query of this database waits for a lock on ``table``."""
+    # pg_stat_activity is read once a transaction (the caller holds the lock in one): read
+    # it afresh each time, or a first look before the wait began is all it ever sees.
+    cursor.execute("SELECT pg_stat_clear_snapshot()")
+    cursor.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock' AND query LIKE %s",
+        [f"%{table}%"],
+    )
+    return cursor.fetchone()[0] == 1
+
+
 @pytest.mark.slow
 def test_beat_stops_at_once_when_terminated_inside_a_database_call(
     celery_beat, celery_processes
@@ -65,21 +78,34 @@ def test_beat_stops_at_once_when_terminated_inside_a_database_call(
     table = PeriodicTasks._meta.db_table
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
-
-        def beat_waits_for_the_lock() -> bool:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND query LIKE %s",
-                [f"%{table}%"],
-            )
-            return cursor.fetchone()[0] == 1
-
-        wait_for(beat_waits_for_the_lock, timeout=10, message=beat.logs)
+        wait_for(lambda: _waits_for_lock(cursor, table), timeout=10, message=beat.logs)
         beat.terminate()
         time.sleep(0.5)  # the signal is handled while the query waits
     wait_for(lambda: not beat.alive(), timeout=5, message=beat.logs)
     assert beat.returncode == 0, beat.logs()
     assert "beat: Shutting down..." in beat.logs()
+
+
+@pytest.mark.slow
+def test_beat_stops_at_once_when_terminated_inside_its_start_ups_queries(
+    celery_beat, celery_processes
+) -> None:
+    # Building the DatabaseScheduler and the beat_init receivers query the database before
+    # the first pass. Our handler was installed from a beat_init receiver, so a stop landing
+    # in those queries still met Celery's saving handler, and beat hung until SIGKILL (CI,
+    # test_beat_starts_on_the_test_database_and_stops). Hold beat in its start-up, stop it.
+    table = PeriodicTasks._meta.db_table
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        beat = celery_beat(wait=False)
+        wait_for(lambda: _waits_for_lock(cursor, table), timeout=20, message=beat.logs)
+        assert "Sending due task" not in beat.logs()
+        beat.terminate()
+        time.sleep(0.5)  # the signal is handled while the query waits
+    wait_for(lambda: not beat.alive(), timeout=5, message=beat.logs)
+    assert beat.returncode == 0, beat.logs()
+    assert "beat: Shutting down..." in beat.logs()
+    assert "Sending due task" not in beat.logs()  # it stopped before its first pass
 
 
 def test_the_clock_has_a_queue_of_its_own_and_a_plain_worker_consumes_it() -> None:
