@@ -69,6 +69,13 @@ elsewhere.sleep("nap", ms=60_000)
 elsewhere.task("after", handler="resumed.gpu_step", queue="gpu")
 
 
+# A sleep, then two steps: the first one's record holds the run's next attempt.
+twice = workflow("resumed_then_again", limits={"run_timeout_ms": 600_000})
+twice.sleep("nap", ms=60_000)
+twice.step("after")(after)
+twice.step("again")(after)
+
+
 @pytest.fixture
 def sent(monkeypatch) -> dict[str, list[Any]]:
     """What the engine would send: attempts offered (by the advance's commit or by the
@@ -101,6 +108,7 @@ def start_sleeping(workflow_id: str, count: int) -> list[Run]:
         "resumed_elsewhere": elsewhere,
         "resumed_at_most_once": once,
         "resumed_brief": brief,
+        "resumed_then_again": twice,
     }[workflow_id]
     definition_save(document=document.document())
     return [services.run_start(workflow=workflow_id, input={}).run for _ in range(count)]
@@ -560,6 +568,56 @@ def test_a_slow_body_keeps_neither_the_results_before_it_nor_the_claims_after_it
     assert set(handed_back.values_list("status", "claim")) <= {("scheduled", None)}
     assert sorted(sent["offered"]) == sorted(handed_back.values_list("id", flat=True))
     assert not execution.keeper.held()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_result_recorded_while_a_body_runs_offers_its_runs_next_attempt(
+    sent, monkeypatch
+) -> None:
+    """The hand-off's catch-up thread records a result whose run goes on: it runs no body,
+    so it offers the run's next attempt, once its record has committed."""
+    monkeypatch.setattr(batches, "HAND_OFF_SECONDS", 0.2)
+    first, slow, last = sorted(fire(start_sleeping("resumed_then_again", 3)))
+    naps[slow] = 1.0
+    offered_while_slow_ran: list[int] = []
+    real = dispatch.offer
+
+    def offered(step_run: Any, **options: Any) -> None:
+        if slow in ran and slow not in ended:
+            offered_while_slow_ran.append(step_run.id)
+        real(step_run, **options)
+
+    monkeypatch.setattr(dispatch, "offer", offered)
+    try:
+        execution.advance_and_execute([first, slow, last], worker="w:1", queues={"default"})
+    finally:
+        naps.clear()
+        _caught_up()
+    again = StepRun.objects.get(run_id=first, step_id="again")
+    # Committed (another connection: the thread's own) and offered, not claimed.
+    assert (again.status, again.claim) == ("scheduled", None)
+    assert again.id in offered_while_slow_ran
+    assert sent["offered"].count(again.id) == 1
+
+
+def test_a_batchs_step_durations_are_each_bodys_own(sent, monkeypatch) -> None:
+    """Results claimed ahead are recorded together after the chunk's last body: the step
+    duration each counts (djflow_step_duration_seconds) is its body's, not its wait too."""
+    durations: dict[str, float] = {}
+
+    def attempt_recorded(*, workflow: str, seconds: float, **_: Any) -> None:
+        durations[str(len(durations))] = seconds
+
+    monkeypatch.setattr(execution.metrics, "attempt_recorded", attempt_recorded)
+    run_ids = sorted(fire(start_sleeping("resumed_after_nap", 2)))
+    naps[run_ids[1]] = 0.5
+    try:
+        execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
+    finally:
+        naps.clear()
+    assert statuses(run_ids) == {"completed"}
+    # Both recorded after the slow body ended, in the chunk's order.
+    assert durations["0"] < 0.4 <= 0.5 <= durations["1"], durations
 
 
 def test_a_hand_back_that_fails_while_a_body_runs_leaves_the_attempts_to_their_leases(
