@@ -60,7 +60,10 @@ def test_ci_starts_a_worker_from_a_plain_install_after_the_readme_install() -> N
     subprocess.run(["bash", "-n", str(PLAIN_INSTALL)], check=True)
     body = PLAIN_INSTALL.read_text()
     assert "set -euo pipefail" in body
-    assert 'python3 -m venv "$work/venv"' in body
+    assert 'python3 -m venv "$venv_dir"' in body
+    assert "venv_dir=${DJFLOW_PLAIN_VENV:-$work/venv}" in body
+    # Kept for the README's test command, which uses it (tests/test_production_install.py).
+    assert lines.index("export DJFLOW_PLAIN_VENV") < plain
     # The checkout itself, no extras, no editable install.
     assert re.search(r'pip" install -q --disable-pip-version-check "\$checkout"$', body, re.M)
     assert "[test]" not in body and " -e " not in body
