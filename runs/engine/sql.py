@@ -17,6 +17,8 @@ whose predicate names a bound value.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -69,6 +71,7 @@ def cursor() -> Any:
         return db.cursor()
     db.ensure_connection()
     raw_connection = db.connection
+    _replan_if_grown(db, raw_connection)
     # What db.cursor() does (_cursor -> create_cursor -> _prepare_cursor), with the
     # server-binding cursor class Django uses under OPTIONS' server_side_binding.
     with db.wrap_database_errors:
@@ -82,3 +85,62 @@ def _other_timezone(raw_connection: Any, timezone: Any) -> bool:
     # As create_cursor: a cursor needs its own loader only when the connection's differs.
     loader = raw_connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
     return bool(timezone != loader.timezone)
+
+
+# The tables every step's statements read by key. Statements prepared while they were small
+# keep plans made for their size (below).
+GROWING_TABLES = ("runs_steprun", "runs_run")
+# How often a connection compares their size with the size its plans were made at.
+REPLAN_CHECK_SECONDS = 5.0
+# Plans are made again once the tables are this many times the size they were made at (and
+# at least REPLAN_MIN_PAGES more): once tables are a few pages, an index lookup is cheaper
+# than a scan whatever their size, so plans settle after a few doublings.
+REPLAN_GROWTH = 2
+REPLAN_MIN_PAGES = 8
+
+
+@dataclass
+class _Plans:
+    raw: Any  # the psycopg connection they were prepared on
+    pages: int | None  # the tables' pages when they were (about) made
+    checked: float  # time.monotonic() of the last look
+
+
+def _replan_if_grown(db: Any, raw_connection: Any) -> None:
+    """Drop this connection's prepared statements (psycopg prepares them again on their next
+    uses) once the tables they read have grown well past the size their plans were made at.
+
+    A prepared statement's plan is made once, generically (generic_plans), from the tables'
+    size at that moment: a worker that started while ``runs_steprun`` held a few rows planned
+    a sequential scan for the claim and the record of every attempt, and kept those plans
+    while a fan-out filled the table with 10,000 rows: 1 to 2.5 ms a statement instead of 0.1,
+    growing with the table (issue 17's ninth session, bench.fanout at 10,000 items). Postgres
+    plans again on its own after an ANALYZE, which autovacuum makes only once a minute at
+    best, and never where it is off.
+    """
+    now = time.monotonic()
+    plans = getattr(db, "_djflow_plans", None)
+    if plans is None or plans.raw is not raw_connection:
+        plans = db._djflow_plans = _Plans(raw=raw_connection, pages=None, checked=now)
+    elif now < plans.checked + REPLAN_CHECK_SECONDS:
+        return
+    plans.checked = now
+    if raw_connection.pgconn.pipeline_status:
+        return  # inside a pipeline (never the case for a new cursor): next time
+    # On psycopg's own cursor, not Django's: the look is not one of the statements a step
+    # is counted by (tests, bench.pg_counts' per-step figures count Django's). to_regclass:
+    # no error (which would end the caller's transaction) before the tables exist.
+    with db.wrap_database_errors, raw_connection.cursor() as looking:
+        looking.execute(
+            "SELECT sum(pg_relation_size(to_regclass(t))) / current_setting('block_size')::int"
+            " FROM unnest(%s::text[]) AS t",
+            [list(GROWING_TABLES)],
+        )
+        pages = int((looking.fetchone() or [0])[0] or 0)
+        if plans.pages is None:
+            plans.pages = pages
+        elif pages >= max(plans.pages * REPLAN_GROWTH, plans.pages + REPLAN_MIN_PAGES):
+            # psycopg reads this statement's status and forgets its own prepared statements
+            # too (psycopg/_preparing.py, _should_discard): the next uses prepare them anew.
+            looking.execute("DEALLOCATE ALL")
+            plans.pages = pages

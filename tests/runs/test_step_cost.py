@@ -352,3 +352,51 @@ def test_the_kept_prefixes_are_bounded_by_runs_and_by_bytes(monkeypatch):
     journal._keep("run-4", 1, "", prefix(2, 10))  # a shorter one never replaces a longer
     assert journal._prefixes["run-4"][2].steps == 5
     journal.forget_prefixes()
+
+
+def _plan_of(marker: str) -> str:
+    """The plan this connection's prepared statement holding ``marker`` runs with."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT name, cardinality(parameter_types) FROM pg_prepared_statements"
+            " WHERE statement LIKE %s",
+            [f"%{marker}%"],
+        )
+        [(name, parameters)] = cursor.fetchall()
+        cursor.execute(f"EXPLAIN EXECUTE {name}({', '.join(['NULL'] * parameters)})")
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.mark.usefixtures("one_step_at_a_time")
+@pytest.mark.parametrize("looks", [True, False])
+def test_plans_made_while_the_tables_were_small_are_made_again_once_they_have_grown(
+    monkeypatch, looks
+) -> None:
+    """A statement prepared while ``runs_steprun`` was small keeps the plan made for that
+    size (plans are made once, generically): the claim and the record of every attempt then
+    scanned the whole table as a fan-out filled it. The connection looks at the tables' size
+    (every REPLAN_CHECK_SECONDS) and has them prepared again once they have grown."""
+    from runs.engine import sql
+
+    monkeypatch.setattr(sql, "REPLAN_CHECK_SECONDS", 0.0 if looks else 1e9)
+    connection.close()  # a connection whose statements are prepared from here on
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE runs_steprun, runs_run")  # statistics of empty tables
+    run = services.run_start(workflow=_sequence(10), input={}).run
+    for _ in range(2):
+        _step(run.id)  # the claim prepared on its second use, planned for these tables
+    claim = "FROM runs_run AS r"
+    assert "Seq Scan on runs_steprun" in _plan_of(claim)
+
+    ballast = services.run_start(workflow=_sequence(10), input={}).run
+    StepRun.objects.bulk_create(
+        StepRun(run_id=ballast.id, step_id=f"b{n}", kind="task", attempt=1, status="succeeded")
+        for n in range(3000)
+    )
+    for _ in range(2):
+        _step(run.id)  # the look; the claim used once unprepared, then prepared again
+    if looks:
+        assert "Index Scan using runs_steprun_pkey on runs_steprun" in _plan_of(claim)
+    else:
+        assert "Seq Scan on runs_steprun" in _plan_of(claim)
+    connection.close()
