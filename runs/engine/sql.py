@@ -89,7 +89,7 @@ def _other_timezone(raw_connection: Any, timezone: Any) -> bool:
 
 # The tables every step's statements read by key. Statements prepared while they were small
 # keep plans made for their size (below).
-GROWING_TABLES = ("runs_steprun", "runs_run")
+GROWING_TABLES = ("runs_steprun", "runs_run", "runs_timer")
 # How often a connection compares their size with the size its plans were made at.
 REPLAN_CHECK_SECONDS = 5.0
 # Plans are made again once the tables are this many times the size they were made at (and
@@ -102,7 +102,7 @@ REPLAN_MIN_PAGES = 8
 @dataclass
 class _Plans:
     raw: Any  # the psycopg connection they were prepared on
-    pages: int | None  # the tables' pages when they were (about) made
+    pages: list[int] | None  # each table's pages when they were (about) made
     checked: float  # time.monotonic() of the last look
 
 
@@ -132,14 +132,17 @@ def _replan_if_grown(db: Any, raw_connection: Any) -> None:
     # no error (which would end the caller's transaction) before the tables exist.
     with db.wrap_database_errors, raw_connection.cursor() as looking:
         looking.execute(
-            "SELECT sum(pg_relation_size(to_regclass(t))) / current_setting('block_size')::int"
-            " FROM unnest(%s::text[]) AS t",
+            "SELECT coalesce(pg_relation_size(to_regclass(t)), 0)"
+            " / current_setting('block_size')::int FROM unnest(%s::text[]) AS t",
             [list(GROWING_TABLES)],
         )
-        pages = int((looking.fetchone() or [0])[0] or 0)
-        if plans.pages is None:
+        pages = [int(row[0]) for row in looking.fetchall()]
+        if plans.pages is None or len(plans.pages) != len(pages):
             plans.pages = pages
-        elif pages >= max(plans.pages * REPLAN_GROWTH, plans.pages + REPLAN_MIN_PAGES):
+        elif any(
+            size >= max(made * REPLAN_GROWTH, made + REPLAN_MIN_PAGES)
+            for size, made in zip(pages, plans.pages, strict=True)
+        ):
             # psycopg reads this statement's status and forgets its own prepared statements
             # too (psycopg/_preparing.py, _should_discard): the next uses prepare them anew.
             looking.execute("DEALLOCATE ALL")
