@@ -76,8 +76,9 @@ def vacuum() -> None:
     prepared statements, planned once per connection (``runs.engine.sql``), were planned for
     an empty table: sequential scans of ``runs_steprun`` for every claim and record of the
     figure that then filled it. bench.fanout and bench.timers empty their tables before each
-    side: their 10,000 items claimed and recorded at 1 to 2 ms each, 0.1 ms once psycopg
-    prepared them again (issue 17's ninth session; runs.engine.sql now does that itself).
+    side: their 10,000 items claimed and recorded at 1 to 2 ms each, 0.1 ms once the ids
+    passed 32,767 and psycopg prepared them again for int4 parameters (issue 17's ninth
+    session; runs.engine.sql now prepares them again as the tables grow).
     """
     import psycopg
     from psycopg import sql
