@@ -35,9 +35,17 @@ def _stop_between_ticks(service: Any) -> None:
     deploy's kill timeout in production). Here the handler only sets the service's shutdown
     flag; the loop ends after its sleep (a second with the engine's 1 s tick), or before its
     first pass, and the service saves the schedule on its way out, with no query interrupted.
+
+    A second signal leaves at once, as Celery's handler did (SystemExit; psycopg cancels a
+    query it interrupts): a pass can be stuck for long, e.g. sending to a broker that is
+    down (Celery retries the connection up to 100 times, about 46 minutes).
     """
+    asked: list[int] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
+        if asked:
+            raise SystemExit()
+        asked.append(signum)
         service.stop(wait=False)
 
     platforms.signals.update(SIGTERM=stop, SIGINT=stop)

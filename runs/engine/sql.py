@@ -17,6 +17,7 @@ whose predicate names a bound value.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,10 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
 from django.db.backends.postgresql.psycopg_any import register_tzloader
+from psycopg import Error
 from psycopg.pq import Format
+
+logger = logging.getLogger(__name__)
 
 # Typed as Any: django-stubs know this backend class only as the psycopg 2 fallback.
 _ServerBindingCursor: Any = ServerBindingCursor
@@ -104,6 +108,7 @@ class _Plans:
     raw: Any  # the psycopg connection they were prepared on
     pages: list[int] | None  # each table's pages when they were (about) made
     checked: float  # time.monotonic() of the last look
+    replans: int = 0
 
 
 def _replan_if_grown(db: Any, raw_connection: Any) -> None:
@@ -124,26 +129,40 @@ def _replan_if_grown(db: Any, raw_connection: Any) -> None:
         plans = db._djflow_plans = _Plans(raw=raw_connection, pages=None, checked=now)
     elif now < plans.checked + REPLAN_CHECK_SECONDS:
         return
+    if db.in_atomic_block or not db.get_autocommit() or raw_connection.pgconn.pipeline_status:
+        # Between transactions only (a worker claims each task's first attempt there): a
+        # look that fails must not end the caller's transaction.
+        return
     plans.checked = now
-    if raw_connection.pgconn.pipeline_status:
-        return  # inside a pipeline (never the case for a new cursor): next time
     # On psycopg's own cursor, not Django's: the look is not one of the statements a step
     # is counted by (tests, bench.pg_counts' per-step figures count Django's). to_regclass:
-    # no error (which would end the caller's transaction) before the tables exist.
-    with db.wrap_database_errors, raw_connection.cursor() as looking:
-        looking.execute(
-            "SELECT coalesce(pg_relation_size(to_regclass(t)), 0)"
-            " / current_setting('block_size')::int FROM unnest(%s::text[]) AS t",
-            [list(GROWING_TABLES)],
-        )
-        pages = [int(row[0]) for row in looking.fetchall()]
-        if plans.pages is None or len(plans.pages) != len(pages):
-            plans.pages = pages
-        elif any(
-            size >= max(made * REPLAN_GROWTH, made + REPLAN_MIN_PAGES)
-            for size, made in zip(pages, plans.pages, strict=True)
-        ):
-            # psycopg reads this statement's status and forgets its own prepared statements
-            # too (psycopg/_preparing.py, _should_discard): the next uses prepare them anew.
-            looking.execute("DEALLOCATE ALL")
-            plans.pages = pages
+    # no error before the tables exist. Never prepared (prepare=False): nothing to drop.
+    try:
+        with raw_connection.cursor() as looking:
+            looking.execute(
+                "SELECT coalesce(pg_relation_size(to_regclass(t)), 0)"
+                " / current_setting('block_size')::int FROM unnest(%s::text[]) AS t",
+                [list(GROWING_TABLES)],
+                prepare=False,
+            )
+            pages = [int(row[0]) for row in looking.fetchall()]
+            if plans.pages is None or len(plans.pages) != len(pages):
+                plans.pages = pages
+            elif any(
+                size >= max(made * REPLAN_GROWTH, made + REPLAN_MIN_PAGES)
+                for size, made in zip(pages, plans.pages, strict=True)
+            ):
+                # psycopg reads this statement's status and forgets its own prepared
+                # statements too (psycopg/_preparing.py, _should_discard), and the next uses
+                # prepare them anew. It reads the status of a text it has not seen before
+                # only: hence a new one each time (a second plain DEALLOCATE ALL went
+                # unnoticed, and psycopg ran statements the server no longer had).
+                plans.replans += 1
+                looking.execute(f"DEALLOCATE ALL /* replan {plans.replans} */", prepare=False)
+                plans.pages = pages
+            else:
+                # A table that shrank (retention, TRUNCATE) is planned again by Postgres for
+                # its new size: its growth counts from there.
+                plans.pages = list(map(min, pages, plans.pages))
+    except Error:
+        logger.warning("could not compare the tables' size with the plans'", exc_info=True)

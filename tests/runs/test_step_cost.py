@@ -389,14 +389,61 @@ def test_plans_made_while_the_tables_were_small_are_made_again_once_they_have_gr
     assert "Seq Scan on runs_steprun" in _plan_of(claim)
 
     ballast = services.run_start(workflow=_sequence(10), input={}).run
-    StepRun.objects.bulk_create(
-        StepRun(run_id=ballast.id, step_id=f"b{n}", kind="task", attempt=1, status="succeeded")
-        for n in range(3000)
-    )
+
+    def grow(rows: int, first: int = 0) -> None:
+        StepRun.objects.bulk_create(
+            StepRun(run_id=ballast.id, step_id=f"b{n}", kind="task", attempt=1, status="succeeded")
+            for n in range(first, first + rows)
+        )
+
+    grow(3000)
     for _ in range(2):
         _step(run.id)  # the look; the claim used once unprepared, then prepared again
-    if looks:
-        assert "Index Scan using runs_steprun_pkey on runs_steprun" in _plan_of(claim)
-    else:
+    if not looks:
         assert "Seq Scan on runs_steprun" in _plan_of(claim)
+        connection.close()
+        return
+    assert "Index Scan using runs_steprun_pkey on runs_steprun" in _plan_of(claim)
+    # Again: psycopg noticed only the first DEALLOCATE ALL of one text, and ran statements
+    # the server had dropped after the second ("prepared statement ... does not exist").
+    grow(6000, first=3000)
+    for _ in range(3):
+        _step(run.id)
+    assert "Index Scan using runs_steprun_pkey on runs_steprun" in _plan_of(claim)
+    assert StepRun.objects.filter(run_id=run.id, status="succeeded").count() == 2 + 2 + 3
+    connection.close()
+
+
+def test_plans_dropped_twice_on_a_connection_that_had_none_prepared_the_first_time(
+    monkeypatch,
+) -> None:
+    """psycopg forgets its prepared statements when it reads a DEALLOCATE ALL's status, and
+    reads the status of a text it has not run before only. A first DEALLOCATE ALL sent while
+    nothing was prepared left its text known: the second went unnoticed, and the next claim
+    ran a statement the server had dropped ("prepared statement ... does not exist")."""
+    from runs.engine import sql
+    from workers.claims import claim_attempt
+
+    monkeypatch.setattr(sql, "REPLAN_CHECK_SECONDS", 0.0)
+    ballast = services.run_start(workflow=_sequence(10), input={}).run
+
+    def grow(rows: int, first: int) -> None:
+        StepRun.objects.bulk_create(
+            StepRun(run_id=ballast.id, step_id=f"b{n}", kind="task", attempt=1, status="succeeded")
+            for n in range(first, first + rows)
+        )
+        sql.cursor().close()  # the look, which drops the plans
+
+    def claim_nothing() -> None:
+        assert claim_attempt(0, worker="in-process", now=timezone.now()) is None
+
+    connection.close()
+    sql.cursor().close()  # a new connection's first look: the size its plans start from
+    grow(3000, 0)  # nothing is prepared on this connection yet
+    claim_nothing()
+    claim_nothing()  # prepared on its second use
+    grow(9000, 3000)
+    claim_nothing()
+    claim_nothing()
+    assert connection._djflow_plans.replans == 2
     connection.close()
