@@ -447,3 +447,19 @@ def test_plans_dropped_twice_on_a_connection_that_had_none_prepared_the_first_ti
     claim_nothing()
     assert connection._djflow_plans.replans == 2
     connection.close()
+
+
+def test_a_look_that_fails_is_logged_and_leaves_the_connection_usable(monkeypatch, caplog) -> None:
+    """The look at the tables' size runs between transactions, and its failure (here a
+    malformed table name) is logged: the statement the caller was about to send goes on."""
+    from runs.engine import sql
+    from workers.claims import claim_attempt
+
+    monkeypatch.setattr(sql, "REPLAN_CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(sql, "GROWING_TABLES", ("runs_steprun", "not..a table"))
+    connection.close()
+    with caplog.at_level("WARNING", logger="runs.engine.sql"):
+        assert claim_attempt(0, worker="in-process", now=timezone.now()) is None
+        assert claim_attempt(0, worker="in-process", now=timezone.now()) is None
+    assert "could not compare the tables' size" in caplog.text
+    connection.close()
