@@ -42,6 +42,7 @@ from runs.engine.advance import (
     lock_runs_recording_reading,
     run_advance_holding,
 )
+from runs.engine.ending import Ends
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import attempts_in_flight, record_result, request_advance
 from runs.models import Effect, Run, StepRun
@@ -847,6 +848,8 @@ def _recorded_together(results: list[_Result]) -> list[tuple[str, Held | None]] 
         # read before: recorded alone, it is locked and read in its own turn.
         return None
     values = [result.values or _values(*_arguments(result)[2:]) for result in results]
+    # The runs that end here are ended together, as the last statement of the transaction.
+    ends = Ends()
     try:
         with transaction.atomic():
             locked = lock_runs_recording_reading(
@@ -865,9 +868,10 @@ def _recorded_together(results: list[_Result]) -> list[tuple[str, Held | None]] 
             # One run that raises rolls the batch back, and each is then recorded alone
             # (_recorded_each).
             outcomes = [
-                _recorded(result.row, result.status, result.ctx, cost, *found)
+                _recorded(result.row, result.status, result.ctx, cost, *found, ends=ends)
                 for result, (cost, _), found in zip(results, values, locked, strict=True)
             ]
+            ends.flush()
     except Exception:
         logger.warning("advance_runs: %d results recorded one by one", len(results), exc_info=True)
         return None
@@ -956,9 +960,13 @@ def _recorded(
     recorded: bool,
     read: tuple[int, list[Any]] | None,
     chain: _Chain | None = None,
+    *,
+    ends: Ends | None = None,
 ) -> tuple[str, Held | None]:
     """The rest of recording an attempt, in the transaction that locked its run (``run``,
-    None if it is gone) and wrote its result (``recorded``, False if its claim was lost)."""
+    None if it is gone) and wrote its result (``recorded``, False if its claim was lost).
+    ``ends`` (several results recorded together) may take the run's end, written when the
+    caller flushes it."""
     if run is None:
         return "dropped", None
     # The model calls it made, recorded and charged whether or not the result is still
@@ -976,7 +984,7 @@ def _recorded(
     if run.status not in RUN_TERMINAL:
         budget = Budget(ADVANCE_ACTIONS)
         _, next_attempt = advance_locked(
-            run, hold=True, budget=budget, claim_as=_claim_as(chain), read=read
+            run, hold=True, budget=budget, claim_as=_claim_as(chain), read=read, ends=ends
         )
         if next_attempt is not None:
             claimed = None

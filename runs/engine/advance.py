@@ -23,6 +23,7 @@ from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun
 from . import events, journal
 from .apply import ClaimAs, Deferred, apply_plan
+from .ending import Ends
 from .plan import Plan, plan
 from .sql import cursor as prepared_cursor
 from .store import (
@@ -388,6 +389,7 @@ def advance_locked(
     claim_as: ClaimAs | None = None,
     read: tuple[int, list[Any]] | None = None,
     defer: Deferred | None = None,
+    ends: Ends | None = None,
 ) -> tuple[Plan, StepRun | None]:
     """The body of :func:`run_advance` for a caller that already holds the run's lock;
     with ``hold``, also the lone new attempt left for the caller to run (see apply_plan),
@@ -399,7 +401,8 @@ def advance_locked(
     after a row id, read by the caller under the lock (a batch reads several runs' at once):
     the first round uses it if it plans from that row, and reads the journal itself if not.
     ``defer`` (a batch's, see apply_plan) may take a held attempt's insert: the attempt has
-    its id once the caller flushes it.
+    its id once the caller flushes it. ``ends`` (a batch's, see ``ending.Ends``) may take the
+    run's end: it is written when the caller flushes it.
 
     A wait_event the plan opened takes an event that arrived before it (after the run
     started), and the run is planned again from there, in the same transaction.
@@ -462,6 +465,7 @@ def advance_locked(
             hold=holding,
             claim_as=claim_as if holding else None,
             defer=defer if holding else None,
+            ends=ends,
         )
         held = held or applied.held
         for child in applied.children:

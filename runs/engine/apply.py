@@ -98,6 +98,7 @@ def apply_plan(
     hold: bool = False,
     claim_as: ClaimAs | None = None,
     defer: Deferred | None = None,
+    ends: ending.Ends | None = None,
 ) -> Applied:
     """Write ``planned`` for ``run`` (locked by the caller) and queue its messages. The child
     runs it starts are returned (``Applied.children``) for the caller to plan in the same
@@ -117,8 +118,13 @@ def apply_plan(
     timers and the run's own fields, leaves that attempt's insert (with the run's update
     and the riders) to ``defer``: the held attempt has no id until the caller flushes it
     (inserted claimed, too, when ``claim_as`` says so).
+
+    With ``ends`` (a batch's), a plan whose last action ends the run leaves the end's writes
+    to ``ends`` (``ending.end_run``): nothing after it in the plan reads the run's rows.
     """
     writer = _Writer(run, now)
+    if ends is not None and planned.actions and type(planned.actions[-1]) is p.Finish:
+        writer.ends = ends
     for action in planned.actions:
         if type(action) not in _RIDERS_WAIT:
             # What this action writes or reads may depend on rows a rider changes.
@@ -160,6 +166,8 @@ class _Writer:
         # Writes whose answer is not read (a sleep's close), sent with the next statement
         # (store.Rider): a fired sleep's close and its next attempt's insert are one.
         self.riders: list[Rider] = []
+        # A batch's ends, when the run's end may be written with the batch's (apply_plan).
+        self.ends: ending.Ends | None = None
 
     def send_riders(self) -> None:
         if self.riders:
@@ -277,7 +285,7 @@ class _Writer:
 
     def finish(self, action: p.Finish) -> None:
         # The run's end is written by ending.end_run, not with the other fields.
-        _finish(self.run, action, self.now)
+        _finish(self.run, action, self.now, self.ends)
 
     def defer(self, planned: p.Plan, defer: Deferred, claim_as: ClaimAs | None = None) -> Applied:
         """``done`` for a plan that schedules one attempt (see ``_defers``), its insert left
@@ -627,6 +635,8 @@ def _attempt(run: Run, action: p.Schedule, now: datetime) -> StepRun:
     )
 
 
-def _finish(run: Run, action: p.Finish, now: datetime) -> None:
+def _finish(run: Run, action: p.Finish, now: datetime, ends: ending.Ends | None = None) -> None:
     # Nothing may go on once the run has ended: see ending.end_run.
-    ending.end_run(run, action.status, now=now, output=action.output, error=action.error)
+    ending.end_run(
+        run, action.status, now=now, output=action.output, error=action.error, together=ends
+    )

@@ -224,6 +224,93 @@ def test_an_ended_run_closes_what_is_in_flight(status: str, condition: str) -> N
     assert (run.status, run.finished_at is not None) == (status, True)
 
 
+@pytest.mark.parametrize(
+    ("status", "condition"),
+    [(RunStatus.FAILED, StepStatus.FAILED), (RunStatus.COMPLETED, StepStatus.CANCELLED)],
+)
+def test_runs_ended_together_end_as_each_would_alone(status: str, condition: str) -> None:
+    """``ending.Ends``: three runs' ends in one statement (a batch's results recorded
+    together), each closing what it leaves in flight and its child runs, its unfired timers
+    gone, its end counted; the instance shows its end before the flush, the rows after."""
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from runs.models import Timer
+
+    now = timezone.now()
+    runs = [RunFactory(status=RunStatus.RUNNING) for _ in range(3)]
+    branch = StepRunFactory(run=runs[0], step_id="if", kind="condition", status="running")
+    inside = StepRunFactory(run=runs[0], step_id="a", status=StepStatus.SCHEDULED)
+    done = StepRunFactory(run=runs[1], step_id="b", status=StepStatus.SUCCEEDED)
+    child = RunFactory(status=RunStatus.RUNNING, parent_run=runs[2], root_run=runs[2])
+    for run in runs:
+        Timer.objects.create(run=run, purpose="sleep", key="k", fire_at=now)
+    together = ending.Ends()
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        locked = list(Run.objects.select_for_update().filter(id__in=[r.id for r in runs]))
+        for run in locked:
+            ending.end_run(run, status, now=now, output={"n": 1}, together=together)
+        # Nothing written yet: the instances show their ends.
+        assert {run.status for run in locked} == {status}
+        assert set(
+            Run.objects.filter(id__in=[r.id for r in runs]).values_list("status", flat=True)
+        ) == {RunStatus.RUNNING}
+        together.flush()
+    ends = [q["sql"] for q in queries.captured_queries if "UPDATE runs_run" in q["sql"]]
+    # One statement moved the three (the child's cancel is its own, under its own lock).
+    assert sum("moved_2 AS" in sql for sql in ends) == 1, ends
+    assert {r.status for r in Run.objects.filter(id__in=[r.id for r in runs])} == {status}
+    for run in Run.objects.filter(id__in=[r.id for r in runs]):
+        assert (run.finished_at, run.updated_at, run.output) == (now, now, {"n": 1})
+    statuses = dict(StepRun.objects.filter(run__in=runs).values_list("id", "status"))
+    assert statuses == {branch.id: condition, inside.id: "cancelled", done.id: "succeeded"}
+    child.refresh_from_db()
+    assert child.status == RunStatus.CANCELLED
+    assert child.error["message"] == f"parent run {runs[2].id} {ending._PARENT_ENDED[status]}"
+    assert not Timer.objects.filter(run__in=runs, fired_at__isnull=True).exists()
+
+
+def test_runs_ended_together_with_one_stale_raise_and_write_nothing() -> None:
+    """One of the batch's rows ended meanwhile: the statement's count is short, the flush
+    raises (the batch's caller records its runs one by one), and nothing of it stays."""
+    from django.utils import timezone
+
+    from runs.models import Timer
+
+    now = timezone.now()
+    runs = [RunFactory(status=RunStatus.RUNNING) for _ in range(2)]
+    for run in runs:
+        Timer.objects.create(run=run, purpose="sleep", key="k", fire_at=now)
+    stale = [Run.objects.get(id=run.id) for run in runs]
+    with unchecked():
+        Run.objects.filter(id=runs[1].id).update(status=RunStatus.CANCELLED)
+    together = ending.Ends()
+    with pytest.raises(RuntimeError, match="1 of 2 runs cannot end"), transaction.atomic():
+        for run in stale:
+            ending.end_run(run, RunStatus.COMPLETED, now=now, together=together)
+        together.flush()
+    assert Run.objects.get(id=runs[0].id).status == RunStatus.RUNNING
+    assert Timer.objects.filter(run__in=runs).count() == 2
+
+
+def test_only_a_top_level_run_without_a_slot_is_ended_with_others() -> None:
+    """A run inside a tree, or holding a concurrency slot, is ended on the spot: its
+    parent, its children or its key's next runs may be read before a flush."""
+    from django.utils import timezone
+
+    top = RunFactory(status=RunStatus.RUNNING)
+    inner = RunFactory(status=RunStatus.RUNNING, parent_run=top, root_run=top)
+    together = ending.Ends()
+    with transaction.atomic():
+        ending.end_run(inner, RunStatus.COMPLETED, now=timezone.now(), together=together)
+        ending.end_run(top, RunStatus.COMPLETED, now=timezone.now(), together=together)
+        assert [run.id for run, *_ in together.pending] == [top.id]
+        assert Run.objects.get(id=inner.id).status == RunStatus.COMPLETED
+        together.flush()
+    assert Run.objects.get(id=top.id).status == RunStatus.COMPLETED
+    assert not ending.Ends.takes(RunFactory(status=RunStatus.RUNNING, concurrency_key="k"))
+
+
 def test_an_end_on_a_stale_instance_raises_and_writes_nothing() -> None:
     """The end's one statement (move, timers dropped, what is left read) on a run whose row
     ended meanwhile: the move matches nothing, the caller hears of it, and its transaction
