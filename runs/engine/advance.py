@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun
+from ..status import RUN_TERMINAL
 from . import events, journal
 from .apply import ClaimAs, Deferred, apply_plan
 from .ending import Ends
@@ -468,6 +469,10 @@ def advance_locked(
             ends=ends,
         )
         held = held or applied.held
+        if run.status in RUN_TERMINAL:
+            # The plan ended the run beside what it opened (a parallel step's first branch
+            # began, a later one past a limit): the end cancelled it; nothing goes on.
+            return planned, held
         for child in applied.children:
             # A child run's first steps are planned in this transaction (as run_start plans
             # a run's) while the budget lasts; past it, an advance task plans them. A

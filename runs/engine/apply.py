@@ -119,11 +119,11 @@ def apply_plan(
     and the riders) to ``defer``: the held attempt has no id until the caller flushes it
     (inserted claimed, too, when ``claim_as`` says so).
 
-    With ``ends`` (a batch's), a plan whose last action ends the run leaves the end's writes
-    to ``ends`` (``ending.end_run``): nothing after it in the plan reads the run's rows.
+    With ``ends`` (a batch's), a plan that ends the run and opens nothing (``_ends_alone``)
+    leaves the end's writes to ``ends`` (``ending.end_run``).
     """
     writer = _Writer(run, now)
-    if ends is not None and planned.actions and type(planned.actions[-1]) is p.Finish:
+    if ends is not None and _ends_alone(planned):
         writer.ends = ends
     for action in planned.actions:
         if type(action) not in _RIDERS_WAIT:
@@ -146,6 +146,16 @@ def _defers(planned: p.Plan) -> bool:
         and sum(type(action) is p.Schedule for action in planned.actions) == 1
         and all(type(action) in _RIDERS_WAIT for action in planned.actions)
     )
+
+
+def _ends_alone(planned: p.Plan) -> bool:
+    """Whether the plan's end may wait for a batch's flush: it is the plan's last action, and
+    the others only close, cancel, expire or skip rows, written before it (nothing opened,
+    scheduled or started that the caller would go on with after the end)."""
+    if not planned.actions:
+        return False
+    *before, last = planned.actions
+    return type(last) is p.Finish and all(type(action) in _BEFORE_AN_END for action in before)
 
 
 # See apply_plan: a held attempt (not yet inserted) -> the fields of its claim, or None.
@@ -327,6 +337,12 @@ class _Writer:
         if planned.finish is None:
             _show_waiting(run, planned, self.fields)
             self.write_timers()
+        elif self.schedules:
+            # The plan ended the run beside what it began (a parallel step's first branch
+            # scheduled, a later one past limits.max_steps): an attempt inserted now, after
+            # the end closed what was in flight, would be offered and run on an ended run.
+            run.attempts -= len(self.schedules)
+            self.schedules = []
         run_changes = self.run_changes()
         # The run's own changes ride on the inserts (one statement for a lone attempt, one
         # per batch of a fan-out, on Postgres).
@@ -361,6 +377,9 @@ class _Writer:
 # Actions that write nothing before done() (the run's fields, timers, attempts to insert,
 # riders themselves): the riders wait for them. Any other sends the riders first.
 _RIDERS_WAIT = frozenset({p.StartRun, p.Schedule, p.Wake, p.Close})
+
+# What a plan whose end a batch takes (_ends_alone) may hold besides it.
+_BEFORE_AN_END = frozenset({p.Close, p.Cancel, p.Expire, p.Skip, p.Wake})
 
 # Each kind of action the planner decides, and how it is written.
 _WRITE: dict[type, Callable[[_Writer, Any], None]] = {

@@ -237,3 +237,53 @@ def test_a_template_bomb_at_start_fails_the_run_with_invalid_input(api: APIClien
     assert answer.status_code == 201
     body = answer.json()
     assert body["status"] == "failed" and body["error"]["class"] == "invalid_input"
+
+
+# --- a plan that reaches a limit beside what it scheduled ---------------------------------------
+
+
+def par(*branches: dict[str, Any]) -> dict[str, Any]:
+    return {"id": "par", "kind": "parallel", "branches": {s["id"]: s for s in branches}}
+
+
+@pytest.fixture
+def sent_offers(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The attempts the engine offers to workers (recorded, not sent)."""
+    from runs import dispatch
+
+    offered: list[Any] = []
+    monkeypatch.setattr(dispatch, "offer_on_commit", lambda step_run, **_: offered.append(step_run))
+    monkeypatch.setattr(
+        dispatch, "offer_fan_out_on_commit", lambda step_runs, **_: offered.extend(step_runs)
+    )
+    return offered
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        {"kind": "task", "handler": "tests.noop"},
+        {"kind": "wait_event", "event": "go"},
+        {"kind": "subworkflow", "workflow": "leaf"},
+    ],
+    ids=["task", "wait_event", "subworkflow"],
+)
+def test_a_plan_that_ends_the_run_beside_a_branch_it_began_leaves_nothing_to_run(
+    first: dict[str, Any], sent_offers: list[Any]
+) -> None:
+    """A parallel step's first branch begins, its second is past limits.max_steps: the plan
+    ends the run (failed) beside the first. Nothing of it may go on after the end: a task's
+    attempt was inserted after the end had closed what was in flight, and offered, so its
+    body ran on a failed run; a child run, cancelled by the end, was then planned from a
+    stale instance, and the start failed with a 500."""
+    save("leaf", {"id": "x", "kind": "task", "handler": "tests.noop"})
+    task = {"kind": "task", "handler": "tests.noop"}
+    save("two_over", par({"id": "a", **first}, {"id": "b", **task}), limits={"max_steps": 1})
+    run = services.run_start(workflow="two_over", input={}).run
+    run.refresh_from_db()
+    assert run.status == "failed" and run.error["class"] == "limit"
+    assert not StepRun.objects.filter(run=run, status__in=["scheduled", "running"]).exists()
+    assert sent_offers == []
+    assert not Run.objects.filter(parent_run=run).exclude(status="cancelled").exists()
+    play()
+    assert not StepRun.objects.exclude(status__in=["failed", "cancelled", "succeeded"]).exists()

@@ -311,6 +311,25 @@ def test_only_a_top_level_run_without_a_slot_is_ended_with_others() -> None:
     assert not ending.Ends.takes(RunFactory(status=RunStatus.RUNNING, concurrency_key="k"))
 
 
+def test_a_batch_takes_the_end_of_a_plan_that_opens_nothing_beside_it() -> None:
+    """apply._ends_alone: a plan whose end a batch may write later ends with it and only
+    closes, cancels, expires or skips rows before it (written before the end either way);
+    one that schedules or opens something beside its end is ended on the spot."""
+    from runs.engine import apply
+    from runs.engine import plan as p
+
+    finish = p.Finish("completed")
+    close = p.Close(attempt_id=1, status="succeeded")
+    schedule = p.Schedule("a", "", "task", 1, 0, {}, "at_least_once", "default", 1000)
+    opened = p.Open(step_id="w", path="", kind="wait_event", attempt=1, generation=0)
+    assert apply._ends_alone(p.Plan(actions=[finish]))
+    assert apply._ends_alone(p.Plan(actions=[close, p.Cancel((2,)), finish]))
+    assert not apply._ends_alone(p.Plan(actions=[schedule, finish]))
+    assert not apply._ends_alone(p.Plan(actions=[opened, finish]))
+    assert not apply._ends_alone(p.Plan(actions=[finish, close]))
+    assert not apply._ends_alone(p.Plan(actions=[]))
+
+
 def test_an_end_on_a_stale_instance_raises_and_writes_nothing() -> None:
     """The end's one statement (move, timers dropped, what is left read) on a run whose row
     ended meanwhile: the move matches nothing, the caller hears of it, and its transaction
