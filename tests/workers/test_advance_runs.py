@@ -86,6 +86,11 @@ def sent(monkeypatch) -> dict[str, list[Any]]:
     # Nor is a body handed off as slow on a loaded machine: the hand-off's thread has a
     # connection of its own, which does not see a test's uncommitted rows.
     monkeypatch.setattr(batches, "HAND_OFF_SECONDS", 60.0)
+    # Nor does a chain stop at INLINE_SECONDS and offer the rest: the tests count what one
+    # task records together.
+    from django.conf import settings
+
+    monkeypatch.setitem(settings.DJFLOW, "INLINE_SECONDS", 60.0)
     messages: dict[str, list[Any]] = {"offered": [], "advance": [], "batches": []}
 
     def offered(step_run: Any, **_: Any) -> None:
