@@ -377,6 +377,32 @@ def test_runs_that_end_with_the_steps_recorded_together_are_ended_in_one_stateme
     assert {output for _, output in ended} == {"after"}
 
 
+def test_runs_whose_ends_together_fail_are_recorded_and_ended_one_by_one(sent, monkeypatch) -> None:
+    """The batch's ends fail as one (a row moved meanwhile, a lost connection): the batch's
+    transaction rolls back, results and all, and each result is recorded, and its run
+    ended, in a transaction of its own; no body runs again."""
+    from runs.engine import ending
+
+    run_ids = fire(start_sleeping("resumed_after_nap", 3))
+    real = ending._move_many
+    together: list[int] = []
+
+    def failing_together(entries: Any) -> Any:
+        if len(entries) > 1:
+            together.append(len(entries))
+            raise RuntimeError("the batch's ends failed")
+        return real(entries)
+
+    monkeypatch.setattr(ending, "_move_many", failing_together)
+    assert execution.advance_and_execute(run_ids, worker="w:1", queues={"default"}) == 3
+    assert together == [3]
+    assert statuses(run_ids) == {"completed"}
+    assert sorted(ran) == sorted(run_ids)
+    after = StepRun.objects.filter(run_id__in=run_ids, step_id="after")
+    assert set(after.values_list("status", "attempt")) == {("succeeded", 1)}
+    assert not Timer.objects.filter(run_id__in=run_ids, fired_at__isnull=True).exists()
+
+
 def test_an_at_most_once_attempt_is_claimed_before_its_body_and_recorded_on_its_own(
     sent, monkeypatch
 ) -> None:
@@ -783,7 +809,7 @@ def test_a_batch_locks_its_runs_in_one_statement_and_reads_their_journals_in_one
         execution.advance_and_execute(run_ids, worker="w:1", queues={"default"})
     statements = [q["sql"] for q in queries.captured_queries]
     # Once for the chunk's advance, once for its results' record.
-    assert sum("unnest(" in sql for sql in statements) == 2
+    assert sum("AS a(run_id, after)" in sql for sql in statements) == 2  # journal.journals_of
     assert sum("= ANY(" in sql and "FOR NO KEY UPDATE" in sql for sql in statements) == 2
     assert statuses(run_ids) == {"completed"}
 
@@ -885,7 +911,6 @@ def test_a_fired_sleeps_close_rides_on_its_next_attempts_insert_and_its_end_is_o
     # for the ten (ending.Ends: their steps were recorded together).
     [ends] = [s for s in statements if s.startswith("WITH moved_0 AS (UPDATE runs_run")]
     assert ends.count(" AS (UPDATE runs_run") == 10
-    assert not [s for s in statements if s.startswith("WITH moved AS (UPDATE runs_run")]
     separate = ("UPDATE runs_run", "DELETE FROM runs_timer")
     assert not [s for s in statements if s.startswith(separate)]
     # The chunk's statements, shared by its ten runs: the advance (requests taken; lock and
