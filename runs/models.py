@@ -357,11 +357,11 @@ class Timer(models.Model):
         ]
         indexes = [
             models.Index(fields=["fire_at"], name="timer_due", condition=Q(fired_at__isnull=True)),
-            # A run's end deletes its timers not fired yet. With a plain index on run and
-            # statistics from a quiet table (the estimate between bursts), Postgres ANDed it
-            # with timer_due, reading every unfired timer of every run on each end: 0.2 ms of
-            # a fired run's 0.45 ms end with 6,000 pending (auto_explain), O(n) a run in a
-            # burst. This index matches the delete alone, whatever the estimates.
+            # A run's unfired timers (reconcile's look for a retry's, an end's delete off
+            # Postgres). On Postgres a run's end finds them through timer_run_key_unique:
+            # with statistics that counted few unfired timers, a generic plan took
+            # timer_due for ``fired_at IS NULL`` over this index, and read every pending
+            # timer of every run on each end (runs.engine.ending._drop_timers_sql).
             models.Index(
                 fields=["run"], name="timer_unfired_run", condition=Q(fired_at__isnull=True)
             ),

@@ -100,13 +100,81 @@ def test_a_runs_end_reads_only_its_own_timers(several: bool, statistics: str) ->
         for node in _scans(plan)
     ]
     # The ending runs' own timers, found by run (two each; an index holds an entry for each
-    # version the updates above wrote, up to five), then their unfired ones by id: not the
-    # 2,000 pending.
+    # version the updates above wrote, up to five): not the 2,000 pending.
     assert read and all(rows <= 5 * len(ending_runs) for _, rows in read), read
     assert "timer_due" not in {name for name, _ in read}, read
     for run in ending_runs:
         assert list(Timer.objects.filter(run=run).values_list("purpose", flat=True)) == ["sleep"]
     assert Timer.objects.filter(fired_at__isnull=True).count() == PENDING - len(ending_runs)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_timer_fired_as_its_run_ends_is_kept_fired() -> None:
+    """The clock fires a run's timer (its claim not committed yet) as the run's end deletes
+    the run's unfired timers: the end waits for the claim, and keeps the timer, fired."""
+    import threading
+
+    import psycopg
+
+    run = RunFactory()
+    now = timezone.now()
+    timer = Timer.objects.create(
+        run=run, purpose="sleep", key="sleep", fire_at=now - timedelta(seconds=1)
+    )
+    unfired = Timer.objects.create(
+        run=run, purpose="run_deadline", key="deadline", fire_at=now + timedelta(hours=1)
+    )
+    database = connection.settings_dict
+    clock, end = (
+        psycopg.connect(
+            host=database["HOST"],
+            port=database["PORT"] or 5432,
+            user=database["USER"],
+            password=database["PASSWORD"],
+            dbname=database["NAME"],
+        )
+        for _ in range(2)
+    )
+    ended: list[BaseException | None] = []
+
+    def ending_run() -> None:
+        try:
+            with end.cursor() as cursor:
+                cursor.execute(ending._drop_timers_sql(ending._ONE), [run.id])
+            end.commit()
+            ended.append(None)
+        except BaseException as exc:  # reported below, in the test's thread
+            ended.append(exc)
+
+    try:
+        with clock.cursor() as cursor:
+            # The clock's claim, not committed yet.
+            cursor.execute(
+                "UPDATE runs_timer SET fired_at = now(), fires = fires + 1 WHERE id = %s",
+                [timer.id],
+            )
+            ending_thread = threading.Thread(target=ending_run)
+            ending_thread.start()
+            # The end waits for the claim's lock on the timer.
+            for _ in range(500):
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))"
+                )
+                if cursor.fetchone()[0]:
+                    break
+                ending_thread.join(0.01)
+            else:
+                pytest.fail(f"the end never waited for the claim: {ended}")
+        clock.commit()
+        ending_thread.join(10)
+    finally:
+        clock.close()
+        end.close()
+    assert ended == [None]
+    kept = Timer.objects.get(id=timer.id)
+    assert kept.fired_at is not None and kept.fires == 1
+    assert not Timer.objects.filter(id=unfired.id).exists()
 
 
 PENDING = 2000
