@@ -135,7 +135,11 @@ def tree_budget(run: Run) -> tuple[int, int | None]:
 
 
 # The planner needs a finish time only to time a retry, and a lease and deadline only for a
-# running attempt: the CASEs spare parsing three timestamps on every other row.
+# running attempt: the CASEs spare parsing three timestamps on every other row. A waiting
+# subworkflow row's child is looked up by that row (LATERAL, kept apart by OFFSET 0): as a
+# plain join, a worker's generic plan made while there were few child runs merged the rows
+# with the index of every child run (run_parent_step_run), reading all those whose step
+# came before the run's last row, at every step (tests/runs/test_journal_plan.py).
 _JOURNAL_SQL = """
 SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.branch, s.output,
        s.error, s.effect,
@@ -145,8 +149,10 @@ SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.bra
        CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM {table} AS s
-  LEFT JOIN {runs} AS c
-    ON s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+  LEFT JOIN LATERAL (
+    SELECT c.id, c.status, c.output, c.error FROM {runs} AS c
+     WHERE s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+    OFFSET 0) AS c ON true
  WHERE s.run_id = %s AND s.id > %s
  ORDER BY s.id
 """
@@ -195,8 +201,10 @@ SELECT s.run_id, s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.sta
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM unnest(%s::uuid[], %s::bigint[]) AS a(run_id, after)
   JOIN {table} AS s ON s.run_id = a.run_id AND s.id > a.after
-  LEFT JOIN {runs} AS c
-    ON s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+  LEFT JOIN LATERAL (
+    SELECT c.id, c.status, c.output, c.error FROM {runs} AS c
+     WHERE s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+    OFFSET 0) AS c ON true
  ORDER BY s.run_id, s.id
 """
 
