@@ -10,7 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 from django.conf import settings
@@ -134,12 +134,30 @@ def tree_budget(run: Run) -> tuple[int, int | None]:
     return int(used), limit
 
 
+# A waiting subworkflow row's child run. On Postgres it is looked up by that row (LATERAL,
+# kept apart by OFFSET 0): as a plain join, a worker's generic plan made while there were
+# few child runs merged the rows with the index of every child run (run_parent_step_run),
+# reading all those whose step came before the run's last row, at every step
+# (tests/runs/test_journal_plan.py). SQLite has no LATERAL, and plans each statement anew.
+_CHILD_JOIN = {
+    "postgresql": """LEFT JOIN LATERAL (
+    SELECT c.id, c.status, c.output, c.error FROM {runs} AS c
+     WHERE s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
+    OFFSET 0) AS c ON true""",
+    "other": """LEFT JOIN {runs} AS c
+    ON s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id""",
+}
+
+
+@cache
+def _sql(template: str, vendor: str) -> str:
+    """``template`` (_JOURNAL_SQL, _JOURNALS_SQL) for the database's ``vendor``."""
+    join = _CHILD_JOIN["postgresql" if vendor == "postgresql" else "other"]
+    return template.format(table=StepRun._meta.db_table, child=join.format(runs=Run._meta.db_table))
+
+
 # The planner needs a finish time only to time a retry, and a lease and deadline only for a
-# running attempt: the CASEs spare parsing three timestamps on every other row. A waiting
-# subworkflow row's child is looked up by that row (LATERAL, kept apart by OFFSET 0): as a
-# plain join, a worker's generic plan made while there were few child runs merged the rows
-# with the index of every child run (run_parent_step_run), reading all those whose step
-# came before the run's last row, at every step (tests/runs/test_journal_plan.py).
+# running attempt: the CASEs spare parsing three timestamps on every other row.
 _JOURNAL_SQL = """
 SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.branch, s.output,
        s.error, s.effect,
@@ -149,10 +167,7 @@ SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.bra
        CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM {table} AS s
-  LEFT JOIN LATERAL (
-    SELECT c.id, c.status, c.output, c.error FROM {runs} AS c
-     WHERE s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
-    OFFSET 0) AS c ON true
+  {child}
  WHERE s.run_id = %s AND s.id > %s
  ORDER BY s.id
 """
@@ -171,9 +186,7 @@ def send_journal_read(cursor: Any, run_id: Any, after: int) -> None:
     """Execute :func:`journal_of`'s statement on ``cursor`` (in a pipeline, it is sent with
     the statements around it); :func:`journal_read` makes its rows attempts."""
     pk = Run._meta.pk.get_db_prep_value(run_id, connection)
-    cursor.execute(
-        _JOURNAL_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table), [pk, after]
-    )
+    cursor.execute(_sql(_JOURNAL_SQL, connection.vendor), [pk, after])
 
 
 def journal_read(cursor: Any) -> list[AttemptView]:
@@ -201,10 +214,7 @@ SELECT s.run_id, s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.sta
        s.cost_usd, c.id, c.status, c.output, c.error
   FROM unnest(%s::uuid[], %s::bigint[]) AS a(run_id, after)
   JOIN {table} AS s ON s.run_id = a.run_id AND s.id > a.after
-  LEFT JOIN LATERAL (
-    SELECT c.id, c.status, c.output, c.error FROM {runs} AS c
-     WHERE s.kind = 'subworkflow' AND s.status = 'waiting' AND c.parent_step_run_id = s.id
-    OFFSET 0) AS c ON true
+  {child}
  ORDER BY s.run_id, s.id
 """
 
@@ -218,7 +228,7 @@ def journals_of(afters: Mapping[Any, int]) -> dict[str, list[AttemptView]]:
     keys = [Run._meta.pk.get_db_prep_value(run_id, connection) for run_id in afters]
     with prepared_cursor() as cursor:
         cursor.execute(
-            _JOURNALS_SQL.format(table=StepRun._meta.db_table, runs=Run._meta.db_table),
+            _sql(_JOURNALS_SQL, connection.vendor),
             [keys, list(afters.values())],
         )
         for row in cursor.fetchall():

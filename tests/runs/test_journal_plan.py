@@ -103,14 +103,13 @@ def test_a_journal_read_reads_only_its_runs_rows_and_their_children(several: boo
     )
     for index in range(4):
         StepRunFactory(run=run, step_id=f"step_{index}")
-    table, runs = StepRun._meta.db_table, Run._meta.db_table
     if several:
-        sql = journal._JOURNALS_SQL.format(table=table, runs=runs).replace("%s", "$1", 1)
+        sql = journal._sql(journal._JOURNALS_SQL, "postgresql").replace("%s", "$1", 1)
         plan = _generic_plan(
             sql.replace("%s", "$2", 1), "uuid[], bigint[]", f"ARRAY['{run.id}'::uuid], ARRAY[0]"
         )
     else:
-        sql = journal._JOURNAL_SQL.format(table=table, runs=runs)
+        sql = journal._sql(journal._JOURNAL_SQL, "postgresql")
         plan = _generic_plan(
             sql.replace("%s", "$1", 1).replace("%s", "$2", 1), "uuid, bigint", f"'{run.id}', 0"
         )
