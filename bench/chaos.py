@@ -761,9 +761,19 @@ def check(plan: list[Planned], effects_path: Path) -> Verdict:
 
 def _gave_up_once(journal: list[Any], run: Any) -> bool:
     """The run failed because a worker was lost under an at_most_once attempt, which the
-    engine then refused to run again: the step is at_most_once and was tried once."""
+    engine then refused to run again: the step is at_most_once and was tried once. The
+    parallel (or foreach) holding it fails with its class too: that row is not an attempt,
+    and is not asked to be at_most_once."""
+    from runs.engine.plan import HOLDERS
+    from workflows import kinds
+
+    holders = kinds.names(*HOLDERS)
     failed = [
-        s for s in journal if s.status == "failed" and (s.error or {}).get("class") in GIVEN_UP
+        s
+        for s in journal
+        if s.kind not in holders
+        and s.status == "failed"
+        and (s.error or {}).get("class") in GIVEN_UP
     ]
     return bool(failed) and all(
         s.effect == "at_most_once" and sum(1 for t in journal if t.step_id == s.step_id) == 1
