@@ -96,11 +96,15 @@ def _elapsed(run: str, timeout: float, worker: CeleryProcess | None) -> float:
     return end - start
 
 
-def relay(hops: int, worker: CeleryProcess | None = None) -> float:
-    """Milliseconds per hop of a relay of ``hops`` tasks, each enqueuing the next."""
-    run = uuid.uuid4().hex
-    relay_hop.delay(run, 1, hops)
-    return _elapsed(run, timeout=30 + hops * 0.05, worker=worker) * 1000 / (hops - 1)
+def relay(hops: int, worker: CeleryProcess | None = None, runs: int = 1) -> float:
+    """Milliseconds per hop of ``runs`` relays of ``hops`` tasks, each enqueuing the next,
+    one after another, their hops averaged (see ``bench.common.runs_for``)."""
+    total = 0.0
+    for _ in range(runs):
+        run = uuid.uuid4().hex
+        relay_hop.delay(run, 1, hops)
+        total += _elapsed(run, timeout=30 + hops * 0.05, worker=worker)
+    return total * 1000 / (runs * (hops - 1))
 
 
 def chain(hops: int, worker: CeleryProcess | None = None) -> float:

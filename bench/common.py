@@ -229,6 +229,19 @@ def wait_for_key(key: str, timeout: float, worker: CeleryProcess | None = None) 
     )
 
 
+def runs_for(length: int, intervals: int = 199) -> int:
+    """How many runs of ``length`` steps a per-step figure averages: enough for ``intervals``
+    intervals between steps, as many as one 200-step run has.
+
+    One 10-step run is nine intervals, about 25 ms: one pause of the scheduler there moved
+    its per-step figure by a third, and the 2,000-step / 10-step ratio with it (0.83 at one
+    sitting, 1.39 at the next with the 2,000-step figure unchanged; issue 17's twelfth
+    session). Averaged over 23 runs, the short runs are timed over as many intervals as the
+    200-step run, and a pause weighs on each length alike.
+    """
+    return max(1, -(-intervals // max(1, length - 1)))
+
+
 def median_of(repeat: int, measure: Callable[[], float]) -> float:
     return statistics.median(measure() for _ in range(repeat))
 

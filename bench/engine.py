@@ -49,11 +49,16 @@ def _span(run_ids: list[Any]) -> float:
     return (bounds["last"] - bounds["first"]).total_seconds()
 
 
-def engine_sequential(steps: int) -> float:
-    """Milliseconds per step of one run of ``steps`` sequential no-op ``task`` steps."""
-    run_ids = _start_runs(f"bench_seq_{steps}", 1)
-    _wait(run_ids, timeout=60 + steps * 0.1)
-    return _span(run_ids) * 1000 / (steps - 1)
+def engine_sequential(steps: int, runs: int = 1) -> float:
+    """Milliseconds per step of ``runs`` runs of ``steps`` sequential no-op ``task`` steps,
+    one after another: each timed from its first step's start to its last step's finish,
+    the intervals of all of them averaged (see ``bench.common.runs_for``)."""
+    total = 0.0
+    for _ in range(runs):
+        run_ids = _start_runs(f"bench_seq_{steps}", 1)
+        _wait(run_ids, timeout=60 + steps * 0.1)
+        total += _span(run_ids)
+    return total * 1000 / (runs * (steps - 1))
 
 
 def engine_throughput(runs: int, steps: int, worker: Any = None) -> float:

@@ -341,13 +341,24 @@ def main(argv: list[str] | None = None) -> None:
         # The same per-step cost however long the run (issue 17): each length beside a relay
         # of as many hops.
         for length in (n for n in lengths if n != steps):
-            length_relay = common.median_of(repeat, lambda n=length: bare.relay(n, worker))
+            runs = common.runs_for(length)
+            length_relay = common.median_of(
+                repeat, lambda n=length, k=runs: bare.relay(n, worker, runs=k)
+            )
             per_step = _engine(
-                lambda n=length: common.median_of(repeat, lambda: engine.engine_sequential(n))
+                lambda n=length, k=runs: common.median_of(
+                    repeat, lambda: engine.engine_sequential(n, runs=k)
+                )
             )
             sitting.sequential[length] = (per_step, length_relay)
             rows.append(
-                common.Row(f"{length} steps vs relay", "ms/step", per_step, length_relay, True)
+                common.Row(
+                    f"{length} steps vs relay" + (f" ({runs} runs each)" if runs > 1 else ""),
+                    "ms/step",
+                    per_step,
+                    length_relay,
+                    True,
+                )
             )
         for runs, hops in shapes:
             tasks = common.median_of(

@@ -93,3 +93,13 @@ def test_rows_go_through_json_unchanged(tmp_path) -> None:
 
 def test_cpu_of_a_process_started_in_between_counts_from_zero() -> None:
     assert cpu_delta({1: 1.0, 2: 5.0}, {1: 1.5, 2: 5.0, 3: 0.25}) == 0.75
+
+
+@pytest.mark.parametrize(("length", "runs"), [(10, 23), (2, 199), (200, 1), (2000, 1)])
+def test_a_short_runs_per_step_cost_is_averaged_over_as_many_intervals_as_a_200_step_run(
+    length: int, runs: int
+) -> None:
+    from bench.common import runs_for
+
+    assert runs_for(length) == runs
+    assert runs * max(1, length - 1) >= 199
