@@ -300,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [(16, 200), (1000, 5)]
     many = (16, 200)
     lengths = [int(n) for n in args.lengths.split(",")]
+    if min(lengths) < 2:
+        # A per-step figure is timed between the first step's start and the last's finish.
+        parser.error("--lengths: every run length must be at least 2 steps")
     if args.quick:
         # Only the shapes bench.flows defines (5, 10, 200 and 2,000 steps).
         args.repeat, args.recipe = 1, "none"
@@ -341,19 +344,19 @@ def main(argv: list[str] | None = None) -> None:
         # The same per-step cost however long the run (issue 17): each length beside a relay
         # of as many hops.
         for length in (n for n in lengths if n != steps):
-            runs = common.runs_for(length)
+            count = common.runs_for(length)
             length_relay = common.median_of(
-                repeat, lambda n=length, k=runs: bare.relay(n, worker, runs=k)
+                repeat, lambda n=length, k=count: bare.relay(n, worker, runs=k)
             )
             per_step = _engine(
-                lambda n=length, k=runs: common.median_of(
+                lambda n=length, k=count: common.median_of(
                     repeat, lambda: engine.engine_sequential(n, runs=k)
                 )
             )
             sitting.sequential[length] = (per_step, length_relay)
             rows.append(
                 common.Row(
-                    f"{length} steps vs relay" + (f" ({runs} runs each)" if runs > 1 else ""),
+                    f"{length} steps vs relay" + (f" ({count} runs each)" if count > 1 else ""),
                     "ms/step",
                     per_step,
                     length_relay,

@@ -12,8 +12,10 @@ bench/README.md). A fixed share of distinct values (``n_distinct``, negative: a 
 of the rows) keeps the estimate at a run's few rows, as it is for all but the largest runs;
 an index on the run answers any run, the largest too.
 
-The values: 20 journal rows a run, 5 timers, and a parent or root for 10 runs. Each counts
-only as an estimate. ``ANALYZE`` applies them now rather than at autovacuum's next visit
+The values: 20 journal rows a run, 5 timers, and for the parent and root columns a tenth
+of the table's rows as distinct values (Postgres counts the NULLs of runs with no parent in
+the rows, so a parent's children are estimated at about one). Each counts only as an
+estimate. ``ANALYZE`` applies them now rather than at autovacuum's next visit
 (a sample of 30,000 rows a table, bounded). Both take a SHARE UPDATE EXCLUSIVE lock, which
 reads and writes do not wait for. SQLite has neither and plans each statement anew.
 """
