@@ -17,6 +17,8 @@ from django.core.signals import request_finished, request_started
 from django.db import close_old_connections, transaction
 from django.urls import get_resolver
 from hypothesis import HealthCheck, settings
+from hypothesis.internal.conjecture import providers
+from hypothesis.internal.constants_ast import Constants
 from rest_framework.authtoken.models import Token
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -43,6 +45,20 @@ def keep_connection_open():
     yield
     request_started.connect(close_old_connections)
     request_finished.connect(close_old_connections)
+
+
+@pytest.fixture(autouse=True)
+def no_local_constants(monkeypatch):
+    """The same draws in every process. Hypothesis (6.170) mixes into its draws literals
+    taken from every module of this project the process has imported so far, and which those
+    are depends on the tests pytest-xdist gave this process first: a full run drew other
+    cases than this file alone, and once the linked run below reached no run it had made
+    (CI at b8474f9). With none of them, ``derandomize`` draws the same cases everywhere.
+    A private function of the pinned version: monkeypatch raises if it is renamed."""
+    monkeypatch.setattr(providers, "_get_local_constants", Constants)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
 
 
 # Read from the app itself, so every endpoint added later is fuzzed too.
@@ -177,7 +193,13 @@ def test_linked_calls_get_no_server_error(token: str) -> None:
             database=None,
         )
     )
-    # The sequences reached runs that exist (the calls did not all end at 404).
+    # The sequences reached runs that exist (the calls did not all end at 404): an action
+    # done, or refused in the run's state (409), on a run a start made.
     done = {label for (label, status), _ in answers.items() if status < 300}
     assert "POST /api/v1/runs" in done, answers
-    assert {label for label in done if label.startswith("POST /api/v1/runs/{run_id}/")}, answers
+    reached = {
+        label
+        for (label, status), _ in answers.items()
+        if label.startswith("POST /api/v1/runs/{run_id}/") and (status < 300 or status == 409)
+    }
+    assert reached, answers
