@@ -293,16 +293,20 @@ def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> b
     if not kinds:
         return False
     names = sorted(kinds)
-    # The statuses in the text, not bound: the partial index's predicate names them, and a
-    # prepared statement's generic plan could not use it for bound ones.
-    text = (
+    with prepared_cursor() as cursor:
+        cursor.execute(_in_flight_sql(len(names)), [prep_value("id", run_id, Run), *names, besides])
+        return cursor.fetchone() is not None
+
+
+def _in_flight_sql(kinds: int) -> str:
+    """:func:`attempts_in_flight`'s statement for ``kinds`` kinds. The statuses in the text,
+    not bound: the partial index's predicate names them, and a prepared statement's generic
+    plan could not use it for bound ones."""
+    return (
         f"SELECT 1 FROM {_TABLE} WHERE run_id = %s"
         f" AND status IN ('{StepStatus.SCHEDULED}', '{StepStatus.RUNNING}')"
-        f" AND kind IN ({', '.join(['%s'] * len(names))}) AND id <> %s LIMIT 1"
+        f" AND kind IN ({', '.join(['%s'] * kinds)}) AND id <> %s LIMIT 1"
     )
-    with prepared_cursor() as cursor:
-        cursor.execute(text, [prep_value("id", run_id, Run), *names, besides])
-        return cursor.fetchone() is not None
 
 
 def request_advance(run_id: Any) -> bool:

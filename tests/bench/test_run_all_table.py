@@ -102,4 +102,12 @@ def test_a_short_runs_per_step_cost_is_averaged_over_as_many_intervals_as_a_200_
     from bench.common import runs_for
 
     assert runs_for(length) == runs
-    assert runs * max(1, length - 1) >= 199
+
+
+def test_a_run_length_under_two_steps_is_refused_before_anything_starts() -> None:
+    """A per-step figure is timed between a run's first and last step: one step has none."""
+    from bench.run_all import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--lengths", "1,10"])
+    assert refused.value.code == 2

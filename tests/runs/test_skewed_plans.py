@@ -15,8 +15,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from runs.engine import ending, journal
-from runs.engine.store import _TABLE
+from runs.engine import ending, journal, store
 from runs.models import Run, StepRun, Timer
 
 from ..moves import unchecked
@@ -30,6 +29,7 @@ pytestmark = [
 
 BIG = 10_000
 CHILDREN = 2_000
+RUNS = 2_000
 
 
 def _one_run_owns_the_journal() -> Run:
@@ -97,10 +97,7 @@ STATEMENTS = {
         "ARRAY['{run}'::uuid], ARRAY[0]",
     ),
     "a fan-out's in-flight probe": (
-        lambda: (
-            f"SELECT 1 FROM {_TABLE} WHERE run_id = %s AND status IN ('scheduled', 'running')"
-            " AND kind IN (%s) AND id <> %s LIMIT 1"
-        ),
+        lambda: store._in_flight_sql(1),
         "uuid, text, bigint",
         "'{run}', 'task', 0",
     ),
@@ -205,9 +202,6 @@ def _many_runs_since_install() -> None:
             ("runs_timer", "fired_at"),
         ):
             cursor.execute(f"ANALYZE {table} ({column})")
-
-
-RUNS = 2_000
 
 
 def test_a_runs_statements_read_its_own_rows_with_no_statistics_of_the_run_columns() -> None:
