@@ -18,7 +18,7 @@ from csp.constants import NONCE, NONE, SELF, UNSAFE_INLINE
 from django.core.exceptions import ImproperlyConfigured
 from kombu import Queue
 
-from config import metrics_files
+from config import metrics_files, secret_key
 from config.logging import CELERY_TASK_LOGGERS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -41,24 +41,27 @@ METRICS_HOST_DIR = (
 )
 
 DEBUG = env.bool("DEBUG", default=False)
-# Only the embedded default may run on this key; set SECRET_KEY anywhere else.
-_DEVELOPMENT_SECRET_KEY = "django-insecure-embedded-default-change-me"
-SECRET_KEY = env("SECRET_KEY", default=_DEVELOPMENT_SECRET_KEY)
 # The embedded default: SQLite and the file-system broker, both under VAR_DIR.
 EMBEDDED = env("DATABASE_URL", default="sqlite:").startswith("sqlite:") and env(
     "CELERY_BROKER_URL", default="filesystem://"
 ).startswith("filesystem://")
+SECRET_KEY = env("SECRET_KEY", default="")
+if not SECRET_KEY and EMBEDDED:
+    # No key anyone else knows, and the same one at every start of this installation (its
+    # sessions and approval links outlive a restart): generated once, kept in VAR_DIR.
+    try:
+        SECRET_KEY = secret_key.installation_key(VAR_DIR / "secret_key")
+    except (OSError, secret_key.SecretKeyFileError) as error:
+        raise ImproperlyConfigured(
+            f"SECRET_KEY is not set, and the embedded default's own key could not be kept "
+            f"under DJFLOW_VAR_DIR ({VAR_DIR}): {error}"
+        ) from error
 
 
 def _insecure_key(key: str) -> bool:
-    """What Django's `check --deploy` (security.W009) calls insecure, or the development key:
-    anyone who knows a key can forge sessions and approval links."""
-    return (
-        key == _DEVELOPMENT_SECRET_KEY
-        or len(key) < 50
-        or len(set(key)) < 5
-        or key.startswith("django-insecure-")
-    )
+    """What Django's `check --deploy` (security.W009) calls insecure: anyone who knows or
+    guesses a key can forge sessions and approval links."""
+    return len(key) < 50 or len(set(key)) < 5 or key.startswith("django-insecure-")
 
 
 if not EMBEDDED and _insecure_key(SECRET_KEY):

@@ -60,9 +60,11 @@ def test_settings_refuse_an_insecure_secret_key_outside_the_embedded_default(
     done = subprocess.run(setup, cwd=BASE_DIR, env=env, capture_output=True, text=True)
     assert "ImproperlyConfigured" in done.stderr
 
-    # Nothing set: the embedded default runs on its development key.
+    # Nothing set: the embedded default runs on a key of its own, made in its var folder
+    # (tests/test_secret_key.py).
     done = subprocess.run(setup, cwd=BASE_DIR, env=base, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    assert (tmp_path / "secret_key").is_file()
     # A real key on Postgres is accepted.
     env = {**base, "DATABASE_URL": postgres, "SECRET_KEY": secrets.token_urlsafe(50)}
     done = subprocess.run(setup, cwd=BASE_DIR, env=env, capture_output=True, text=True)
