@@ -180,11 +180,21 @@ ROOT_URLCONF = "config.urls"
 WSGI_APPLICATION = "config.wsgi.application"
 ASGI_APPLICATION = "config.asgi.application"
 
+# Every template of the pages and e-mails is in the top-level templates/ of a source tree (the
+# checkout, an editable install, the image's COPY). A wheel has no top level of its own, so
+# setup.py maps the folder into this package as config/templates/: a top-level `templates` in
+# site-packages would share its folder, and names like base.html, with any other distribution
+# that ships one. One rule: the templates of the tree this module was loaded from, the wheel's
+# copy beside it if there is one, else the source tree's (whose config/ has none, as
+# tests/test_production_install.py checks); never a copy installed elsewhere, such as an old
+# plain install beside a checkout.
+_PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "templates"
+TEMPLATES_DIR = _PACKAGED_TEMPLATES if _PACKAGED_TEMPLATES.is_dir() else BASE_DIR / "templates"
+
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        # In the config package, so pip install . ships them (a top-level folder is no package).
-        "DIRS": [BASE_DIR / "config" / "templates"],
+        "DIRS": [TEMPLATES_DIR],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [

@@ -5,7 +5,6 @@ its row where a test needs one)."""
 from __future__ import annotations
 
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -710,12 +709,8 @@ def test_an_unknown_group_with_continue_goes_on(people) -> None:
 
 # --- the outbox -------------------------------------------------------------------------------
 
-TEMPLATES = Path(django_settings.BASE_DIR) / "config" / "templates" / "emails"
-
 
 def test_deliver_sends_a_mail_once(people, settings) -> None:
-    if not (TEMPLATES / "request.txt").exists():
-        pytest.skip("the e-mail templates are not there yet")
     settings.EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
     save(approval(message="Refund?"))
     run = start()
