@@ -656,14 +656,17 @@ DJFLOW = {
     "UNSERVABLE_PAUSE_SECONDS": env.float("DJFLOW_UNSERVABLE_PAUSE_SECONDS", default=0.25),
     # An attempt whose handler no live worker serves (on its queue) fails, class unservable,
     # when none has served it for this long (a worker lacking a handler another live worker
-    # has just hands it back).
+    # has just hands it back). The same window decides starts: a handler a worker served
+    # within it (workers restarting) is accepted and the run waits; none in it is a 400.
     "UNSERVABLE_SECONDS": env.float("DJFLOW_UNSERVABLE_SECONDS", default=60.0),
     # Each worker writes a heartbeat (the handlers and queues it serves) this often; it counts
     # as live while its last one is at most WORKER_LIVE_BEATS beats old.
     "WORKER_HEARTBEAT_SECONDS": env.float("DJFLOW_WORKER_HEARTBEAT_SECONDS", default=5.0),
     "WORKER_LIVE_BEATS": env.int("DJFLOW_WORKER_LIVE_BEATS", default=3),
-    # Starting a run whose task or agent handler no live worker serves is refused (400).
-    # Turn off where workers are started on demand (scaled from zero) or after the API.
+    # Starting a run whose task or agent handler no worker has served within
+    # UNSERVABLE_SECONDS is refused (400); one a worker served in that window, but no live
+    # worker serves now, is accepted and waits for a worker from its start. Turn off where
+    # workers are started on demand (scaled from zero) or after the API.
     "START_CHECKS_WORKERS": env.bool("DJFLOW_START_CHECKS_WORKERS", default=True),
     # POST /runs plans the run's first step in the request up to this many times a second per
     # web process; past it the request inserts the run and a worker plans it (runs.services).

@@ -17,12 +17,13 @@ from django.utils import timezone
 
 from workflows import access, secrets, selectors
 from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
+from workflows.heartbeats import StepHandler
 from workflows.inputs import input_errors
-from workflows.preflight import start_problems
+from workflows.preflight import start_problems, start_waits
 from workflows.templates import TooLarge, check_size
 
 from . import dispatch, retries, tracing, vault
-from .engine import delivery, journal, slots
+from .engine import delivery, journal, slots, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
@@ -35,6 +36,9 @@ from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, chec
 class StartResult:
     run: Run
     created: bool
+    # Its first step planned in the start's transaction (asked for with ``plan_now``, or
+    # because a handler has no live worker): the caller reads the planned journal.
+    planned: bool = False
 
 
 class StartPacer:
@@ -91,8 +95,15 @@ def run_start(
     may but not start it). The same ``idempotency_key`` for the same workflow and caller
     returns the run it started first (``created`` false), whatever the rest of the call says.
     An input that fails the version's ``input_schema``, or a ``task``/``agent`` handler no
-    live worker serves (when ``START_CHECKS_WORKERS``), is refused, every problem named at
-    once.
+    worker has served within ``UNSERVABLE_SECONDS`` (when ``START_CHECKS_WORKERS``), is
+    refused, every problem named at once.
+
+    A handler a worker served within that window but no live worker serves now (workers
+    restarting) is accepted (CONTRACT section 14): the run is planned in the request, whatever
+    ``plan_now`` says (no worker may be there to plan it), and its first attempts of such
+    steps start their wait for a worker at once (``runs.engine.unservable``), so the run's
+    ``reason`` says what it waits for from its first read, and the step fails as
+    ``unservable`` if no worker serves it within the window.
 
     With ``plan_now`` (the default) the run is created and its first step planned in one
     transaction; the attempt is offered to a worker after commit (and offered again by the
@@ -131,6 +142,9 @@ def run_start(
     problems = start_problems(pinned, input)
     if problems:
         raise InvalidInput(errors=problems)
+    # No query while live workers serve every step (the pre-flight's read is kept).
+    waits = start_waits(pinned)
+    plan_now = plan_now or bool(waits)
     # Secrets are stored as tokens, their plaintext encrypted on the run (workflows.secrets);
     # this request holds them until it ends, so its logs and error reports mask them.
     stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
@@ -172,6 +186,8 @@ def run_start(
                     # Plan the first step in the same transaction: its first attempt is
                     # offered on commit.
                     advance_locked(run)
+                    if waits:
+                        _wait_for_workers(run, waits)
                 else:
                     dispatch.advance_on_commit(run.id, priority=priority)
     except IntegrityError:
@@ -181,7 +197,27 @@ def run_start(
         return StartResult(same_key.get(), created=False)
     # The request's trace points to the run's own (runs.tracing), when traced.
     tracing.link_to_run(run.id)
-    return StartResult(run, created=True)
+    return StartResult(run, created=True, planned=plan_now)
+
+
+def _wait_for_workers(run: Run, waits: list[StepHandler]) -> None:
+    """Start the wait of the run's first attempts whose handler no live worker serves (the
+    start found one that served it within the window). Arming checks liveness again, and is
+    idempotent; attempts of other steps, and the steps met later, are armed by the worker
+    that hands them back or by the reconciler, as for any attempt."""
+    handlers = {step.step_id: step.handler for step in waits}
+    now = timezone.now()
+    scheduled = run.steps.filter(
+        status=StepStatus.SCHEDULED, step_id__in=handlers, waiting_since__isnull=True
+    )
+    for attempt in scheduled:
+        unservable.unservable_arm(
+            step_run_id=attempt.id,
+            run_id=run.id,
+            handler=handlers[attempt.step_id],
+            queue=attempt.queue,
+            now=now,
+        )
 
 
 def _admitted(run: Run, key: str) -> bool:

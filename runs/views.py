@@ -110,10 +110,11 @@ class RunListView(APIView):
         body = RunStartSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         # The first step is planned here while starts come slowly; past the pace a worker
-        # plans it and the client waits for the run's insert only (services.StartPacer).
+        # plans it and the client waits for the run's insert only (services.StartPacer). A
+        # start whose handler no live worker serves is planned here all the same.
         plan_now = services.inline_starts.take()
         result = services.run_start(**body.validated_data, user=request.user, plan_now=plan_now)
-        if result.created and not plan_now:
+        if result.created and not result.planned:
             # Its starter may read it; nothing else has been written for it in this request.
             run = selectors.run_as_started(result.run)
         elif result.created:

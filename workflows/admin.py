@@ -29,7 +29,7 @@ from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
 from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm
 from .models import Recipe, WorkerHeartbeat, Workflow, WorkflowVersion
-from .preflight import start_problems
+from .preflight import start_problems, start_warnings
 from .recipes import Rendered, RenderTooLarge, render
 from .services import SaveResult, definition_save, recipe_save
 
@@ -50,12 +50,26 @@ def _pretty(document: dict[str, Any]) -> str:
 def _preflight(version: WorkflowVersion) -> str:
     """What a start of ``version`` would be refused for now, the input aside (the same checks
     as ``POST /runs`` and ``manage.py preflight``): an operator sees a missing recipe,
-    knowledge base, tool, provider or worker before a run meets it."""
+    knowledge base, tool, provider or worker before a run meets it. A handler no live worker
+    serves now, but one served within ``UNSERVABLE_SECONDS``, is a warning below them: a
+    start is accepted and its run waits for a worker."""
     problems = start_problems(version)
-    if not problems:
+    warnings = start_warnings(version, problems)
+    if not problems and not warnings:
         return format_html('<span class="djflow-preflight-ok">{}</span>', "Every check passes.")
     return format_html(
-        '<ul class="djflow-preflight-problems">{}</ul>',
+        "{}{}",
+        _listed("djflow-preflight-problems", problems),
+        _listed("djflow-preflight-warnings", warnings),
+    )
+
+
+def _listed(css_class: str, problems: list[FieldError]) -> str:
+    if not problems:
+        return ""
+    return format_html(
+        '<ul class="{}">{}</ul>',
+        css_class,
         format_html_join(
             "",
             "<li><code>{}</code>: {}</li>",
@@ -331,8 +345,9 @@ class WorkflowAdmin(admin.ModelAdmin):
                 f"unchanged: this is already version {version.number} of {workflow_id}",
                 messages.WARNING,
             )
-        # A warning, not a refusal: the worker that serves it may be deployed later. Runs
-        # are refused at start until one is live (START_CHECKS_WORKERS).
+        # A warning, not a refusal: the worker that serves it may be deployed later. A start
+        # is refused while no worker has served it within UNSERVABLE_SECONDS, and accepted
+        # (the run waits) when one did but none is live (START_CHECKS_WORKERS).
         for _, why in heartbeats.unserved_steps(document=version.document):
             self.message_user(request, why, messages.WARNING)
         return HttpResponseRedirect(_workflow_url(workflow_id))

@@ -1,11 +1,23 @@
-"""Which handlers live workers serve: the heartbeats workers write, and what is asked of
-them ("does a live worker serve handler h on queue q?", "which steps of this document does
-none serve?").
+"""Which handlers workers serve: the heartbeats workers write, and what is asked of them
+("does a live worker serve handler h on queue q?", "which steps of this document does none
+serve?").
 
 A worker is live while it has not stopped and its last heartbeat is at most
 ``WORKER_LIVE_BEATS`` beats old (``WORKER_HEARTBEAT_SECONDS`` each). A step's handler is
-served when a live worker has it in its registry and consumes the step's queue: a worker
-on other queues never receives the step's message.
+served when a worker has it in its registry and consumes the step's queue: a worker on other
+queues never receives the step's message.
+
+Two questions, two answers (CONTRACT sections 5 and 14):
+
+- "served now" (a live worker serves it): what the engine asks before it waits for a worker
+  (``runs.engine.unservable``), what the admin warns about when a document is saved, and
+  what a start reports as the run's wait;
+- "served within the window" (a worker, live or not, served it within ``UNSERVABLE_SECONDS``
+  of now): what a start needs. A start is never refused because workers are restarting: the
+  run waits for the worker, and fails as ``unservable`` if none comes within the window; 400
+  is for a handler no worker has served in it. A worker that stopped cleanly served until its
+  stop (``heartbeat_stop`` writes it as its ``last_seen``); one gone quiet (killed), until its
+  last beat.
 
 The table holds one row per worker node, a handful in practice: rows are read whole and
 filtered here, since SQLite (the embedded default) has no JSON containment lookup.
@@ -14,7 +26,7 @@ filtered here, since SQLite (the embedded default) has no JSON containment looku
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -115,11 +127,36 @@ def workers_live(*, now: datetime | None = None) -> list[WorkerHeartbeat]:
     return [w for w in workers_seen(since=live_since(now)) if is_live(w, now)]
 
 
+def window_since(now: datetime) -> datetime:
+    """The oldest ``last_seen`` of a worker that served within ``UNSERVABLE_SECONDS`` of
+    ``now``."""
+    return now - timedelta(seconds=settings.DJFLOW["UNSERVABLE_SECONDS"])
+
+
+def served_in_window(worker: WorkerHeartbeat, now: datetime) -> bool:
+    """Live, or seen (a stopped worker: until its stop) within ``UNSERVABLE_SECONDS`` of
+    ``now``. Live counts even when the window is shorter than the liveness span."""
+    return is_live(worker, now) or worker.last_seen >= window_since(now)
+
+
+def _read_since(now: datetime) -> datetime:
+    """The oldest ``last_seen`` either question needs: one read answers both."""
+    return min(live_since(now), window_since(now))
+
+
+def workers_in_window(*, now: datetime | None = None) -> list[WorkerHeartbeat]:
+    """Workers that served within ``UNSERVABLE_SECONDS`` of ``now`` (live ones included)."""
+    now = now or timezone.now()
+    return [w for w in workers_seen(since=_read_since(now)) if served_in_window(w, now)]
+
+
 def served_under(prefix: str, *, now: datetime | None = None) -> list[str]:
-    """The handlers live workers serve whose names start with ``prefix``, sorted."""
+    """The handlers workers served within ``UNSERVABLE_SECONDS`` whose names start with
+    ``prefix``, sorted. The window, not liveness: a workflow's handlers stay the
+    deployment's while its workers restart."""
     found = {
         name
-        for worker in workers_live(now=now)
+        for worker in workers_in_window(now=now)
         for name in worker.handlers
         if name.startswith(prefix)
     }
@@ -151,33 +188,39 @@ def unserved_message(step: StepHandler, workers: list[WorkerHeartbeat]) -> str:
     return f"{what}; start a worker that imports it (WORKFLOW_MODULES)"
 
 
+Judge = Callable[[WorkerHeartbeat, datetime], bool]
+
+
 def unserved_steps(
     *,
     document: Mapping[str, Any],
     now: datetime | None = None,
     workers: list[WorkerHeartbeat] | None = None,
+    judge: Judge = is_live,
 ) -> list[tuple[StepHandler, str]]:
-    """The steps of ``document`` no live worker serves, each with why (one query, none when
-    ``workers``, the heartbeats to judge by, are given)."""
+    """The steps of ``document`` no worker serves, each with why: by default no live one
+    (``judge``: :func:`served_in_window` asks for none within the window). One query, none
+    when ``workers``, the heartbeats to judge by, are given."""
     wanted = step_handlers(document)
     if not wanted:
         return []
     now = now or timezone.now()
-    workers = workers_live(now=now) if workers is None else workers
+    if workers is None:
+        workers = workers_seen(since=_read_since(now))
+    judged = [worker for worker in workers if judge(worker, now)]
     return [
-        (step, unserved_message(step, workers))
+        (step, unserved_message(step, judged))
         for step in wanted
-        if not any(
-            serves(worker, step.handler, step.queue) and is_live(worker, now) for worker in workers
-        )
+        if not any(serves(worker, step.handler, step.queue) for worker in judged)
     ]
 
 
-# The pre-flight of every start asked the table which workers are live: one query per start,
+# The pre-flight of every start asked the table which workers serve: one query per start,
 # for rows that change once a beat. A process keeps what it read for LIVE_READ_SECONDS and
 # takes only a "served" from it: a worker that stopped (or went quiet) that recently still
 # counts, as it would have for a start made that much earlier; a step the rows kept do not
-# serve is asked of the table again, so a worker that has just started serves at once.
+# serve is asked of the table again, so a worker that has just started serves at once. One
+# read (back to the older of the liveness span and the window) answers both questions.
 LIVE_READ_SECONDS = 1.0
 _clock = time.monotonic
 _live_read: tuple[float, list[WorkerHeartbeat]] | None = None
@@ -189,9 +232,9 @@ def forget_live_read() -> None:
     _live_read = None
 
 
-def unserved_errors(*, document: Mapping[str, Any]) -> list[FieldError]:
-    """The steps of ``document`` no live worker serves (as :func:`unserved_steps`), in the
-    contract's error shape: each names the step's ``handler`` field. The pre-flight's."""
+def _unserved_kept(document: Mapping[str, Any], judge: Judge) -> list[tuple[StepHandler, str]]:
+    """:func:`unserved_steps` over the kept read while it is fresh and says served; read
+    again otherwise."""
     global _live_read
     if not step_handlers(document):
         return []
@@ -201,14 +244,39 @@ def unserved_errors(*, document: Mapping[str, Any]) -> list[FieldError]:
     if (
         fresh
         and kept is not None
-        and not unserved_steps(document=document, now=now, workers=kept[1])
+        and not unserved_steps(document=document, now=now, workers=kept[1], judge=judge)
     ):
         return []
     read_at = _clock()
-    workers = workers_live(now=now)
+    workers = workers_seen(since=_read_since(now))
     _live_read = (read_at, workers)
-    found = unserved_steps(document=document, now=now, workers=workers)
+    return unserved_steps(document=document, now=now, workers=workers, judge=judge)
+
+
+def unserved_errors(*, document: Mapping[str, Any]) -> list[FieldError]:
+    """The steps of ``document`` no worker has served within ``UNSERVABLE_SECONDS``, in the
+    contract's error shape: each names the step's ``handler`` field. What a start refuses
+    (the pre-flight's); a step some worker served in the window is accepted, and waits."""
+    found = _unserved_kept(document, served_in_window)
     return [FieldError(step.field, why) for step, why in found]
+
+
+def unlive_steps(*, document: Mapping[str, Any]) -> list[StepHandler]:
+    """The steps of ``document`` no live worker serves now. After :func:`unserved_errors`
+    in the same start it costs no query when every step is served (the kept read)."""
+    return [step for step, _ in _unserved_kept(document, is_live)]
+
+
+def waiting_message(step: StepHandler) -> str:
+    """What a start of a step no live worker serves, but one served within the window,
+    is told: it is accepted, and waits."""
+    window = settings.DJFLOW["UNSERVABLE_SECONDS"]
+    return (
+        f"no live worker serves handler '{step.handler}' (step '{step.step_id}') on queue "
+        f"'{step.queue}' now, but one did within the last {window:g} s: a run is accepted "
+        f"and waits for a worker, and the step fails as unservable if none serves it within "
+        f"{window:g} s"
+    )
 
 
 # --- writes (the worker's main process, workers.heartbeat) -------------------------------

@@ -9,7 +9,11 @@ configured between the start and the step) fails the step when it runs, naming t
 
 :func:`start_problems` is every check a start makes, in one place: ``POST /runs``
 (``runs.services.run_start``), ``manage.py preflight`` and the admin's definition pages ask it,
-so the three never disagree.
+so the three never disagree. Of workers they ask what a start needs: a worker that served
+each handler within ``UNSERVABLE_SECONDS`` (a 400 otherwise). A handler no live worker serves
+now, but one served in that window, is no problem: the run is accepted and waits for a worker
+(CONTRACT section 14); :func:`start_waits` names those steps, and the command and the admin
+show them as warnings, not as failed checks.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from django.conf import settings
 
 from . import kinds
 from .errors import FieldError
-from .heartbeats import unserved_errors, walk_steps
+from .heartbeats import StepHandler, unlive_steps, unserved_errors, waiting_message, walk_steps
 from .inputs import input_errors
 from .validation import field_path
 
@@ -32,13 +36,38 @@ NO_INPUT: Any = object()
 def start_problems(version: Any, input: Any = NO_INPUT) -> list[FieldError]:
     """What stops a run of ``version`` (a ``WorkflowVersion``) from starting with ``input``:
     the input schema, then each kind's pre-flight, then (when ``START_CHECKS_WORKERS``) a
-    handler no live worker serves. Every problem at once; empty when it may start."""
+    handler no worker has served within ``UNSERVABLE_SECONDS``. Every problem at once; empty
+    when it may start."""
     problems = [] if input is NO_INPUT else input_errors(version, input)
     problems += preflight_errors(version.document)
     if settings.DJFLOW["START_CHECKS_WORKERS"]:
-        # A run no worker can take would wait, then fail as unservable: say so now.
+        # A run no worker can take would wait, then fail as unservable: say so now. One that
+        # a worker served a moment ago (restarting) is accepted and waits (start_waits).
         problems += unserved_errors(document=version.document)
     return problems
+
+
+def start_waits(version: Any) -> list[StepHandler]:
+    """The steps of ``version`` whose handler no live worker serves now, though one served
+    it within ``UNSERVABLE_SECONDS`` (or none did: ask :func:`start_problems` first): a
+    start is accepted and its run waits for a worker. Empty when ``START_CHECKS_WORKERS`` is
+    off (no heartbeat is read at start then; the engine's own checks find the wait). After
+    :func:`start_problems` it costs no query when live workers serve every step."""
+    if not settings.DJFLOW["START_CHECKS_WORKERS"]:
+        return []
+    return unlive_steps(document=version.document)
+
+
+def start_warnings(version: Any, problems: list[FieldError]) -> list[FieldError]:
+    """:func:`start_waits` for people (the command, the admin): each step a run would wait
+    for, by its ``handler`` field; steps among ``problems`` (what :func:`start_problems`
+    answered) are refused, not warned of."""
+    refused = {problem.field for problem in problems}
+    return [
+        FieldError(step.field, waiting_message(step))
+        for step in start_waits(version)
+        if step.field not in refused
+    ]
 
 
 def preflight_errors(document: Mapping[str, Any]) -> list[FieldError]:

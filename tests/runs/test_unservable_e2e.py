@@ -1,6 +1,7 @@
-"""Handlers no worker serves, on real processes: workers' heartbeats, a handler that goes
-away with its worker mid-run (the step fails ``unservable``, naming it, within the configured
-time), and a hand-back as Flower sees it (RETRY: it is offered again, never SUCCESS)."""
+"""Handlers no worker serves, on real processes: workers' heartbeats (a start after the only
+worker stopped is accepted and waits), a handler that goes away with its worker mid-run (the
+step fails ``unservable``, naming it, within the configured time), and a hand-back as Flower
+sees it (RETRY: it is offered again, never SUCCESS)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def finished(run: Run, timeout: float, logs) -> Run:
 def test_a_worker_beats_before_it_answers_pings_and_says_when_it_stops(
     celery_worker, celery_processes
 ) -> None:
-    with pytest.raises(InvalidInput):  # no worker yet (the check is on with real workers)
+    with pytest.raises(InvalidInput):  # no worker ever (the check is on with real workers)
         services.run_start(workflow="vanishing", input={})
     worker = celery_worker(workflow_modules=FLOWS)
     # Right after the fixture's ping: not refused.
@@ -64,8 +65,12 @@ def test_a_worker_beats_before_it_answers_pings_and_says_when_it_stops(
     )
     worker.stop()
     assert WorkerHeartbeat.objects.get(hostname=worker.hostname).stopped_at is not None
-    with pytest.raises(InvalidInput):
-        services.run_start(workflow="vanishing", input={})
+    # Stopped cleanly a moment ago, within the window: a start is accepted and waits for a
+    # worker (CONTRACT section 14), the run saying for which handler.
+    waiting = services.run_start(workflow="vanishing", input={}).run
+    assert services_reason(waiting).startswith(
+        "waiting for a worker that serves vanishing.first (step 'first'"
+    )
     assert run.steps.filter(step_id="first", status="succeeded").exists()
 
 

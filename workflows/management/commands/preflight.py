@@ -3,9 +3,11 @@
 Runs the checks ``POST /api/v1/runs`` makes before it starts anything
 (``workflows.preflight.start_problems``): the input against the version's schema (when one is
 given), named recipes, knowledge bases, MCP servers and tools that exist, configured model
-providers, and live workers for the handlers. It prints each problem by the field a start would
-name, and exits 1 when there is any: a deploy script or CI job can run it before switching
-traffic to a new version. It starts nothing.
+providers, and a worker that served each handler within ``DJFLOW_UNSERVABLE_SECONDS``. It prints
+each problem by the field a start would name, and exits 1 when there is any: a deploy script or
+CI job can run it before switching traffic to a new version. A handler no live worker serves
+now, though one served it within that window (workers restarting), is printed as a warning and
+exits 0, as ``POST /runs`` accepts such a start (its run waits for a worker). It starts nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workflows import selectors
 from workflows.errors import NotFound
-from workflows.preflight import NO_INPUT, start_problems
+from workflows.preflight import NO_INPUT, start_problems, start_warnings
 
 # An input file is a start's body: bounded like one (DJFLOW_MAX_DOCUMENT_BYTES is larger).
 MAX_INPUT_BYTES = 1_048_576
@@ -43,8 +45,12 @@ class Command(BaseCommand):
             raise CommandError("; ".join(e.message for e in missing.errors)) from None
         problems = start_problems(version, self._input(options))
         name = f"{version.workflow_id} version {version.number}"
+        warnings = start_warnings(version, problems)
+        for warning in warnings:
+            self.stdout.write(f"warning: {warning.field}: {warning.message}")
         if not problems:
-            self.stdout.write(f"{name}: every check passes")
+            waits = " (a run waits for a worker)" if warnings else ""
+            self.stdout.write(f"{name}: every check passes{waits}")
             return
         for problem in problems:
             self.stdout.write(f"{problem.field or '(run)'}: {problem.message}")
