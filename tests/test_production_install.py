@@ -280,3 +280,95 @@ def test_a_plain_install_runs_worker_and_gunicorn_with_a_clean_deploy_check(
     status, page = _get(f"{base}/accounts/login/")
     assert status == 200, page[:500]
     assert b'name="password"' in page
+
+
+# --- The templates ---------------------------------------------------------------------------
+
+# Run by the installed python: every file of the templates folder the settings use, looked up
+# by its name through the template engine and rendered with a small context: what the pages'
+# URLs need (a run's id, the admin's model and its change-form flags), nothing else. Prints the
+# folder, where each template was found and what failed.
+_RENDER_EVERY_TEMPLATE = """
+import json, uuid
+from pathlib import Path
+import django
+django.setup()
+from django.apps import apps
+from django.conf import settings
+from django.template.loader import get_template
+import config
+
+folder = Path(settings.TEMPLATES[0]["DIRS"][0])
+run = {"id": uuid.uuid4()}
+flags = ("has_add_permission", "has_change_permission", "has_delete_permission",
+         "has_view_permission", "change")
+context = {"run": run, "page": {"run": run}, "add": False, "is_popup": False,
+           "save_as": False, "has_editable_inline_admin_formsets": False,
+           **dict.fromkeys(flags, True)}
+found, failed = {}, {}
+for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+    name = path.relative_to(folder).as_posix()
+    parts = name.split("/")
+    opts = {}
+    if parts[0] == "admin":
+        try:
+            opts["opts"] = apps.get_model(parts[1], parts[2])._meta
+        except (LookupError, IndexError):
+            opts["opts"] = apps.get_model("workflows", "workflow")._meta
+    try:
+        template = get_template(name)
+        text = template.render({**context, **opts})
+    except Exception as error:
+        failed[name] = f"{type(error).__name__}: {error}"
+    else:
+        found[name] = {"origin": template.origin.name, "has_run_id": str(run["id"]) in text}
+print(json.dumps({"config": config.__file__, "folder": str(folder), "found": found,
+                  "failed": failed}))
+"""
+
+
+def _checkout_templates() -> set[str]:
+    folder = BASE_DIR / "templates"
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_every_template_is_under_the_top_level_templates_folder() -> None:
+    """CONTRACT section 14: no package of the project keeps templates of its own, and a source
+    tree's config/ has no templates/, which the settings would take for a wheel's copy."""
+    packages = ("config", "workflows", "runs", "approvals", "workers", "schedules")
+    elsewhere = [
+        str(folder.relative_to(BASE_DIR))
+        for package in packages
+        for folder in (BASE_DIR / package).rglob("templates")
+        if folder.is_dir()
+    ]
+    assert elsewhere == []
+    assert {"base.html", "runs/inspect.html", "emails/request.txt"} <= _checkout_templates()
+
+    from django.conf import settings
+
+    assert settings.TEMPLATES[0]["DIRS"] == [BASE_DIR / "templates"]
+
+
+@pytest.mark.slow
+def test_a_plain_install_renders_every_template_of_the_checkout(
+    installed: Path, tmp_path: Path
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    # The embedded default (nothing set): rendering needs no database or broker.
+    env = _clean_env(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path))
+    done = _run(installed, env, cwd, "-c", _RENDER_EVERY_TEMPLATE)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+
+    config = Path(answer["config"]).parent
+    folder = Path(answer["folder"])
+    assert not config.is_relative_to(BASE_DIR), answer["config"]
+    # The wheel's own copy, beside the installed settings (setup.py maps it there).
+    assert folder == config / "templates"
+    assert answer["failed"] == {}
+    assert set(answer["found"]) == _checkout_templates()
+    for name, found in answer["found"].items():
+        assert Path(found["origin"]) == folder / name
+    assert answer["found"]["runs/inspect.html"]["has_run_id"]
