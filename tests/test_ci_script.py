@@ -64,8 +64,10 @@ def test_ci_starts_a_worker_from_a_plain_install_after_the_readme_install() -> N
     assert "venv_dir=${DJFLOW_PLAIN_VENV:-$work/venv}" in body
     # Kept for the README's test command, which uses it (tests/test_production_install.py).
     assert lines.index("export DJFLOW_PLAIN_VENV") < plain
-    # The checkout itself, no extras, no editable install.
-    assert re.search(r'pip" install -q --disable-pip-version-check "\$checkout"$', body, re.M)
+    # The files the application image holds (tests/image_files.py), as the image installs
+    # them: no extras, no editable install.
+    assert re.search(r'-m tests\.image_files "\$work/image"$', body, re.M)
+    assert re.search(r'pip" install -q --disable-pip-version-check "\$work/image"$', body, re.M)
     assert "[test]" not in body and " -e " not in body
     assert "--no-cache-dir" not in body  # pip's cache keeps the stage quick
     assert "celery -A config worker" in body

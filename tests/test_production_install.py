@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import image_files
 from tests.processes import database_url, wait_for
 from tests.test_settings import CONFIG_VARS
 
@@ -76,11 +77,13 @@ def test_settings_refuse_an_insecure_secret_key_outside_the_embedded_default(
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The python of a fresh venv with this checkout installed: not editable, no extras.
+    """The python of a fresh venv with the project installed as the image installs it: not
+    editable, no extras, from the files the image holds (tests/image_files.py), so that a
+    file .dockerignore left out that the install needs fails here.
 
     CI has made one already (.ci/run exports DJFLOW_PLAIN_VENV, where .ci/plain_install_worker
-    installed this same clone before the tests): that one, rather than another minute or two
-    of pip on the same install.
+    installed the same file set before the tests): that one, rather than another minute or
+    two of pip on the same install.
     """
     made = os.environ.get("DJFLOW_PLAIN_VENV")
     if made:
@@ -90,9 +93,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("prod-venv")
     venv.create(root / "venv", with_pip=True)
     python = root / "venv" / "bin" / "python"
+    image = image_files.build(root / "image")
     started = time.monotonic()
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", str(BASE_DIR)],
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", str(image)],
         cwd=root,
         env=_clean_env(),
         capture_output=True,
