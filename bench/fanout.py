@@ -72,7 +72,16 @@ FLOWS = "bench.fan_flows"
 WORKFLOW = "bench_fan"
 CONCURRENCY = 2
 PARTS = ("one", "many")
-SIDES = ("engine", "bare")
+SIDES = ("engine", "plain", "bare")
+# The engine's sides: its fan-outs as chords (the design card's), and the same messages
+# without the chord (DJFLOW_FAN_OUT_CHORDS=false), measured at the same commit.
+ENGINE_SIDES = ("engine", "plain")
+
+
+def side_env(side: str) -> dict[str, str]:
+    """What a side's processes (the worker and the dispatcher) run with."""
+    return {"DJFLOW_FAN_OUT_CHORDS": "false" if side == "plain" else "true"}
+
 
 ITEMS = 10_000
 MANY_RUNS = 100
@@ -122,9 +131,10 @@ def _empty_database() -> None:
 
 
 @contextlib.contextmanager
-def running() -> Iterator[CeleryProcess]:
+def running(side: str) -> Iterator[CeleryProcess]:
     """One worker (prefork, ``-c 2``, logging at ``warning``) on the bench services, on an
-    empty broker, empty run tables and no stamps left over; stopped on exit."""
+    empty broker, empty run tables and no stamps left over, with ``side``'s settings;
+    stopped on exit."""
     _empty_database()
     purge_broker()
     results = _results()
@@ -138,6 +148,7 @@ def running() -> Iterator[CeleryProcess]:
                 broker_url=BROKER_URL,
                 result_backend=RESULTS_URL,
                 workflow_modules=[FLOWS],
+                extra=side_env(side),
             ),
             workdir=Path(workdir),
             name="bench-fan",
@@ -282,7 +293,7 @@ def dispatcher(side: str, items: int, runs: int, measurement: str) -> dict[str, 
     """The body of ``--dispatch``: warm up (one item through the worker), then start
     ``runs`` runs of ``items`` items (engine) or send as many chords (bare), noting the
     times and this process's RSS before and at its peak."""
-    if side == "engine":
+    if side in ENGINE_SIDES:
         if not _wait_engine(_engine_start(1, 1), timeout=60):
             raise RuntimeError("the dispatcher's warm-up run did not complete within 60 s")
     else:
@@ -292,7 +303,7 @@ def dispatcher(side: str, items: int, runs: int, measurement: str) -> dict[str, 
     _reset_peak()
     before = _status_mb("self", "VmRSS")
     began = time.time()
-    run_ids = _engine_start(items, runs) if side == "engine" else []
+    run_ids = _engine_start(items, runs) if side in ENGINE_SIDES else []
     if side == "bare":
         _bare_send(items, runs, measurement)
     sent = time.time()
@@ -311,6 +322,7 @@ def dispatch(side: str, items: int, runs: int, measurement: str) -> dict[str, An
     argv += ["--items", str(items), "--runs", str(runs), "--measurement", measurement]
     done = subprocess.run(
         argv,
+        env={**os.environ, **side_env(side)},
         cwd=Path(__file__).resolve().parent.parent,
         stdout=subprocess.PIPE,
         check=True,
@@ -325,7 +337,7 @@ def dispatch(side: str, items: int, runs: int, measurement: str) -> dict[str, An
 def _warm_up(side: str, worker: CeleryProcess) -> None:
     """Both paths once through the fresh worker (imports, connections, the chord's
     counters) before anything is timed."""
-    if side == "engine":
+    if side in ENGINE_SIDES:
         if not _wait_engine(_engine_start(100, 1), timeout=120, worker=worker):
             raise RuntimeError(f"the warm-up run did not complete:\n{worker.logs()[-5000:]}")
     else:
@@ -351,14 +363,14 @@ def measure(side: str, items: int, runs: int, budget: float) -> dict[str, Any]:
     from runs.models import Run, StepRun
 
     measurement = uuid.uuid4().hex
-    with running() as worker:
+    with running(side) as worker:
         _warm_up(side, worker)
         sampler = PeakRss(worker.pid)
         sampler.start()
         try:
             sent = dispatch(side, items, runs, measurement)
             left = budget - (time.time() - sent["began"])
-            if side == "engine":
+            if side in ENGINE_SIDES:
                 complete = _wait_engine(sent["run_ids"], timeout=max(left, 1.0), worker=worker)
             else:
                 end, complete = _wait_bare(measurement, timeout=600, worker=worker), True
@@ -407,7 +419,7 @@ def measure_worker_fanout(side: str, items: int) -> dict[str, Any]:
     from runs.services import run_start
 
     flows = _fan_flows()
-    with running() as worker:
+    with running(side) as worker:
         _warm_up(side, worker)
         sampler = PeakRss(worker.pid)
         sampler.start()
@@ -471,8 +483,40 @@ def _unfinished(engine: dict[str, Any], total: int) -> str:
     return f" [engine: NOT completed, {engine['items_done']:,}/{total:,} items; a lower bound]"
 
 
+def _against_plain(
+    label: str, engine: dict[str, Any], plain: dict[str, Any], total: int
+) -> list[common.Row]:
+    """The engine with its fan-outs as chords (the "engine" column) against the same engine
+    without the chord (DJFLOW_FAN_OUT_CHORDS=false, in the "bare" column), at one commit."""
+    unfinished = _unfinished(engine, total) or _unfinished(plain, total)
+    return [
+        common.Row(
+            f"{label}: chords / no chord (bare column), start to last run completed{unfinished}",
+            "s",
+            _elapsed(engine),
+            _elapsed(plain),
+            True,
+        ),
+        common.Row(
+            f"{label}: chords / no chord (bare column), runs.advance executed",
+            "tasks",
+            len(engine["advance_ms"]),
+            len(plain["advance_ms"]),
+            True,
+        ),
+        common.Row(
+            f"{label}: chords / no chord (bare column), worker peak RSS",
+            "MB",
+            engine["worker_peak"],
+            plain["worker_peak"],
+            True,
+        ),
+    ]
+
+
 def part_one(items: int = ITEMS, budget: float = 240.0) -> tuple[list[common.Row], list[str]]:
     engine = measure("engine", items, 1, budget)
+    plain = measure("plain", items, 1, budget)
     bare = measure("bare", items, 1, budget)
     engine_later = measure_worker_fanout("engine", items)
     bare_later = measure_worker_fanout("bare", items)
@@ -534,6 +578,7 @@ def part_one(items: int = ITEMS, budget: float = 240.0) -> tuple[list[common.Row
             1,
             True,
         ),
+        *_against_plain(label, engine, plain, items),
     ]
     began = engine["began"]
     state = "completed" if engine["complete"] else "was given up (still running)"
@@ -554,6 +599,7 @@ def part_many(
     runs: int = MANY_RUNS, items: int = MANY_ITEMS, budget: float = 240.0
 ) -> tuple[list[common.Row], list[str]]:
     engine = measure("engine", items, runs, budget)
+    plain = measure("plain", items, runs, budget)
     bare = measure("bare", items, runs, budget)
     label = f"{runs:,} x {items:,} items"
     unfinished = _unfinished(engine, runs * items)
@@ -579,6 +625,7 @@ def part_many(
             runs,
             True,
         ),
+        *_against_plain(label, engine, plain, runs * items),
     ]
     notes = [
         _advance_note(engine, runs, items),

@@ -679,6 +679,10 @@ DJFLOW = {
     # one after another by the worker that takes it, the rest offered to other workers as
     # soon as one runs long (workers.batches). 1 sends a message per attempt.
     "FAN_OUT_PER_MESSAGE": env.int("DJFLOW_FAN_OUT_PER_MESSAGE", default=10),
+    # A fan-out's messages go as one Celery chord whose body is runs.advance of the run (the
+    # design card: "parallel and foreach map onto chords"); a notification only, the fan-in
+    # is the journal's. false: the same messages without the chord (bench.fanout compares).
+    "FAN_OUT_CHORDS": env.bool("DJFLOW_FAN_OUT_CHORDS", default=True),
     # For the engine's own tests: every plan made from a run's settled prefix (the rows after
     # it only) is made again from the whole journal, and a difference raises.
     "CHECK_PREFIX": env.bool("DJFLOW_CHECK_PREFIX", default=False),

@@ -22,6 +22,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import current_app
+from celery.utils import uuid
 from django.conf import settings
 from django.db import transaction
 
@@ -155,44 +156,154 @@ MAX_PER_MESSAGE = 100
 
 def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
     """Offer attempts fanned out together (parallel branches, foreach items) once the
-    transaction commits: ``FAN_OUT_PER_MESSAGE`` to a message (attempts of one queue, time
-    limit and priority), through one producer in one batch, keeping no result.
+    transaction commits, as one Celery chord: its header the attempts' ``execute_step``
+    messages, ``FAN_OUT_PER_MESSAGE`` attempts to a message (attempts of one queue, time
+    limit and priority), its body ``runs.advance`` of the run (:func:`fan_in_body`).
 
     The task that receives a message runs its attempts one after another, each claimed on
     its own, and offers the rest to other workers as soon as one runs long
-    (``workers.batches``): Celery's cycle per message was most of a short item's cost.
+    (``workers.batches``): Celery's cycle per message was most of a short item's cost, and a
+    chord's part of it (the result backend counting each header task) is paid once a
+    message, not once an attempt.
 
-    No chord: the fan-in is the journal's. A success inside a fan-out asks for an advance
-    when, after its commit, nothing else of the run is in flight, and a failure asks at once
+    The chord is a notification, never the fan-in (DESIGN rule 5): the fan-in is the
+    journal's. A success inside a fan-out asks for an advance when, after its commit,
+    nothing else of the run is in flight, and a failure asks at once
     (``workers.execution._record_inside``); should that ask be lost with its worker, the
-    reconciler advances a run left with nothing in flight. A chord's header tasks each
-    stored a result and counted themselves in the result backend (three Redis round trips
-    an item), and each chord's body was one more advance planning the whole journal.
+    reconciler advances a run left with nothing in flight. So a body that never fires (a
+    header task lost, a message handed on by ``workers.batches``, the result backend
+    restarted), fires twice (a header task redelivered) or fires early (a header task that
+    handed its rest on returns before those attempts end) changes no result; the body, sent
+    ``fan_in=True``, plans only when nothing of the run is in flight any more
+    (``runs.engine.advance.run_fan_in``), so the early ones cost one index probe.
+
+    Without a result backend that can count a chord (``CELERY_RESULT_BACKEND`` unset, or
+    ``rpc://``), or with ``DJFLOW["FAN_OUT_CHORDS"]`` off, the same messages go without
+    the chord, through one producer in one publish batch.
     """
     per_message = min(max(1, int(settings.DJFLOW["FAN_OUT_PER_MESSAGE"])), MAX_PER_MESSAGE)
-    groups: dict[tuple[Any, ...], list[Any]] = {}
+    alike: dict[tuple[Any, ...], list[Any]] = {}
     for step_run in step_runs:
         key = (step_run.queue, step_run.timeout_ms, priority_of(step_run))
-        groups.setdefault(key, []).append(step_run)
+        alike.setdefault(key, []).append(step_run)
     messages = [
-        group[start : start + per_message]
-        for group in groups.values()
-        for start in range(0, len(group), per_message)
+        rows[start : start + per_message]
+        for rows in alike.values()
+        for start in range(0, len(rows), per_message)
     ]
+    priority = priority_of(step_runs[0]) if step_runs else None
 
     def send() -> None:
-        # One producer, and on Redis one pipeline per thousand messages (kombu's publish
-        # batch; other transports publish each at once): sending is one round trip per
-        # message otherwise, and the fan-out is sent by a pool process that has items to run.
-        with current_app.producer_or_acquire() as producer, producer.batch():
-            for together in messages:
-                more = [step_run.id for step_run in together[1:]]
-                signature = _execute_signature(together[0], kwargs={"more": more} if more else {})
-                signature.apply_async(producer=producer)
+        if settings.DJFLOW["FAN_OUT_CHORDS"] and len(messages) > 0:
+            try:
+                _send_chord(messages, fan_in_body(run_id, priority))
+                return
+            except NotImplementedError:
+                # The result backend keeps no chord (Celery's DisabledBackend, rpc://): it
+                # refuses before any header message is sent.
+                _warn_no_chords()
+        _send_plain(messages)
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler
     # offers them again one by one.
     transaction.on_commit(send, robust=True)
+
+
+def fan_in_body(run_id: Any, priority: int | None) -> Any:
+    """A fan-out chord's body: ``runs.advance`` of the run, at its priority, ignoring the
+    header's results (``immutable``) and keeping none of its own. ``fan_in=True``: it
+    plans only once nothing of the run is in flight (see :func:`offer_fan_out_on_commit`)."""
+    return current_app.signature(
+        ADVANCE,
+        (str(run_id),),
+        {"fan_in": True},
+        immutable=True,
+        ignore_result=True,
+        priority=broker_priority(priority),
+    )
+
+
+def _header_signature(together: list[Any], *, keep_result: bool) -> Any:
+    more = [step_run.id for step_run in together[1:]]
+    return _execute_signature(
+        together[0], kwargs={"more": more} if more else {}, ignore_result=not keep_result
+    )
+
+
+def _send_chord(messages: list[list[Any]], body: Any) -> None:
+    """One chord of ``messages`` (each a list of attempts) and ``body``, on Celery's own
+    chord machinery: each header message frozen as a part of the chord (its group id, index
+    and the body it carries), the result backend told of the chord (its size on Redis,
+    ``apply_chord`` elsewhere), and, in the worker, the backend's counting of the parts as
+    they return (``on_chord_part_return``) and its call of the body.
+
+    What ``chord.apply_async`` does, but for one thing. Upstream bug: on a Redis result
+    backend Celery subscribes the sending process to every header task's result channel
+    (a ``GroupResult`` waits on its members through a promise each, and
+    ``group.apply_async`` adds them to a barrier: one SUBSCRIBE a header task, and an
+    UNSUBSCRIBE when the result object is dropped), though no header task here stores a
+    result and nothing reads one (https://github.com/celery/celery/issues/3808, open;
+    https://github.com/celery/celery/issues/4824, open). So no result object of the header
+    is made here, and its messages go through one producer in one publish batch (a pipeline
+    on Redis), as they went before they were a chord.
+
+    On Redis results the backend counts each header task as it returns (one script call)
+    whether or not the task stores its result, so header tasks store none. Any other
+    backend (the embedded default's SQLAlchemy one) has no counter: Celery's
+    ``celery.chord_unlock`` task polls the header's stored results, so they keep them.
+    """
+    app = current_app
+    backend = app.backend
+    counts = _counts_chords(backend)
+    group_id = uuid()
+    header = [_header_signature(together, keep_result=not counts) for together in messages]
+    body.freeze(group_id=group_id)
+    for index, signature in enumerate(header):
+        signature.freeze(group_id=group_id, chord=body, group_index=index)
+    # Before any part is sent, so that a part that returns finds the size to count against.
+    if counts:
+        # Redis's apply_chord only saves a header of nested groups (ours is flat), and would
+        # build the GroupResult that subscribes (above).
+        backend.set_chord_size(group_id, len(header))
+    else:
+        # Refuses (NotImplementedError) when the backend cannot keep a chord; else starts
+        # celery.chord_unlock, which polls the parts' results and calls the body.
+        results = [app.AsyncResult(signature.id) for signature in header]
+        backend.apply_chord((group_id, results), body)
+    with app.producer_or_acquire() as producer, producer.batch():
+        for signature in header:
+            signature.apply_async(producer=producer, add_to_parent=False)
+
+
+def _counts_chords(backend: Any) -> bool:
+    """Whether the result backend counts a chord's parts itself (Redis, Sentinel)."""
+    from celery.backends.redis import RedisBackend
+
+    return isinstance(backend, RedisBackend)
+
+
+def _send_plain(messages: list[list[Any]]) -> None:
+    # One producer, and on Redis one pipeline per thousand messages (kombu's publish
+    # batch; other transports publish each at once): sending is one round trip per
+    # message otherwise, and the fan-out is sent by a pool process that has items to run.
+    with current_app.producer_or_acquire() as producer, producer.batch():
+        for together in messages:
+            _header_signature(together, keep_result=False).apply_async(producer=producer)
+
+
+_warned_no_chords = False
+
+
+def _warn_no_chords() -> None:
+    global _warned_no_chords
+    if not _warned_no_chords:
+        _warned_no_chords = True
+        logger.warning(
+            "the result backend (%s) cannot count a chord: fan-outs go as plain messages "
+            "(their fan-in is the journal's either way). Set CELERY_RESULT_BACKEND to Redis "
+            "or a database (README: Configuration)",
+            current_app.conf.result_backend,
+        )
 
 
 def offer_ids(

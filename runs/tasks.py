@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from . import bulk, metrics, retention
 from .dispatch import TICK_SECONDS
-from .engine.advance import run_advance
+from .engine.advance import run_advance, run_fan_in
 from .engine.reconcile import reconcile as reconcile_once
 from .engine.timers import fire_due, wake_before
 
@@ -23,9 +23,14 @@ _RECONCILE_HOUSEKEEPING = frozenset({"timers_pruned"})
 
 
 @shared_task(name="runs.advance", ignore_result=True, acks_late=True)
-def advance(run_id: str) -> None:
-    """Plan and apply the next actions of a run. A second delivery finds nothing to do."""
-    run_advance(run_id=run_id)
+def advance(run_id: str, fan_in: bool = False) -> None:
+    """Plan and apply the next actions of a run. A second delivery finds nothing to do.
+    ``fan_in``: the body of a fan-out's chord (runs.dispatch), a nudge that plans only once
+    nothing of the run is in flight."""
+    if fan_in:
+        run_fan_in(run_id=run_id)
+    else:
+        run_advance(run_id=run_id)
 
 
 # No task events for the one-second tick: Flower keeps the newest 10,000 tasks, and 86,400

@@ -19,6 +19,8 @@ from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
+from workflows import kinds
+
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun
 from ..status import RUN_TERMINAL
@@ -28,6 +30,7 @@ from .ending import Ends
 from .plan import Plan, plan
 from .sql import cursor as prepared_cursor
 from .store import (
+    attempts_in_flight,
     record_result,
     record_results,
     recording,
@@ -78,6 +81,20 @@ def run_advance(*, run_id: Any, seconds: float | None = None) -> Plan | None:
     journal as the previous one left it, so a duplicate finds nothing to do.
     """
     return run_advance_holding(run_id=run_id, seconds=seconds, hold=False)[0]
+
+
+def run_fan_in(*, run_id: Any) -> Plan | None:
+    """A fan-out chord's body (``runs.dispatch.offer_fan_out_on_commit``): advance the run
+    unless one of its worker attempts is still in flight; None when it did not.
+
+    Skipping then changes nothing: each attempt in flight asks for the advance its end needs
+    (a failure at once, the last success once nothing else is in flight: see
+    ``workers.execution._record_inside``), and the reconciler advances a run left quiet. So a
+    body that fires early (a header task that handed its items on, the first of a run's
+    chords while later rounds run) costs one index probe, not a plan of the whole journal."""
+    if attempts_in_flight(run_id, kinds.names(kinds.Role.WORKER), besides=0):
+        return None
+    return run_advance(run_id=run_id)
 
 
 def run_advance_holding(

@@ -368,8 +368,8 @@ class _Writer:
         elif len(inserted) == 1:
             dispatch.offer_on_commit(inserted[0], workflow_id=run.workflow_id)
         elif inserted:
-            # Branches and items fanned out together: one message each, no chord (the
-            # completions themselves ask for the fan-in's advance).
+            # Branches and items fanned out together: one Celery chord, its body an advance
+            # of the run (a nudge: the completions themselves ask for the fan-in's advance).
             dispatch.offer_fan_out_on_commit(inserted, run_id=run.id, workflow_id=run.workflow_id)
         return applied
 

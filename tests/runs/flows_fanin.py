@@ -3,7 +3,7 @@
 Every body writes its start to the side table of ``tests.runs.flows`` (label, attempt, pid,
 time), so a test counts real executions whatever the journal says. The worker also notes
 each ``runs.advance`` it runs under a chord-body marker task id (see ``CHORD_BODY``): the
-tests give the chord bodies they send such ids, and so see when, and how often, a chord
+tests give the fan-out chords' bodies such ids, and so see when, and how often, a chord
 body really fired.
 """
 
@@ -78,6 +78,35 @@ def _item(ctx: Any, input: Any, prior: Any) -> Any:
 
 
 registry.register("chorded", "item", _item)
+
+
+# --- a parallel first (its branches are the first fan-out, planned by the start) -----------
+
+branched = workflow("branched", limits=LIMITS)
+branched.add(
+    parallel(
+        "both",
+        branches={
+            name: task(f"branch_{name}", input={"name": name})
+            for name in ("north", "south", "east")
+        },
+    )
+)
+
+
+@branched.step("joined", input="${steps.both.output}")
+def _joined(ctx: Any, input: Any, prior: Any) -> Any:
+    note_label(ctx.run_id, "joined", ctx.attempt)
+    return input
+
+
+def _branch(ctx: Any, input: Any, prior: Any) -> Any:
+    note_label(ctx.run_id, f"branch:{input['name']}", ctx.attempt)
+    return input["name"]
+
+
+for _name in ("north", "south", "east"):
+    registry.register("branched", f"branch_{_name}", _branch)
 
 
 # --- a wide fan-out ------------------------------------------------------------------------

@@ -53,6 +53,7 @@ def sent(request) -> Iterator[list[dict[str, Any]]]:
                 "timelimit": tuple(headers["timelimit"]),
                 "queue": getattr(queue, "name", queue),
                 "chord": embed.get("chord"),
+                "group": headers.get("group"),
                 **{key: headers[key] for key in ("eta", "expires") if headers.get(key)},
             }
         )
@@ -102,29 +103,87 @@ def test_an_attempt_goes_to_its_queue_with_its_task_id_and_limits(sent) -> None:
             "timelimit": (soft + 10, soft),
             "queue": "gpu",
             "chord": None,
+            "group": None,
         }
         for n in (1, 2)
     ]
 
 
-def test_a_fan_out_goes_several_attempts_a_message_keeping_no_result_and_no_chord(
-    sent, settings
-) -> None:
-    # The fan-in is the journal's (each completion asks for the advance it needs): no chord
-    # body, and no result a chord would count. Attempts of one queue, time limit and
-    # priority go FAN_OUT_PER_MESSAGE to a message, the first one's task id on it.
+def test_a_fan_out_is_one_chord_of_messages_whose_body_advances_the_run(sent, settings) -> None:
+    """The design card: a fan-out maps onto a chord. Attempts of one queue, time limit and
+    priority go FAN_OUT_PER_MESSAGE to a header message, the first one's task id on it,
+    keeping no result (the Redis result backend counts a chord's parts without one); every
+    header message carries the one body, ``runs.advance`` of the run as a fan-in nudge."""
     settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 2}
     other = SimpleNamespace(id=9, celery_task_id="task-9", queue="cpu", timeout_ms=5000)
     attempts = [attempt(3), attempt(4), other, attempt(5)]
     dispatch.offer_fan_out_on_commit(attempts, run_id="r5", workflow_id="w")
     soft = 5 + settings.DJFLOW["INLINE_SECONDS"]
-    common = {"ignore_result": True, "timelimit": (soft + 10, soft), "chord": None}
+    bodies = [message.pop("chord") for message in sent]
+    groups = {message.pop("group") for message in sent}
+    common = {"ignore_result": True, "timelimit": (soft + 10, soft)}
     assert sent == [
         {"task": "workers.execute_step", "args": [3], "kwargs": {"more": [4]}, "id": "task-3",
          "queue": "gpu", **common},
         {"task": "workers.execute_step", "args": [5], "id": "task-5", "queue": "gpu", **common},
         {"task": "workers.execute_step", "args": [9], "id": "task-9", "queue": "cpu", **common},
     ]  # fmt: skip
+    assert len(groups) == 1 and None not in groups
+    assert all(body == bodies[0] for body in bodies)
+    body = bodies[0]
+    assert (body["task"], list(body["args"]), body["kwargs"], body["immutable"]) == (
+        "runs.advance",
+        ["r5"],
+        {"fan_in": True},
+        True,
+    )
+    assert body["options"]["ignore_result"] is True
+    assert body["options"]["priority"] == dispatch.broker_priority(None)
+
+
+def test_a_fan_out_goes_without_a_chord_when_chords_are_off(sent, settings) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 2, "FAN_OUT_CHORDS": False}
+    dispatch.offer_fan_out_on_commit(
+        [attempt(3), attempt(4), attempt(5)], run_id="r", workflow_id="w"
+    )
+    assert [(m["args"], m.get("kwargs"), m["chord"], m["group"]) for m in sent] == [
+        ([3], {"more": [4]}, None, None),
+        ([5], None, None, None),
+    ]
+
+
+def test_a_fan_out_goes_without_a_chord_on_a_result_backend_that_keeps_none(sent, caplog) -> None:
+    """rpc:// (or no result backend at all) cannot count a chord: Celery refuses before a
+    header message goes out, and the messages go plain (the journal is the fan-in either
+    way), said once in the log."""
+    from celery.backends.base import DisabledBackend
+
+    dispatch._warned_no_chords = False
+    with mock.patch.object(app._local, "backend", DisabledBackend(app), create=True):
+        dispatch.offer_fan_out_on_commit([attempt(3)], run_id="r", workflow_id="w")
+        dispatch.offer_fan_out_on_commit([attempt(4)], run_id="r", workflow_id="w")
+    assert [(m["args"], m["chord"], m["group"]) for m in sent] == [
+        ([3], None, None),
+        ([4], None, None),
+    ]
+    assert sum("cannot count a chord" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_fan_out_on_a_database_result_backend_keeps_its_results_for_chord_unlock(
+    sent, tmp_path
+) -> None:
+    """The embedded default's SQLAlchemy backend has no chord counter: Celery's
+    ``celery.chord_unlock`` polls the header's stored results, so header tasks keep one."""
+    from celery.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend(app=app, url=f"sqlite:///{tmp_path / 'results.sqlite3'}")
+    with mock.patch.object(app._local, "backend", backend, create=True):
+        dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r7", workflow_id="w")
+    unlock = [m for m in sent if m["task"] == "celery.chord_unlock"]
+    header = [m for m in sent if m["task"] == "workers.execute_step"]
+    assert len(unlock) == 1
+    assert [(m["args"], m["ignore_result"]) for m in header] == [([3], False)]
+    assert header[0]["chord"]["task"] == "runs.advance"
 
 
 def test_a_fan_out_of_one_attempt_a_message_when_configured_so(sent, settings) -> None:
@@ -160,7 +219,9 @@ def test_a_mail_goes_to_the_mail_queue_without_a_result(sent) -> None:
 
 def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
     """Against the real broker: the attempts' messages are on their queue, and on Redis they
-    went as one pipeline, not one LPUSH round trip each."""
+    went as one pipeline, not one LPUSH round trip each; the result backend was told the
+    chord's size, and the sender subscribed to no header task's result (Celery's own
+    ``group.apply_async`` would, one SUBSCRIBE a header task)."""
     import uuid
 
     import redis
@@ -181,26 +242,40 @@ def test_a_fan_out_reaches_a_redis_broker_in_one_pipeline(monkeypatch) -> None:
         direct.append(args[0])
         return real_execute(client, *args, **options)
 
+    subscribed: list[Any] = []
+    real_subscribe = redis.client.PubSub.subscribe
     monkeypatch.setattr(redis.Redis, "execute_command", execute_command)
+    monkeypatch.setattr(
+        redis.client.PubSub,
+        "subscribe",
+        lambda pubsub, *a, **k: subscribed.append(a) or real_subscribe(pubsub, *a, **k),
+    )
     with mock.patch("django.db.transaction.on_commit", side_effect=lambda f, robust=False: f()):
         dispatch.offer_fan_out_on_commit(attempts, run_id="r6", workflow_id="w")
     monkeypatch.setattr(redis.Redis, "execute_command", real_execute)
     assert "LPUSH" not in direct
+    assert subscribed == []
     with app.connection_for_write() as conn:
         channel = conn.default_channel
         client = channel.client
         # One list per priority step (a run's priority): the default's messages are on its.
         lists = [channel._q_for_pri(queue, step) for step in channel.priority_steps]
         try:
-            waiting = [
-                json.loads(m)["headers"]["id"] for key in lists for m in client.lrange(key, 0, -1)
-            ]
+            messages = [m for key in lists for m in client.lrange(key, 0, -1)]
+            waiting = [json.loads(m)["headers"]["id"] for m in messages]
             on_default = client.llen(channel._q_for_pri(queue, dispatch.broker_priority(None)))
         finally:
             client.delete(*lists)
     # FAN_OUT_PER_MESSAGE (10) to a message: three, each with its first attempt's task id.
     assert sorted(waiting) == ["fan-task-0", "fan-task-10", "fan-task-20"]
     assert on_default == 3
+    [group_id] = {json.loads(m)["headers"]["group"] for m in messages}
+    backend = app.backend
+    size_key = backend.get_key_for_group(group_id, ".s")
+    try:
+        assert int(backend.client.get(size_key)) == 3
+    finally:
+        backend.client.delete(size_key)
 
 
 def test_a_runs_priority_orders_its_messages_on_a_redis_queue() -> None:

@@ -1,15 +1,16 @@
-"""Fan-in end to end: the journal is the fan-in, whatever notifications come or not.
+"""Fan-in end to end: the journal is the fan-in, whatever the chord's body does.
 
 Real Postgres, Redis, ``celery worker`` and ``celery beat`` processes. The engine offers a
-fan-out as plain messages (no chord); here it is offered in a chord forced to misbehave (its
-body never fires, fires twice, fires while a retried item is still pending), a worker is
-killed in the middle of a 200-item fan-out, and a run with running children and
-grandchildren is cancelled; every time the run's result is what the journal says, each body
-ran as often as its attempts say (the side table of
-``tests.runs.flows`` counts real executions), and nothing starts after a cancel.
+fan-out as a Celery chord whose body is an advance of the run (a nudge); here its body is
+forced to misbehave (it never fires, fires twice, fires while a retried item is still
+pending), a worker is killed in the middle of a 200-item fan-out, and a run with running
+children and grandchildren is cancelled; every time the run's result is what the journal
+says, each body ran as often as its attempts say (the side table of ``tests.runs.flows``
+counts real executions), and nothing starts after a cancel.
 
 The first fan-out of a run is planned by ``run_start`` in this process, so patching
-``runs.dispatch.offer_fan_out_on_commit`` here changes how its items are offered.
+``runs.dispatch.fan_in_body`` here changes the body of its chord (the header stays the
+engine's).
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from celery import chord, group
-from django.db import transaction
+from celery import group
 
 from runs import dispatch, services
 from runs.models import Run, StepRun
@@ -71,32 +71,33 @@ def chord_bodies(run_id: Any) -> list[float]:
 # --- 1. the chord, forced to misbehave ----------------------------------------------------
 
 
-class FanOuts:
-    """A stand-in for ``dispatch.offer_fan_out_on_commit``: the attempts' messages as the
-    engine builds them, as a chord's header (keeping results, as a chord needs), the body
-    (built by ``body`` from the run id, None: no body at all) of the test's choosing.
-    Counts the fan-outs it offered."""
+# The engine's own body, kept before any test patches it.
+ENGINE_BODY = dispatch.fan_in_body
 
-    def __init__(self, body: Callable[[str], Any] | None) -> None:
+
+class Bodies:
+    """A stand-in for ``dispatch.fan_in_body``: the engine sends its fan-out as its own chord
+    (the header as it builds it), with the body this returns for the run id (the test's
+    choice). Counts the chords it was asked for."""
+
+    def __init__(self, body: Callable[[str], Any]) -> None:
         self.body = body
-        self.offered: list[int] = []
+        self.asked = 0
 
-    def __call__(self, step_runs: list[Any], *, run_id: Any, workflow_id: str) -> None:
-        self.offered.append(len(step_runs))
+    def __call__(self, run_id: Any, priority: int | None) -> Any:
+        self.asked += 1
+        return self.body(str(run_id))
 
-        def send() -> None:
-            header = [dispatch._execute_signature(s, ignore_result=False) for s in step_runs]
-            if self.body is None:
-                group(header).apply_async()
-            else:
-                chord(header)(self.body(str(run_id)))
 
-        transaction.on_commit(send, robust=True)
+def nowhere(run_id: str) -> Any:
+    """A body that never fires: sent, when the chord completes, to a queue no worker reads."""
+    return marked_advance(run_id).set(queue=f"nobody-{uuid.uuid4().hex}")
 
 
 def marked_advance(run_id: str) -> Any:
-    """An advance whose task id the worker recognises as a chord body (flows_fanin)."""
-    return advance.si(run_id).set(task_id=f"{CHORD_BODY}{uuid.uuid4()}")
+    """The engine's own chord body (``runs.advance`` with ``fan_in``) under a task id the
+    worker recognises as a chord body (flows_fanin)."""
+    return ENGINE_BODY(run_id, None).set(task_id=f"{CHORD_BODY}{uuid.uuid4()}")
 
 
 def check_fanout(run: Run, items: list[str], attempts: dict[int, int] | None = None) -> None:
@@ -134,10 +135,10 @@ def test_a_chord_body_that_never_fires_changes_nothing(
 ) -> None:
     # No beat: nothing but the items' own completions can advance the run.
     celery_worker(workflow_modules=FLOWS, concurrency=4)
-    fanouts = FanOuts(body=None)
-    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
+    bodies = Bodies(nowhere)
+    monkeypatch.setattr(dispatch, "fan_in_body", bodies)
     run = start("chorded", {"items": ITEMS})
-    assert fanouts.offered == [len(ITEMS)]
+    assert bodies.asked == 1
     run = finished(run.id, timeout=30, logs=celery_processes.logs)
     check_fanout(run, ITEMS)
     assert chord_bodies(run.id) == []
@@ -147,10 +148,10 @@ def test_a_chord_body_that_fires_twice_amid_stray_advances_changes_nothing(
     monkeypatch, celery_worker, celery_processes
 ) -> None:
     celery_worker(workflow_modules=FLOWS, concurrency=4)
-    fanouts = FanOuts(body=lambda run_id: group(marked_advance(run_id), marked_advance(run_id)))
-    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
+    bodies = Bodies(lambda run_id: group(marked_advance(run_id), marked_advance(run_id)))
+    monkeypatch.setattr(dispatch, "fan_in_body", bodies)
     run = start("chorded", {"items": ITEMS})
-    assert fanouts.offered == [len(ITEMS)]
+    assert bodies.asked == 1
     # And advances nobody asked for, all through the fan-out, racing the completions.
     strays = 0
     while Run.objects.get(id=run.id).status not in TERMINAL and strays < 2000:
@@ -165,12 +166,15 @@ def test_a_chord_body_that_fires_twice_amid_stray_advances_changes_nothing(
 
 
 def test_a_chord_body_firing_while_a_retry_is_pending_does_not_end_the_fan_out(
-    monkeypatch, celery_worker, celery_beat, celery_processes
+    monkeypatch, settings, celery_worker, celery_beat, celery_processes
 ) -> None:
+    # One attempt to a header message (the chord is sent from here): the chord completes
+    # once every first attempt has ended, the failed one's included, not when a message
+    # that handed its items on returns.
+    settings.DJFLOW = {**settings.DJFLOW, "FAN_OUT_PER_MESSAGE": 1}
     celery_worker(workflow_modules=FLOWS, concurrency=4)
     celery_beat()  # the retry's back-off is a timer
-    fanouts = FanOuts(body=marked_advance)
-    monkeypatch.setattr(dispatch, "offer_fan_out_on_commit", fanouts)
+    monkeypatch.setattr(dispatch, "fan_in_body", Bodies(marked_advance))
     items = ["a", "b", "flaky", "c", "d"]
     run = start("chorded", {"items": items})
     run = finished(run.id, timeout=30, logs=celery_processes.logs)
