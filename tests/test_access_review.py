@@ -9,6 +9,7 @@ Users here hold no global permission unless a test gives one; ``creator`` holds 
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -180,14 +181,23 @@ def test_a_handler_name_without_a_workflow_part_is_no_persons_to_claim() -> None
 # --- 4. squatting a namespace the deployment's workers serve (open) -------------------------
 
 
-def test_a_new_workflow_id_cannot_claim_handlers_a_live_worker_serves() -> None:
+@pytest.mark.parametrize(
+    "stopped_ago",
+    [None, 20],  # live; stopped 20 s ago (restarting), within UNSERVABLE_SECONDS (60 s)
+)
+def test_a_new_workflow_id_cannot_claim_handlers_a_worker_serves(
+    settings, stopped_ago: int | None
+) -> None:
+    settings.DJFLOW = {**settings.DJFLOW, "UNSERVABLE_SECONDS": 60.0}
     now = timezone.now()
+    seen = now if stopped_ago is None else now - timedelta(seconds=stopped_ago)
     WorkerHeartbeat.objects.create(
         hostname="celery@w1",
         handlers=["shared.send_email"],
         queues=["default"],
-        started_at=now,
-        last_seen=now,
+        started_at=now - timedelta(minutes=5),
+        last_seen=seen,
+        stopped_at=None if stopped_ago is None else seen,
     )
     mallory = creator("mallory")
     document = {
