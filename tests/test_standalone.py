@@ -409,6 +409,44 @@ def test_standalone_runs_the_support_ticket_example_end_to_end(tmp_path: Path) -
     assert "a-long-password-1" not in text  # a password the user chose is never printed
 
 
+def test_fan_outs_complete_on_the_embedded_defaults_chords(tmp_path: Path) -> None:
+    """A parallel and a foreach of 25 items (three header messages) on SQLite and the
+    file-system broker: each fan-out is a chord whose body Celery's chord_unlock calls once
+    the header's stored results are ready (the SQLAlchemy result backend counts nothing)."""
+    env = _embedded_env(tmp_path / "var")
+    env.update(
+        DJANGO_SUPERUSER_USERNAME="admin",
+        DJANGO_SUPERUSER_PASSWORD="a-long-password-1",
+        WORKFLOW_MODULES="tests.flows_standalone",
+    )
+    env.setdefault("DJANGO_SUPERUSER_EMAIL", "admin@example.com")
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    with _standalone(tmp_path, f"--addr=127.0.0.1:{port}", "--create-superuser", env=env) as (
+        proc,
+        log,
+    ):
+        _wait_for_http(f"{base}/admin/login/", proc, log, timeout=45)
+        key = _token(env)
+        status, run = _start_run(base, key, {"items": list(range(25))}, "standalone_fanned")
+        assert status == 201, run
+        run = _wait_for_run(base, key, run, RUN_TERMINAL, log, timeout=60)
+        assert run["status"] == "completed", (run, log.read_text())
+        assert run["output"] == [n * 2 for n in range(25)]
+        both = next(step for step in run["steps"] if step["step_id"] == "both")
+        assert both["output"] == {"a": "a", "b": "b"}
+        # Both chords' bodies were called by chord_unlock (it succeeds once it has called
+        # the body; while the header runs it retries).
+        pattern = re.compile(r"Task celery\.chord_unlock\[([0-9a-f-]+)\] succeeded")
+        wait_for(
+            lambda: len(set(pattern.findall(log.read_text()))) >= 2,
+            timeout=20,
+            message=log.read_text,
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log.read_text()
+
+
 def _check_metrics(base: str, log: Path) -> None:
     ends = {
         (("status", "completed"), ("workflow", "support_ticket")): 2.0,
