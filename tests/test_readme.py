@@ -45,7 +45,9 @@ NOT_RUN_HERE = {
     "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\""
     "DJFLOW_METRICS_TOKEN={t(32)}\\nGRAFANA_ADMIN_PASSWORD={t(24)}\")' >> .env",
 }
-SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DIR")
+# A reader's shell has none of these; nor a SECRET_KEY, which the embedded default makes
+# itself (config/secret_key.py), once for the standalone and the children it starts.
+SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DIR", "SECRET_KEY")
 
 pytestmark = pytest.mark.slow
 
