@@ -152,6 +152,11 @@ def test_the_image_installs_the_project_and_bakes_no_key_in() -> None:
     # who pull it. The key is made at the first start, in the container's var folder.
     for words in runs:
         assert "manage.py" not in words and "django" not in words, words
+    # Nor does it set one: a key in ENV or ARG would be every container's, and in the image's
+    # history for all to read.
+    for name, args in image_files.instructions(image_files.DOCKERFILE.read_text()):
+        assert "SECRET_KEY" not in args, (name, args)
+    assert IMAGE.cmd[:3] == ("python", "manage.py", "standalone"), IMAGE.cmd
     assert "var" not in {path.parts[0] for path in map(in_image, image_files.files())}
 
 
