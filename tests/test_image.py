@@ -140,6 +140,17 @@ def test_the_image_holds_every_package_and_nothing_else_of_the_checkout() -> Non
         assert PurePosixPath(needed) in held
 
 
+def test_every_file_of_the_repository_is_in_the_image() -> None:
+    """COPY . . is the whole project: .dockerignore leaves out only what git does not track
+    either (a pattern that caught a file of the project would show here)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=BASE_DIR, capture_output=True, check=True
+    ).stdout.decode()
+    tracked = {path for path in listed.split("\0") if path and (BASE_DIR / path).is_file()}
+    held = {str(in_image(path)) for path in image_files.files()}
+    assert sorted(tracked - held) == []
+
+
 def test_the_image_installs_the_project_and_bakes_no_key_in() -> None:
     runs = [shlex.split(run.replace("&&", " && ")) for run in IMAGE.runs]
     installs = [words for words in runs if "pip" in words and "install" in words]
