@@ -17,9 +17,12 @@ Two parts, each runnable on its own (``--part one|many``, default all):
 The engine's run is started as the API starts one: ``run_start`` writes the run and plans
 its first actions (``advance.REQUEST_ACTIONS``), then hands the rest of the fan-out to
 ``runs.advance`` tasks in the worker (rounds of ``advance.ADVANCE_ACTIONS`` attempts, inserted
-in multi-row statements and sent on commit as plain messages through one publish batch). An
-item's success asks for an advance only when nothing else of the run is in flight after its
-commit (``workers.execution._record_inside``).
+in multi-row statements and sent on commit as one chord per round, its header the attempts'
+messages through one publish batch, its body an advance of the run). An item's success asks
+for an advance only when nothing else of the run is in flight after its commit
+(``workers.execution._record_inside``). Each engine measurement runs twice: with the chords
+(side ``engine``) and, at the same commit, without them (side ``plain``,
+``DJFLOW_FAN_OUT_CHORDS=false``); the rows "chords / no chord" compare the two.
 
 Each side of each part gets a fresh broker and one ``celery -A config worker -P prefork -c 2
 -l warning`` with the project's settings (no beat: nothing here waits on time), started with
