@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from email.utils import format_datetime
 from typing import Any
+from urllib.parse import quote, quote_plus
 
 import jsonschema
 import pytest
@@ -216,6 +218,75 @@ def test_the_message_masks_an_echoed_key_and_is_truncated(
     assert "test-key" not in text and "Incorrect API key provided: ***." in text
     assert "my secret prompt" not in text
     assert len(text) < 500 + 40 and text.endswith("…")
+
+
+# A realistic key, and each form a provider's (or a proxy's) error text has been seen to
+# echo it in (issue 36: only the exact key was masked).
+LONG_KEY = "sk-proj-Q3vT9xLmA27bKeR0pZ4wYc8NdHs1FgUj"
+ECHOES = {
+    "exact": f"key {LONG_KEY} is revoked",
+    "upper case": f"KEY {LONG_KEY.upper()} IS REVOKED",
+    "cut short": f"Incorrect API key provided: {LONG_KEY[:20]}...",
+    "its tail": f"the key ending {LONG_KEY[-12:]} has no access",
+    "its middle": f"key fragment {LONG_KEY[10:26]} seen",
+    "url-encoded": "GET /v1/models?key=" + quote(LONG_KEY, safe="") + " refused",
+    "form-encoded": "body api%5Fkey=" + quote_plus(LONG_KEY) + " refused",
+    "json-escaped": json.dumps({"sent": LONG_KEY}),
+    "hex": f"token {LONG_KEY.encode().hex()}",
+    "base64": "k=" + base64.b64encode(LONG_KEY.encode()).decode(),
+    "base64 url-safe": base64.urlsafe_b64encode(b"~~" + LONG_KEY.encode()).decode(),
+    "basic credential": "Authorization: Basic "
+    + base64.b64encode(f"apikey:{LONG_KEY}".encode()).decode(),
+    "basic, user last": "Basic " + base64.b64encode(f"{LONG_KEY}:x".encode()).decode(),
+    "bearer header": f"header Authorization: Bearer {LONG_KEY} was refused",
+    "x-api-key header": f"x-api-key: {LONG_KEY}",
+}
+
+
+@pytest.mark.parametrize("provider", API_PROVIDERS)
+@pytest.mark.parametrize("form", sorted(ECHOES))
+def test_the_message_masks_the_key_in_every_form_it_is_echoed_in(
+    server: ModelServer, provider: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY" if provider == "openai" else "ANTHROPIC_API_KEY", LONG_KEY)
+    server.enqueue(Answer(status=401, error_message=ECHOES[form]))
+
+    text = str(failure(f"{provider}:m"))
+
+    assert "***" in text
+    # No eight characters in a row of the key, in any of its forms, whatever the case.
+    shown = text.lower()
+    forms = [
+        LONG_KEY,
+        quote(LONG_KEY, safe=""),
+        quote_plus(LONG_KEY),
+        LONG_KEY.encode().hex(),
+        *(
+            encode(bytes(shift) + LONG_KEY.encode()).decode()[-(-8 * shift // 6) : -2]
+            for shift in range(3)
+            for encode in (base64.b64encode, base64.urlsafe_b64encode)
+        ),
+    ]
+    for whole in forms:
+        whole = whole.lower()
+        assert not any(whole[i : i + 8] in shown for i in range(len(whole) - 7)), (form, text)
+
+
+@pytest.mark.parametrize(
+    ("detail", "shown"),
+    [
+        # Another credential in an echoed header goes too (a proxy's own key).
+        ("Authorization: Bearer proxy-token-77 refused", "Authorization: Bearer *** refused"),
+        ('{"api_key": "other-key-123"}', '{"api_key": "***"}'),
+        # Words stay words, and a key's four-character tail (what dashboards show) stays.
+        ("basic authentication failed", "basic authentication failed"),
+        ("Incorrect API key provided: sk-****wxyz.", "Incorrect API key provided: sk-****wxyz."),
+    ],
+)
+def test_credentials_are_masked_and_ordinary_words_are_not(detail: str, shown: str) -> None:
+    assert providers.base.status_message("p", 401, detail, "unrelated-key-0") == (
+        f"provider 'p' answered 401: {shown}"
+    )
 
 
 @pytest.mark.parametrize("provider", API_PROVIDERS)

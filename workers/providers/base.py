@@ -17,14 +17,18 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, Literal, TypeVar
+from urllib.parse import quote, quote_plus
 
 ErrorClass = Literal["retryable", "fatal"]
 
@@ -150,11 +154,84 @@ def status_message(provider: str, status: int, detail: str | None, secret: str |
     detail = (detail or "").strip()
     if not detail:
         return text
-    if secret and len(secret) >= 4:
-        detail = detail.replace(secret, "***")
+    detail = mask_secret(detail[:MASK_SCAN], secret)
     if len(detail) > MAX_PROVIDER_MESSAGE:
         detail = detail[: MAX_PROVIDER_MESSAGE - 1] + "…"
     return f"{text}: {detail}"
+
+
+# Any run of this many characters of the key, in any of its forms, is masked: a provider (or
+# a proxy in front of it) that echoes part of a key (its first characters, a "...abcd1234"
+# tail, a value cut short) shows fewer than this of it in a row. OpenAI's own "Incorrect API
+# key provided: sk-proj-****...abcd" keeps four, which stay: they are what its dashboard shows.
+MASK_RUN = 8
+# Credentials in an echoed request header are masked whatever they are (a proxy's own key
+# too): the scheme and the header's name stay, the value goes.
+_CREDENTIAL = re.compile(
+    r"(?i)(\b(?:x-api-key|api[-_]?key|authorization)[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|basic)\s+)?"
+    r"|\b(?:bearer|basic)\s+)"
+    # A credential has a digit or a symbol ("basic authentication failed" keeps its word).
+    r"(?=[A-Za-z]*[0-9._~+/=%-])[A-Za-z0-9._~+/=%-]{4,}"
+)
+# A provider's message is cut to this before masking (a body of megabytes is not scanned);
+# what is shown is cut again to MAX_PROVIDER_MESSAGE.
+MASK_SCAN = 8 * MAX_PROVIDER_MESSAGE
+
+
+def mask_secret(text: str, secret: str | None) -> str:
+    """``text`` with the API key masked as ``***``: the key as is, URL-encoded, JSON-escaped,
+    in hexadecimal and in base64 (standard or URL-safe, at any offset, so inside a Basic
+    credential too), compared without case; any :data:`MASK_RUN` characters in a row of
+    those forms; and the value of any Bearer or Basic credential or key header. A key
+    shorter than four characters is no key worth masking (and would mask common text)."""
+    if secret and len(secret) >= 4:
+        forms = _secret_forms(secret)
+        covered = bytearray(len(text))
+        lowered = text.lower()
+        for form in forms:
+            start = lowered.find(form)
+            while start != -1:
+                covered[start : start + len(form)] = b"\1" * len(form)
+                start = lowered.find(form, start + 1)
+        runs = {form[i : i + MASK_RUN] for form in forms for i in range(len(form) - MASK_RUN + 1)}
+        for i in range(len(text) - MASK_RUN + 1):
+            if lowered[i : i + MASK_RUN] in runs:
+                covered[i : i + MASK_RUN] = b"\1" * MASK_RUN
+        text = _masked(text, covered)
+    return _CREDENTIAL.sub(lambda match: f"{match.group(1)}***", text)
+
+
+def _secret_forms(secret: str) -> set[str]:
+    raw = secret.encode("utf-8")
+    forms = {
+        secret,
+        quote(secret, safe=""),
+        quote_plus(secret),
+        json.dumps(secret)[1:-1],
+        raw.hex(),
+    }
+    for shift in range(3):
+        # The characters of base64 that depend on the key's bytes alone, however many bytes
+        # come before it (an offset of 0, 1 or 2 modulo 3) and whatever follows.
+        padded = bytes(shift) + raw
+        first, end = -(-8 * shift // 6), 8 * len(padded) // 6
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            forms.add(encode(padded).decode("ascii")[first:end])
+    return {form.lower() for form in forms if len(form) >= 4}
+
+
+def _masked(text: str, covered: bytearray) -> str:
+    out: list[str] = []
+    index = 0
+    while index < len(text):
+        if covered[index]:
+            while index < len(text) and covered[index]:
+                index += 1
+            out.append("***")
+        else:
+            out.append(text[index])
+            index += 1
+    return "".join(out)
 
 
 def error_detail(body: object) -> str | None:
