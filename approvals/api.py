@@ -24,7 +24,7 @@ from .serializers import (
     ApprovalSerializer,
     DecideSerializer,
 )
-from .services import NotApprover, approval_decide, approver_for
+from .services import approval_decide, approver_for, not_theirs
 from .status import DecisionChoice
 from .views import origin_of
 
@@ -55,12 +55,13 @@ def _approval_id(raw: str) -> uuid.UUID:
 
 
 def _readable(raw: str, user: Any) -> ApprovalRequest:
-    """The approval, for one of its approvers; 404 when unknown, 403 for anyone else."""
+    """The approval, for one of its approvers; 404 when unknown and for anyone who may not
+    read its run either, 403 for one who may (``services.not_theirs``)."""
     approval = _with_rows(ApprovalRequest.objects.filter(id=_approval_id(raw))).first()
     if approval is None:
         raise NotFound(errors=[FieldError("id", f"no approval {echo(raw)}")])
     if approver_for(approval, user) is None:
-        raise NotApprover(errors=[FieldError(None, "you are not among this approval's approvers")])
+        raise not_theirs(approval, user)
     return approval
 
 

@@ -20,6 +20,7 @@ from runs.engine.advance import advance_locked, lock_run
 from runs.models import StepRun
 from runs.moves import move_steps
 from runs.status import StepStatus
+from workflows import access
 from workflows.errors import Conflict, FieldError, Forbidden, InvalidInput, NotFound
 
 from .models import COMMENT_MAX, ApprovalRequest, Approver, Decision, Notification
@@ -69,6 +70,20 @@ def check_decision(decision: Any, comment: Any) -> tuple[str, str]:
     return decision, comment
 
 
+def not_theirs(request: ApprovalRequest, user: Any) -> NotFound | NotApprover:
+    """What a signed-in user who is no approver of ``request`` is told (CONTRACT section 8):
+    403 when they may read its run, where the approval shows anyway (seeing but not
+    acting); otherwise the 404 of an approval that does not exist, so ids do not leak."""
+    run = request.run
+    if access.may_view_run(user, run.workflow_id, run.created_by_id):
+        return NotApprover(errors=[FieldError(None, "you are not among this approval's approvers")])
+    return unknown(request.id)
+
+
+def unknown(request_id: Any) -> NotFound:
+    return NotFound(errors=[FieldError("id", f"no approval {request_id}")])
+
+
 def approver_for(request: ApprovalRequest, user: Any) -> Approver | None:
     """The approver row a signed-in user acts as: theirs, or a plain e-mail approver with
     their address."""
@@ -98,7 +113,7 @@ def approval_decide(
     found = ApprovalRequest.objects.filter(id=request_id).values_list("run_id", flat=True)
     run_id = found.first()
     if run_id is None:
-        raise NotFound(errors=[FieldError("id", f"no approval {request_id}")])
+        raise unknown(request_id)
     now = timezone.now()
     with transaction.atomic():
         run = lock_run(run_id)
@@ -109,7 +124,10 @@ def approval_decide(
                 approver = None
         else:
             approver = approver_for(request, user)
+            if approver is None:
+                raise not_theirs(request, user)
         if approver is None:
+            # A link's token was checked: its holder knows the request exists.
             raise NotApprover(
                 errors=[FieldError(None, "you are not among this approval's approvers")]
             )

@@ -26,7 +26,7 @@ from workflows.errors import Conflict, EngineError, InvalidInput, NotFound
 
 from . import pages, selectors
 from .models import COMMENT_MAX, ApprovalRequest, Approver, Decision, Notification
-from .services import Origin, approval_decide, approver_for, notification_read
+from .services import Origin, approval_decide, approver_for, not_theirs, notification_read
 from .tokens import LinkProblem, read_token
 
 
@@ -120,19 +120,15 @@ def inbox(request: HttpRequest) -> HttpResponse:
 @login_required
 @require_http_methods(["GET", "HEAD"])
 def detail(request: HttpRequest, approval_id: uuid.UUID) -> HttpResponse:
-    approval = ApprovalRequest.objects.filter(id=approval_id).first()
+    approval = ApprovalRequest.objects.filter(id=approval_id).select_related("run").first()
     if approval is None:
         return pages.problem(
             request, 404, "No such approval", f"There is no approval {approval_id}."
         )
     approver = approver_for(approval, request.user)
     if approver is None:
-        return pages.problem(
-            request,
-            403,
-            "You are not an approver of this request",
-            "Only the people it was sent to can see and decide it.",
-        )
+        # 404 as for an unknown id, unless they may read its run (403: CONTRACT section 8).
+        return pages.service_problem(request, not_theirs(approval, request.user))
     return _decide_page(request, "approvals/detail.html", approver, approval.id)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -161,17 +162,36 @@ def test_unknown_or_malformed_id_is_404(bob, raw) -> None:
         assert errors(response)[0]["message"]
 
 
-def test_not_an_approver_is_403_and_changes_nothing(bob) -> None:
+def test_not_an_approver_is_404_as_for_an_unknown_id_and_changes_nothing(bob) -> None:
+    """CONTRACT section 8: one who may not see it must not learn it exists (issue 36)."""
     _, request = start_approval(users=["bob"])
     eve = api_for(make_user("eve"))
-    assert eve.get(f"/api/v1/approvals/{request.id}").status_code == 403
-    response = eve.post(f"/api/v1/approvals/{request.id}/approve", {}, format="json")
-    assert response.status_code == 403
-    assert "not among" in errors(response)[0]["message"]
+    unknown = uuid.uuid4()
+    for path in (f"/api/v1/approvals/{request.id}", f"/api/v1/approvals/{unknown}"):
+        answer = eve.get(path)
+        assert answer.status_code == 404
+        assert errors(answer)[0]["field"] == "id"
+    for verb in ("approve", "reject"):
+        response = eve.post(f"/api/v1/approvals/{request.id}/{verb}", {}, format="json")
+        assert response.status_code == 404
+        assert errors(response) == [{"field": "id", "message": f"no approval {request.id}"}]
     request.refresh_from_db()
     assert request.status == "pending"
     assert not Decision.objects.exists()
     assert eve.get("/api/v1/approvals").json()["results"] == []
+
+
+def test_a_reader_of_the_run_who_is_no_approver_is_403(bob) -> None:
+    """Seeing but not acting: the run's steps show the approval to its readers anyway."""
+    _, request = start_approval(users=["bob"])
+    viewer = make_user("vic")
+    viewer.user_permissions.add(Permission.objects.get(codename="view_run"))
+    vic = api_for(viewer)
+    assert vic.get(f"/api/v1/approvals/{request.id}").status_code == 403
+    response = vic.post(f"/api/v1/approvals/{request.id}/approve", {}, format="json")
+    assert response.status_code == 403
+    assert "not among" in errors(response)[0]["message"]
+    assert not Decision.objects.exists()
 
 
 def test_closed_and_already_decided_are_409(bob) -> None:

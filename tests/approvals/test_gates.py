@@ -20,7 +20,6 @@ from approvals import gates, outbox
 from approvals.models import ApprovalRequest, Approver, Decision, Mail, Notification
 from approvals.services import (
     AlreadyDecided,
-    NotApprover,
     Origin,
     RequestClosed,
     approval_decide,
@@ -30,6 +29,7 @@ from runs.engine import timers
 from runs.engine.advance import advance_locked, lock_run, run_advance
 from runs.models import AdvanceRequest, Run, StepRun, Timer
 from tests.runs.test_events import fire_now
+from workflows.errors import NotFound
 from workflows.services import definition_save
 
 pytestmark = pytest.mark.django_db
@@ -942,7 +942,8 @@ def test_an_approval_inside_a_condition_branch(people) -> None:
 def test_someone_not_among_the_approvers_is_refused(people) -> None:
     save(approval())
     run = start()
-    with pytest.raises(NotApprover):
+    # As for an unknown approval: bob may not read the run either (CONTRACT section 8).
+    with pytest.raises(NotFound):
         decide(request_of(run), "bob")
     assert not Decision.objects.exists() and request_of(run).status == "pending"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.test import Client
 
 from approvals.models import Decision
@@ -127,15 +128,29 @@ def test_unknown_id_is_a_404_page() -> None:
     assert bob.get("/approvals/not-a-uuid/").status_code == 404
 
 
-def test_not_an_approver_is_a_403_page() -> None:
+def test_not_an_approver_gets_the_404_page_of_an_unknown_id() -> None:
+    """CONTRACT section 8 (issue 36): the page must not tell that the approval exists."""
     make_user("bob")
     make_user("eve")
     _, request = start_approval(users=["bob"])
     eve = signed_in("eve")
     page = eve.get(f"/approvals/{request.id}/")
-    assert page.status_code == 403
+    assert page.status_code == 404
+    assert "No such approval" in page.content.decode()
     assert "Pay 120 EUR" not in page.content.decode()  # nothing of the request leaks
-    assert eve.post(f"/approvals/{request.id}/decide/", {"decision": "approved"}).status_code == 403
+    assert eve.post(f"/approvals/{request.id}/decide/", {"decision": "approved"}).status_code == 404
+    assert not Decision.objects.exists()
+
+
+def test_a_reader_of_the_run_who_is_no_approver_gets_a_403_page() -> None:
+    make_user("bob")
+    make_user("vic").user_permissions.add(Permission.objects.get(codename="view_run"))
+    _, request = start_approval(users=["bob"])
+    vic = signed_in("vic")
+    page = vic.get(f"/approvals/{request.id}/")
+    assert page.status_code == 403
+    assert "Pay 120 EUR" not in page.content.decode()
+    assert vic.post(f"/approvals/{request.id}/decide/", {"decision": "approved"}).status_code == 403
     assert not Decision.objects.exists()
 
 
