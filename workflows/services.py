@@ -162,16 +162,42 @@ def reserve_kbs(document: dict[str, Any], user: AbstractBaseUser | None) -> None
     the run's first write, the knowledge base would have no reader (a run is no person), and
     whoever created the name in between (with readers of their own) would get this
     workflow's writes. A name someone else took since :func:`kb_name_errors` asked fails the
-    save, naming the step's field."""
-    if access.trusted(user):
-        return
+    save, naming the step's field.
+
+    Trusted saves reserve too: the deployment's builders, synced at worker start-up and by
+    ``manage.py sync_workflows`` with no user, create their names with no creator (the
+    deployment's, which no person reads or writes without a grant or a global permission),
+    so a user who may add knowledge bases finds them taken. One a person other than a
+    superuser created first is theirs, with their readers: the deployment's save fails
+    naming the step's field rather than send its writes there. A name the deployment only
+    reads (a recipe's ``context.kb``) is not reserved: such a knowledge base is curated by
+    people (in the admin), and the run's pre-flight asks that it exists."""
     for step, where in every_step(document):
         name = _literal_write_kb(step)
         if name is None:
             continue
         kb = knowledge.kb_get_or_create(name=name, user=user)
+        if user is None and _owned_by_a_person(kb):
+            raise InvalidDocument(errors=[_owned_by_another(f"{where}.kb", kb)])
         if not access.may_write_kb(user, kb):
             raise InvalidDocument(errors=[_may_not_write(f"{where}.kb", name)])
+
+
+def _owned_by_a_person(kb: Any) -> bool:
+    """Was ``kb`` created by someone other than the deployment (no creator) or a
+    superuser (who holds every right anyway)?"""
+    creator = kb.created_by
+    return creator is not None and not creator.is_superuser
+
+
+def _owned_by_another(field: str, kb: Any) -> FieldError:
+    return FieldError(
+        field,
+        f"knowledge base '{echo(kb.name)}' was created by user "
+        f"'{echo(kb.created_by.get_username())}' before this workflow reserved it, and its "
+        "readers are theirs: name another knowledge base, or have an operator check that "
+        "one and hand it to the deployment (clear its creator and the object permissions on it)",
+    )
 
 
 def _literal_write_kb(step: Mapping[str, Any]) -> str | None:

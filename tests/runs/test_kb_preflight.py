@@ -42,11 +42,16 @@ def test_an_unknown_knowledge_base_is_a_400_naming_the_field(api: Any) -> None:
     assert not Run.objects.exists()
 
 
-def test_a_later_write_or_one_to_another_base_does_not_count(api: Any) -> None:
-    assert _start(api, ASK, KEEP).status_code == 400
+def test_a_write_to_another_base_does_not_count(api: Any) -> None:
     elsewhere = {**KEEP, "kb": "elsewhere"}
     templated = {**KEEP, "id": "keep2", "kb": "${input.kb}"}
     assert _start(api, elsewhere, templated, ASK).status_code == 400
+
+
+def test_a_later_literal_write_reserved_the_name_at_save(api: Any) -> None:
+    """Every save that names a knowledge base in a write_kb makes it, the deployment's
+    included (issue 36): it exists, empty, before the first run starts."""
+    assert _start(api, ASK, KEEP).status_code == 201
 
 
 @pytest.mark.parametrize(
