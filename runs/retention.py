@@ -24,6 +24,12 @@ What is deleted, and why it is safe:
 - An event the deleted runs took is deleted when no other step run took it and no run still
   going could take it (it arrived before every live run started).
 
+- Each tree on its own when a batch fails: should deleting a batch raise (a tree whose rows
+  an app's purge cannot take, a constraint), its savepoint is rolled back and its trees are
+  deleted one by one, each in a savepoint of its own; a tree that fails again is logged,
+  counted and marked on its root (``runs.engine.isolation``) and left out of the candidates
+  for its back-off, so one tree never stops retention for the rest.
+
 A dry run does the same work in a transaction it rolls back, so its counts are exactly what
 the deletion would be.
 """
@@ -36,6 +42,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -43,10 +50,14 @@ from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from .engine import hooks
+from .engine.isolation import guarded, in_backoff
 from .models import Content, Event, ModelCall, Run, StepRun, ToolCall
 from .status import RUN_TERMINAL, RunStatus
 
 logger = logging.getLogger(__name__)
+
+# Retention's failures on a tree, as counted and marked on its root (isolation.py).
+RETENTION = "retention"
 
 # The most runs one transaction deletes (whole trees: one bigger tree is deleted alone).
 MAX_RUNS_PER_BATCH = 2000
@@ -122,7 +133,7 @@ def _candidates(
         status=status,
         parent_run__isnull=True,
         created_at__lt=cut,
-    )
+    ).exclude(in_backoff(RETENTION, timezone.now(), run="id"))
     if after is not None:
         runs = runs.filter(Q(created_at__gt=after[0]) | Q(created_at=after[0], id__gt=after[1]))
     return list(runs.order_by("created_at", "id").values_list("created_at", "id")[:batch])
@@ -155,10 +166,11 @@ def _purge_batch(
             .order_by("id")
             .values_list("id", "status")
         )
-        runs: list[Any] = []
+        chosen: list[tuple[Any, list[Any]]] = []
+        runs = 0
         reached = 0
         for root in candidates:
-            if runs and len(runs) + len(trees.get(root, ())) > MAX_RUNS_PER_BATCH:
+            if runs and runs + len(trees.get(root, ())) > MAX_RUNS_PER_BATCH:
                 break
             reached += 1
             tree = trees.get(root)
@@ -168,9 +180,10 @@ def _purge_batch(
                 report.kept_live += 1
                 logger.info("retention: run %s kept: a run of its tree has not ended", root)
                 continue
-            runs.extend(tree)
-        if runs:
-            report.deleted.update(_delete_runs(runs))
+            chosen.append((root, tree))
+            runs += len(tree)
+        if chosen:
+            report.deleted.update(_delete_trees(chosen))
         if dry_run:
             transaction.set_rollback(True)
     return reached
@@ -200,6 +213,20 @@ def _trees(roots: Iterable[Any]) -> dict[Any, list[Any]]:
     for run_id, root in tree_of.items():
         trees.setdefault(root, []).append(run_id)
     return trees
+
+
+def _delete_trees(chosen: list[tuple[Any, list[Any]]]) -> Counter[str]:
+    """Delete these trees (root, runs), all at once; should that fail, one by one, each tree
+    that fails again marked on its root and kept (the module's docstring)."""
+    try:
+        with transaction.atomic():
+            return _delete_runs([run_id for _, tree in chosen for run_id in tree])
+    except Exception:
+        logger.warning("retention: a batch of %d trees failed; one by one", len(chosen))
+    deleted: Counter[str] = Counter()
+    for root, tree in chosen:
+        deleted.update(guarded(RETENTION, root, partial(_delete_runs, tree), failed=Counter()))
+    return deleted
 
 
 def _delete_runs(run_ids: list[Any]) -> Counter[str]:

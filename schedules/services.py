@@ -10,6 +10,7 @@ operator of the workflow; a caller who may not see it gets 404.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
@@ -20,11 +21,13 @@ from typing import Any
 from celery.schedules import crontab
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import transaction
+from django.db import DatabaseError, transaction
+from django.db.models import F
 from django.utils import timezone
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask
 from django_celery_beat.validators import crontab_validator
 
+from runs import metrics as run_metrics
 from runs import services as run_services
 from runs import vault
 from workflows import access, secrets
@@ -37,6 +40,9 @@ from . import clock, selectors
 from .models import Schedule
 
 logger = logging.getLogger(__name__)
+
+# The sweep's failures, as counted (runs.metrics.pass_failed).
+SWEEP = "schedules.sweep"
 
 TASK = "schedules.fire"
 # Beat's clock queue (CELERY_TASK_QUEUES): a fire must not wait behind a backlog of steps.
@@ -397,13 +403,32 @@ def schedules_sweep(*, now: datetime | None = None) -> int:
         .order_by("next_run_at")
         .values_list("pk", flat=True)[: int(settings.DJFLOW["RECONCILE_BATCH"])]
     )
-    fired = 0
-    for schedule_id in ids:
-        if schedule_fire(schedule_id=schedule_id, now=now) is not None:
-            fired += 1
+    fired = sum(_sweep_one(schedule_id, now) for schedule_id in ids)
     if fired:
         logger.warning("schedules: fired %d schedule(s) whose message was lost", fired)
     return fired
+
+
+def _sweep_one(schedule_id: Any, now: datetime) -> int:
+    """One schedule of the sweep, on its own: should firing it raise (anything but the
+    refusals ``schedule_fire`` records itself), the failure is logged, counted
+    (``djflow_pass_failures_total{pass="schedules.sweep"}``) and recorded on the schedule, and
+    the sweep goes on with the others."""
+    try:
+        # A savepoint where the caller holds a transaction; schedule_fire's own otherwise.
+        with transaction.atomic():
+            return int(schedule_fire(schedule_id=schedule_id, now=now) is not None)
+    except Exception as error:
+        logger.exception("schedules: firing schedule %s failed; the sweep goes on", schedule_id)
+        run_metrics.pass_failed(SWEEP)
+        # A database that refuses this too (the connection lost) is in the log already.
+        with contextlib.suppress(DatabaseError):
+            Schedule.objects.filter(pk=schedule_id).update(
+                failures=F("failures") + 1,
+                last_error=f"the sweep: {type(error).__name__}: {error}"[:2000],
+                last_error_at=now,
+            )
+        return 0
 
 
 def catch_up_of(schedule: Schedule) -> str:

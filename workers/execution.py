@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from runs import dispatch, metrics, vault
 from runs import tracing as run_tracing
-from runs.engine import calls, journal, unservable
+from runs.engine import calls, isolation, journal, unservable
 from runs.engine.advance import (
     ADVANCE_ACTIONS,
     BatchFailed,
@@ -451,8 +451,10 @@ class _Batch:
                     dispatch.offer_now(step_run, workflow_id=workflow_id)
                     continue
                 self.chained = _run_chain(self.chain(step_run), shown, (*fired, None))
-            except Exception:
-                logger.exception("advance_runs: run %s failed; the reconciler takes it", run_id)
+            except Exception as error:
+                # Logged, counted and marked (runs.engine.isolation); the reconciler takes
+                # the run after its back-off, and the chunk's other runs go on.
+                isolation.record_failure("workers.advance_runs", run_id, error)
 
 
 def _run_chain(chain: _Chain, shown: Any, held: Held | None) -> int:

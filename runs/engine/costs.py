@@ -35,16 +35,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 from django.db import transaction
 from django.db.models import F, Q, Sum, Value
 from django.db.models.functions import Coalesce, Greatest
+from django.utils import timezone
 
 from ..models import Run, StepRun
 from ..status import StepStatus
+from .isolation import guarded, in_backoff
 from .journal import document_of
+
+# The reconciler's release of reservations, as its failures are named (isolation.py).
+RELEASE = "reconcile.reservations_released"
 
 ZERO = Decimal(0)
 CENT_MILLIONTHS = Decimal("0.000001")
@@ -153,7 +158,13 @@ def release_ended(batch: int) -> int:
     its worker died, so what was reserved is charged, its worst case: a limit is kept, never
     overshot by a retry reserving into room the lost call used. Returns how many attempts it
     settled."""
-    return _settle(StepRun.objects.filter(reserved_usd__gt=0), batch)
+    found = StepRun.objects.filter(reserved_usd__gt=0).exclude(in_backoff(RELEASE, timezone.now()))
+    rows = list(_ended(found)[:batch])
+    # Each attempt on its own: one that fails is logged, counted and marked (isolation.py).
+    return sum(
+        guarded(RELEASE, run_id, partial(_settle_one, step_run_id, run_id, held), failed=0)
+        for step_run_id, run_id, held in rows
+    )
 
 
 def release_expired(step_run_ids: Sequence[int]) -> int:
@@ -164,22 +175,27 @@ def release_expired(step_run_ids: Sequence[int]) -> int:
     return _settle(StepRun.objects.filter(id__in=step_run_ids, reserved_usd__gt=0), None)
 
 
-def _settle(found: Any, batch: int | None) -> int:
-    ended = found.exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED]).values_list(
+def _ended(found: Any) -> Any:
+    return found.exclude(status__in=[StepStatus.RUNNING, StepStatus.SCHEDULED]).values_list(
         "id", "run_id", "reserved_usd"
     )
+
+
+def _settle(found: Any, batch: int | None) -> int:
+    ended = _ended(found)
     rows = list(ended[:batch] if batch is not None else ended)
-    settled = 0
-    for step_run_id, run_id, held in rows:
-        with transaction.atomic():
-            # Conditional on the amount read: a settle that came meanwhile is not charged twice.
-            moved = StepRun.objects.filter(id=step_run_id, reserved_usd=held).update(
-                reserved_usd=ZERO, cost_usd=F("cost_usd") + held
-            )
-            if moved:
-                Run.objects.filter(id=run_id).update(cost_usd=F("cost_usd") + held)
-        settled += moved
-    return settled
+    return sum(_settle_one(step_run_id, run_id, held) for step_run_id, run_id, held in rows)
+
+
+def _settle_one(step_run_id: int, run_id: Any, held: Decimal) -> int:
+    with transaction.atomic():
+        # Conditional on the amount read: a settle that came meanwhile is not charged twice.
+        moved = StepRun.objects.filter(id=step_run_id, reserved_usd=held).update(
+            reserved_usd=ZERO, cost_usd=F("cost_usd") + held
+        )
+        if moved:
+            Run.objects.filter(id=run_id).update(cost_usd=F("cost_usd") + held)
+    return moved
 
 
 def _locked(run_id: Any) -> Run | None:

@@ -10,18 +10,24 @@ it has just opened.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
+from django.utils import timezone
 
 from ..models import Event, EventScope, StepRun
 from ..status import StepStatus
 from .advance import advance_locked, lock_run
 from .events import lock_key, take_event
+from .isolation import guarded, in_backoff
 from .plan import wait_key
 
 logger = logging.getLogger(__name__)
+
+# The reconciler's net, as its failures are named (isolation.py).
+MISSED_EVENTS = "reconcile.missed_events"
 
 
 def resume_wait(wait_id: int, run_id: Any) -> bool:
@@ -92,13 +98,15 @@ def match_missed(batch: int) -> int:
     )
     missed = (
         StepRun.objects.filter(status=StepStatus.WAITING, kind="wait_event")
+        .exclude(in_backoff(MISSED_EVENTS, timezone.now()))
         .filter(Exists(takeable))
         .order_by("id")
         .values_list("id", "run_id")[:batch]
     )
     resumed = 0
     for wait_id, run_id in list(missed):
-        if resume_wait(wait_id, run_id):
+        # One run's failure is logged, counted and marked; the other waits go on.
+        if guarded(MISSED_EVENTS, run_id, partial(resume_wait, wait_id, run_id), failed=False):
             logger.warning("reconcile: wait %s took an event it had missed", wait_id)
             resumed += 1
     return resumed

@@ -20,6 +20,11 @@ worker or a crash left behind, and put it right. Bounded work per tick.
 - cost reserved for a model call by an attempt that ended without settling it (its worker
   was lost mid-call) is charged, its worst case (``costs.py``).
 
+Each run is on its own (``isolation.py``): a part that fails on one run logs it, counts it,
+marks the run and goes on with the others, and leaves that run out of its candidates for a
+back-off; a part that fails as a whole is logged and counted, and the parts after it still
+run. One poison run cannot skip the repairs of everyone else.
+
 A tick has a time budget (half of ``RECONCILE_SECONDS``): the runs it advances get one
 bounded round each (``advance.ADVANCE_ACTIONS``; a run with more asks a worker for the rest),
 and once the budget is spent the runs left are handed to workers as advance messages and the
@@ -42,7 +47,7 @@ from functools import partial
 from uuid import UUID
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
@@ -54,6 +59,7 @@ from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
 from . import costs, delivery, hooks, slots, unservable
 from .advance import run_advance
+from .isolation import guarded, in_backoff
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +67,10 @@ logger = logging.getLogger(__name__)
 _NO_END = float("inf")
 # Any constant shared by every reconciler of one database.
 _LOCK_ID = 0x646A666C6F77  # "djflow"
+# The passes' names (RunFault.pass_name, the failures metric's label). The three parts that
+# advance runs share one: a run whose plan fails in one fails in the others.
+ADVANCE = "reconcile.advance"
+REOFFER = "reconcile.reoffer"
 
 
 def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
@@ -98,8 +108,14 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             if time.monotonic() >= until:
                 logger.warning("reconcile: out of time; %s and after wait a tick", name)
                 break
-            counts[name] = part()
+            counts[name] = _part(name, part)
         return counts
+
+
+def _part(name: str, part: Callable[[], int]) -> int:
+    """One part; should it fail as a whole (its own query, not one run's work, which each
+    part isolates), logged and counted, and the parts after it still run."""
+    return guarded(f"reconcile.{name}", None, part, failed=0)
 
 
 @contextlib.contextmanager
@@ -130,19 +146,25 @@ def reoffer_lost(now: datetime, batch: int) -> int:
             Q(scheduled_at__lte=lost)
             | Q(refusals__gte=tunables["MAX_QUICK_REFUSALS"], scheduled_at__lte=refused)
         )
+        .exclude(in_backoff(REOFFER, now))
         .select_related("run")
         .order_by("scheduled_at")[:batch]
     )
     offered = 0
     for row in rows:
-        with transaction.atomic():
-            unchanged = StepRun.objects.filter(
-                id=row.id, status=StepStatus.SCHEDULED, scheduled_at=row.scheduled_at
-            )
-            if unchanged.update(scheduled_at=now):
-                dispatch.offer_on_commit(row, workflow_id=row.run.workflow_id)
-                offered += 1
+        offered += guarded(REOFFER, row.run_id, partial(_reoffer, row, now), failed=0)
     return offered
+
+
+def _reoffer(row: StepRun, now: datetime) -> int:
+    with transaction.atomic():
+        unchanged = StepRun.objects.filter(
+            id=row.id, status=StepStatus.SCHEDULED, scheduled_at=row.scheduled_at
+        )
+        if unchanged.update(scheduled_at=now):
+            dispatch.offer_on_commit(row, workflow_id=row.run.workflow_id)
+            return 1
+    return 0
 
 
 def advance_lost_workers(now: datetime, batch: int, *, until: float = _NO_END) -> int:
@@ -150,6 +172,7 @@ def advance_lost_workers(now: datetime, batch: int, *, until: float = _NO_END) -
     attempt's deadline plus grace, so this also catches a body past its deadline)."""
     run_ids = list(
         StepRun.objects.filter(status=StepStatus.RUNNING, lease_expires_at__lte=now)
+        .exclude(in_backoff(ADVANCE, now))
         .order_by("lease_expires_at")
         .values_list("run_id", flat=True)[:batch]
     )
@@ -206,6 +229,7 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
         # A run waiting for a concurrency slot is quiet on purpose (admit_waiting's).
         .filter(Q(concurrency_key__isnull=True) | Q(admitted_at__isnull=False))
         .filter(fired_lately=False)
+        .exclude(in_backoff(ADVANCE, now, run="id"))
         .order_by("updated_at")
         .values_list("id", "updated_at")[:batch]
     )
@@ -223,6 +247,7 @@ def advance_requested(now: datetime, batch: int, *, until: float = _NO_END) -> i
     quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
     stale = (
         AdvanceRequest.objects.filter(requested_at__lte=quiet)
+        .exclude(in_backoff(ADVANCE, now))
         .order_by("requested_at")
         .values_list("run_id", flat=True)[:batch]
     )
@@ -240,14 +265,15 @@ def _advance_each(run_ids: dict[UUID, None], until: float = _NO_END) -> int:
             # next tick finds those runs again).
             dispatch.advance_many(pending[index:])
             return advanced + len(pending) - index
-        try:
-            # One bounded round; a run with more to plan asks a worker for the rest.
-            run_advance(run_id=run_id, seconds=0)
-            advanced += 1
-        except DatabaseError:
-            # Log and go on: the next tick tries again (a scheduler must not die on a blip).
-            logger.exception("reconcile: advancing run %s failed", run_id)
+        # One bounded round; a run with more to plan asks a worker for the rest. A failure
+        # is logged, counted and marked, and the next run goes on (isolation.py).
+        advanced += guarded(ADVANCE, run_id, partial(_advance_one, run_id), failed=0)
     return advanced
+
+
+def _advance_one(run_id: UUID) -> int:
+    run_advance(run_id=run_id, seconds=0)
+    return 1
 
 
 def prune_timers(now: datetime, batch: int) -> int:

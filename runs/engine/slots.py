@@ -33,6 +33,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import connection, transaction
@@ -45,6 +46,7 @@ from .. import dispatch
 from ..models import RUN_NOT_ENDED, ConcurrencyGate, Run
 from ..status import RunStatus
 from . import journal
+from .isolation import guarded
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ KEY_MAX = 255
 # At most this many runs admitted by one call (one end, one start): should more slots be
 # free at once, the reconciler's passes admit the rest.
 ADMIT_BATCH = 100
+# The reconciler's admissions as its failures are counted (isolation.py), per key.
+ADMIT = "reconcile.admitted"
+_NONE_ADMITTED: list[Run] = []
 
 
 @dataclass(frozen=True)
@@ -218,13 +223,22 @@ def admit_waiting(now: datetime | None = None, batch: int = 100) -> int:
         for workflow_id, key in keys:
             if admitted >= batch:
                 break
-            with transaction.atomic():
-                taken = admit_and_advance(workflow_id, key, now=now, most=1)
+            # A key whose admission fails (its waiting run's document unreadable, say) is
+            # logged and counted, and the other keys take their turns (isolation.py); its
+            # turn moved to now above, so it is visited last in the next pass.
+            taken = guarded(
+                ADMIT, None, partial(_admit_one, workflow_id, key, now), failed=_NONE_ADMITTED
+            )
             if taken:
                 admitted += 1
                 served.append((workflow_id, key))
         keys = served
     return admitted
+
+
+def _admit_one(workflow_id: str, key: str, now: datetime) -> list[Run]:
+    with transaction.atomic():
+        return admit_and_advance(workflow_id, key, now=now, most=1)
 
 
 def waiting_reason(run: Run) -> str | None:

@@ -25,6 +25,12 @@ doubled, the tick still fires every timer, and the claim fires each once.
 The tick has a time budget (``TIMER_TICK_SECONDS``): it stops claiming once it is spent, and
 what it advances itself is one bounded round per run (``advance.ADVANCE_ACTIONS``), only while
 the budget lasts; the rest goes to workers. One huge run cannot hold everyone's timers.
+
+Each run on its own (``isolation.py``): a fired run whose advance raises, a timer whose app
+hook raises, an attempt whose wait cannot be ended, is logged with its run's id, counted and
+marked, and the tick goes on with the others. The tick needs no back-off of its own: a timer
+fires once (the reconciler, which backs off, finds a run left behind), and a lapsed lease is
+looked at for ``LEASE_LAPSE_WINDOW`` only.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from .. import dispatch
@@ -43,9 +50,14 @@ from ..models import StepRun, Timer, TimerPurpose
 from ..status import StepStatus
 from . import hooks
 from .advance import run_advance
+from .isolation import guarded
 from .unservable import unservable_expire
 
 logger = logging.getLogger(__name__)
+
+# The tick's passes, as their failures are counted and marked (isolation.py).
+ADVANCE = "timers.advance"
+HOOK = "timers.hook"
 
 # The due ids as an array the update matches (= ANY), not a CTE it joins: a timers table
 # mostly empty between bursts leaves statistics that estimate one due row, and Postgres then
@@ -193,10 +205,10 @@ def _runs_to_advance(claimed: list[tuple[Any, str, int | None]]) -> list[Any]:
 
 def _fire_hooks(claimed: list[tuple[Any, str, int | None]]) -> None:
     """Timers of an app's own purpose (an approval's reminder) do what it registered."""
-    for _, purpose, step_run_id in claimed:
+    for run_id, purpose, step_run_id in claimed:
         fire = hooks.timer_handler(purpose)
         if fire is not None and step_run_id is not None:
-            fire(step_run_id)
+            guarded(HOOK, run_id, partial(fire, step_run_id), failed=None)
 
 
 def _end_waits(step_run_ids: list[int | None]) -> None:
@@ -216,12 +228,10 @@ def _advance(run_ids: list[Any], until: float) -> None:
             # The tick's time is spent: workers advance the rest.
             _to_workers(run_ids[index:])
             return
-        try:
-            # One bounded round; a run with more to plan asks a worker for the rest.
-            run_advance(run_id=run_id, seconds=0)
-        except DatabaseError:
-            # The timer is fired; the reconciler advances a run left behind.
-            logger.exception("timers: advancing run %s failed", run_id)
+        # One bounded round; a run with more to plan asks a worker for the rest. Should it
+        # fail, the timer is fired all the same: logged, counted and marked (isolation.py),
+        # the reconciler advances the run once its back-off is over.
+        guarded(ADVANCE, run_id, partial(run_advance, run_id=run_id, seconds=0), failed=None)
 
 
 def _to_workers(run_ids: list[Any]) -> None:

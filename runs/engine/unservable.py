@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
@@ -52,10 +53,14 @@ from ..moves import move_steps
 from ..status import StepStatus
 from . import journal
 from .advance import run_advance
+from .isolation import guarded, in_backoff
 
 logger = logging.getLogger(__name__)
 
 UNSERVABLE = "unservable"
+# The passes' names, as their failures are counted and marked (isolation.py).
+ARM = "reconcile.unservable"
+EXPIRE = "unservable.expire"
 
 
 @transaction.atomic
@@ -100,13 +105,13 @@ def unservable_expire(*, step_run_ids: list[int]) -> int:
     """End the waits whose timer fired (the timer tick); returns how many attempts failed.
     A database error on one is logged: its timer is fired, and the reconciler ends the wait
     later (``expire_overdue``)."""
-    failed = 0
-    for step_run_id in step_run_ids:
-        try:
-            failed += _expire_one(step_run_id)
-        except DatabaseError:
-            logger.exception("unservable: ending the wait of attempt %s failed", step_run_id)
-    return failed
+    # Each attempt on its own: a failure is logged, counted and marked on its run, and the
+    # reconciler ends that wait later (``expire_overdue``), after the run's back-off.
+    run_of = dict(StepRun.objects.filter(id__in=step_run_ids).values_list("id", "run_id"))
+    return sum(
+        guarded(EXPIRE, run_of.get(step_run_id), partial(_expire_one, step_run_id), failed=0)
+        for step_run_id in step_run_ids
+    )
 
 
 def _expire_one(step_run_id: int) -> bool:
@@ -164,6 +169,7 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
             scheduled_at__lte=lost,
             waiting_since__isnull=True,
         )
+        .exclude(in_backoff(ARM, now))
         .select_related("run")
         .order_by("scheduled_at")[:batch]
     )
@@ -174,13 +180,19 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
     live = heartbeats.workers_live(now=now)
     started = 0
     for row in rows:
-        handler = handler_of(row.run.workflow_id, row.run.version_id, row.step_id)
-        if any(heartbeats.serves(worker, handler, row.queue) for worker in live):
-            continue
-        started += unservable_arm(
-            step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
-        )
+        # One attempt's failure (its version's document unreadable, say) is logged, counted
+        # and marked, and the others go on (isolation.py).
+        started += guarded(ARM, row.run_id, partial(_arm_one, row, live, now), failed=0)
     return started
+
+
+def _arm_one(row: StepRun, live: Any, now: datetime) -> int:
+    handler = handler_of(row.run.workflow_id, row.run.version_id, row.step_id)
+    if any(heartbeats.serves(worker, handler, row.queue) for worker in live):
+        return 0
+    return unservable_arm(
+        step_run_id=row.id, run_id=row.run_id, handler=handler, queue=row.queue, now=now
+    )
 
 
 def expire_overdue(now: datetime, batch: int) -> int:
@@ -194,6 +206,7 @@ def expire_overdue(now: datetime, batch: int) -> int:
     overdue = list(
         StepRun.objects.filter(status=StepStatus.SCHEDULED, waiting_since__lte=now - window)
         .exclude(Exists(pending_timer))
+        .exclude(in_backoff(EXPIRE, now))
         .order_by("waiting_since")
         .values_list("id", flat=True)[:batch]
     )
