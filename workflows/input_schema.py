@@ -5,6 +5,11 @@ Two bounds on what a schema may make the server do:
 * Its ``pattern``s and ``patternProperties`` run on RE2 (``workflows.regex``), in time linear
   in the input, wherever jsonschema would match them (``additionalProperties`` and
   ``unevaluatedProperties`` too); a pattern RE2 cannot compile is refused at save.
+* Its ``format: "regex"`` values are judged by RE2 too (:data:`FORMAT_CHECKER`), in every
+  validator here: run inputs (``POST /runs``, a subworkflow's start, a schedule), a recipe's
+  ``output_schema`` against a model's reply, and the schemas themselves at save. jsonschema's
+  own checker compiles them with Python's ``re``: about 6 ms for one case-insensitive class,
+  a RecursionError for deep nesting. A value RE2 refuses is invalid, with RE2's reason.
 * Its ``$ref``s are local (``#...``). At save any other ``$ref`` is refused; at validation the
   registry retrieves nothing, so even a document stored before that rule cannot make the
   server fetch a URL: such a reference is unresolvable, never fetched.
@@ -19,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jsonschema import Draft202012Validator, FormatChecker, validators
-from jsonschema.exceptions import SchemaError, ValidationError
+from jsonschema.exceptions import FormatError, SchemaError, ValidationError
 from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource, Unresolvable
 
@@ -27,6 +32,7 @@ from .regex import compile_linear, linear_pattern_error
 from .templates import join_location
 
 __all__ = [
+    "FORMAT_CHECKER",
     "input_validator",
     "remote_refs",
     "schema_errors",
@@ -170,6 +176,97 @@ def _evaluated_keys(validator: Any, instance: Any, schema: Any) -> list[str]:
     return found
 
 
+class NotLinearRegex(ValueError):
+    """A ``format: "regex"`` value RE2 cannot compile; its message says why."""
+
+
+def _is_linear_regex(instance: object) -> bool:
+    if isinstance(instance, str):
+        reason = linear_pattern_error(instance)
+        if reason is not None:
+            raise NotLinearRegex(reason)
+    return True
+
+
+def _linear_format_checker() -> FormatChecker:
+    checker = FormatChecker()
+    checker.checkers = dict(Draft202012Validator.FORMAT_CHECKER.checkers)
+    checker.checkers["regex"] = (_is_linear_regex, (NotLinearRegex,))
+    return checker
+
+
+# jsonschema's formats with ``regex`` judged by RE2 (``workflows.regex``): the only format
+# checker of the project. Every other format it checks costs time linear in the value.
+FORMAT_CHECKER = _linear_format_checker()
+
+
+def schema_format_checker() -> FormatChecker:
+    """The format checker for ``check_schema``: ``format: regex`` (every ``pattern`` and
+    ``patternProperties`` key) means a pattern RE2 can compile."""
+    return FORMAT_CHECKER
+
+
+# What one validation (an input, a model's reply) judges of ``format: "regex"`` values: at
+# most this many values, of at most this many characters in all. RE2 takes 7 to 35 us a
+# value, most of it fixed cost, and up to 3 us a character of wide case-insensitive classes
+# (measured here, under load): a 1 MiB body holds 100,000 short values (2.8 s of a web worker
+# with no bound) or one 1 MiB pattern (about a second). Past either, a value is refused
+# unjudged, naming its field.
+MAX_REGEX_VALUES = 1000
+MAX_REGEX_CHARS = 65_536
+
+
+class _Budgeted(FormatChecker):
+    """:data:`FORMAT_CHECKER` with what it may still judge of regex values: one per
+    validator, so a validation compiles at most :data:`MAX_REGEX_VALUES` values of
+    :data:`MAX_REGEX_CHARS` characters in all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkers = FORMAT_CHECKER.checkers
+        self.values_left = MAX_REGEX_VALUES
+        self.chars_left = MAX_REGEX_CHARS
+
+
+def _regex_problem(checker: Any, pattern: str) -> str | None:
+    if isinstance(checker, _Budgeted):
+        if checker.values_left <= 0 or len(pattern) > checker.chars_left:
+            return (
+                f"a value is checked for at most {MAX_REGEX_VALUES} regular expressions "
+                f"(format: regex) of {MAX_REGEX_CHARS} characters in all, and this one is "
+                "past that"
+            )
+        checker.values_left -= 1
+        checker.chars_left -= len(pattern)
+    return linear_pattern_error(pattern)
+
+
+def _format(
+    validator: Any, format: Any, instance: Any, schema: dict[str, Any]
+) -> Iterator[ValidationError]:
+    """jsonschema's ``format``, with a message that quotes at most 80 characters of the value
+    and says why: its own repeats the whole value (a 1 MiB one, several times escaped).
+    ``regex`` is judged here, raising nothing: 100,000 refusals through jsonschema's
+    exceptions (each a FormatError holding a traceback) took 18 s."""
+    checker = validator.format_checker
+    if checker is None:
+        return
+    if format == "regex":
+        reason = _regex_problem(checker, instance) if isinstance(instance, str) else None
+        if reason is not None:
+            yield ValidationError(f"{_shown(instance)} is not a 'regex': {reason}")
+        return
+    try:
+        checker.check(instance, format)
+    except FormatError:
+        yield ValidationError(f"{_shown(instance)} is not a {format!r}")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 _LinearValidator = validators.extend(
     Draft202012Validator,
     {
@@ -177,28 +274,15 @@ _LinearValidator = validators.extend(
         "patternProperties": _pattern_properties,
         "additionalProperties": _additional_properties,
         "unevaluatedProperties": _unevaluated_properties,
+        "format": _format,
     },
 )
 
 
-def _is_linear_regex(instance: object) -> bool:
-    return not isinstance(instance, str) or linear_pattern_error(instance) is None
-
-
-def schema_format_checker() -> FormatChecker:
-    """The format checker for ``check_schema``: ``format: regex`` (every ``pattern`` and
-    ``patternProperties`` key) means a pattern RE2 can compile."""
-    checker = FormatChecker()
-    checker.checkers = dict(Draft202012Validator.FORMAT_CHECKER.checkers)
-    checker.checkers["regex"] = (_is_linear_regex, ())
-    return checker
-
-
 def input_validator(schema: Any) -> Any:
-    """A Draft 2020-12 validator for ``schema`` with RE2 patterns and local references only."""
-    return _LinearValidator(
-        schema, registry=_LOCAL_ONLY, format_checker=Draft202012Validator.FORMAT_CHECKER
-    )
+    """A Draft 2020-12 validator for ``schema`` with RE2 patterns and ``format: regex``, and
+    local references only."""
+    return _LinearValidator(schema, registry=_LOCAL_ONLY, format_checker=_Budgeted())
 
 
 def remote_refs(schema: Any, where: list[str | int]) -> Iterator[tuple[list[str | int], str]]:
@@ -344,9 +428,7 @@ def write_only_values(schema: Any, instance: Any) -> list[tuple[list[str | int],
     """
     if not _mentions_write_only(schema):
         return []
-    finder = _SecretFinder(
-        schema, registry=_LOCAL_ONLY, format_checker=Draft202012Validator.FORMAT_CHECKER
-    )
+    finder = _SecretFinder(schema, registry=_LOCAL_ONLY, format_checker=_Budgeted())
     found: dict[tuple[str | int, ...], Any] = {}
     for error in finder.iter_errors(instance):
         if error.validator == _WRITE_ONLY:

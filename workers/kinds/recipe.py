@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from decimal import Decimal
 from functools import partial
+from itertools import islice
 from typing import Any
 
 from django.conf import settings
@@ -462,7 +463,10 @@ def _parse(text: str, schema: Any) -> tuple[Any, str | None]:
         return None, f"it is not JSON ({error})"
     if schema is None:
         return value, None
-    found = sorted(input_validator(schema).iter_errors(value), key=lambda e: list(e.path))
+    # Only the first problem is reported: looking for more than a few is work for nothing.
+    found = sorted(
+        islice(input_validator(schema).iter_errors(value), 10), key=lambda e: list(e.path)
+    )
     if not found:
         return value, None
     first = found[0]
