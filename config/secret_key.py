@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import time
 from pathlib import Path
 
@@ -79,15 +80,48 @@ def _write_exclusive(path: Path, key: str) -> None:
 
 
 def _read(path: Path) -> str:
+    """The key in ``path``, which must be a regular file (not a link: a link planted in a
+    shared var folder would make any file the key), owned by this user and closed to group
+    and others (a key others can read signs for them). Refused by name otherwise."""
     deadline = time.monotonic() + _WAIT_SECONDS
     while True:
-        key = path.read_text().strip()
-        if len(key) >= _MIN_LENGTH:
+        key = _read_own(path).strip()
+        if _usable(key):
             return key
         if time.monotonic() >= deadline:
             raise SecretKeyFileError(
-                f"{path} holds no usable SECRET_KEY (fewer than {_MIN_LENGTH} characters): "
-                "delete it to have a new one generated (sessions and approval links signed "
-                "with the old one stop working), or set SECRET_KEY"
+                f"{path} holds no usable SECRET_KEY (fewer than {_MIN_LENGTH} characters, "
+                "fewer than 5 distinct, or starting with 'django-insecure-'): delete it to "
+                "have a new one generated (sessions and approval links signed with the old "
+                "one stop working), or set SECRET_KEY"
             )
         time.sleep(0.05)
+
+
+def _read_own(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise SecretKeyFileError(f"{path} is a symbolic link; the key must be a file") from None
+        raise
+    with os.fdopen(fd) as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SecretKeyFileError(f"{path} is not a regular file")
+        if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            raise SecretKeyFileError(
+                f"{path} is owned by another user (uid {info.st_uid}): a key someone else "
+                "wrote is not this installation's; delete it, or set SECRET_KEY"
+            )
+        if info.st_mode & 0o077:
+            raise SecretKeyFileError(
+                f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):04o}): "
+                f"run chmod 600 {path}, or delete it to have a new key generated"
+            )
+        return file.read()
+
+
+def _usable(key: str) -> bool:
+    """What the settings ask of any key (Django's check --deploy, security.W009)."""
+    return len(key) >= _MIN_LENGTH and len(set(key)) >= 5 and not key.startswith("django-insecure-")

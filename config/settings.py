@@ -25,8 +25,9 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 
 env = environ.Env()
 VAR_DIR = Path(env("DJFLOW_VAR_DIR", default=str(BASE_DIR / "var")))
-# The embedded default keeps its database, broker and mail under var/; make sure it exists.
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+# The embedded default keeps its database, broker and mail under var/; make sure it exists,
+# open to this user only when it makes it (its database holds sessions and API tokens).
+VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 # Metrics (prometheus-client's multiprocess mode, config.metrics_files): every process of
 # this host writes its values under DJFLOW_METRICS_DIR/<host name>/, and GET /metrics adds up
@@ -46,15 +47,28 @@ EMBEDDED = env("DATABASE_URL", default="sqlite:").startswith("sqlite:") and env(
     "CELERY_BROKER_URL", default="filesystem://"
 ).startswith("filesystem://")
 SECRET_KEY = env("SECRET_KEY", default="")
+
+
+def _embedded_key_path() -> Path:
+    """Where the embedded default keeps its key: beside its SQLite database, so that the key
+    goes wherever the data goes (a database on a volume and var/ in a container's layer
+    would otherwise get a new key with each new container); in VAR_DIR for an in-memory one."""
+    name = env.db_url("DATABASE_URL", default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}")["NAME"]
+    if not name or name == ":memory:" or str(name).startswith("file:"):
+        return VAR_DIR / "secret_key"
+    return Path(name).resolve().parent / "secret_key"
+
+
 if not SECRET_KEY and EMBEDDED:
     # No key anyone else knows, and the same one at every start of this installation (its
-    # sessions and approval links outlive a restart): generated once, kept in VAR_DIR.
+    # sessions and approval links outlive a restart): generated once, kept beside its data.
     try:
-        SECRET_KEY = secret_key.installation_key(VAR_DIR / "secret_key")
+        SECRET_KEY = secret_key.installation_key(_embedded_key_path())
     except (OSError, secret_key.SecretKeyFileError) as error:
         raise ImproperlyConfigured(
             f"SECRET_KEY is not set, and the embedded default's own key could not be kept "
-            f"under DJFLOW_VAR_DIR ({VAR_DIR}): {error}"
+            f"at {_embedded_key_path()} (beside its database, by default in DJFLOW_VAR_DIR): "
+            f"{error}"
         ) from error
 
 
@@ -184,12 +198,15 @@ ASGI_APPLICATION = "config.asgi.application"
 # checkout, an editable install, the image's COPY). A wheel has no top level of its own, so
 # setup.py maps the folder into this package as config/templates/: a top-level `templates` in
 # site-packages would share its folder, and names like base.html, with any other distribution
-# that ships one. One rule: the templates of the tree this module was loaded from, the wheel's
-# copy beside it if there is one, else the source tree's (whose config/ has none, as
-# tests/test_production_install.py checks); never a copy installed elsewhere, such as an old
-# plain install beside a checkout.
-_PACKAGED_TEMPLATES = Path(__file__).resolve().parent / "templates"
-TEMPLATES_DIR = _PACKAGED_TEMPLATES if _PACKAGED_TEMPLATES.is_dir() else BASE_DIR / "templates"
+# that ships one. One rule, on the tree this module was loaded from: a source tree (manage.py
+# beside config/) reads its top-level templates/, an install reads the wheel's copy beside this
+# module. Never a copy installed elsewhere (an old plain install beside a checkout), never a
+# stray config/templates/ in a source tree (an older version's, left untracked by a pull), and
+# never a site-packages/templates/ that another distribution shipped.
+_SOURCE_TREE = (BASE_DIR / "manage.py").is_file()
+TEMPLATES_DIR = (
+    BASE_DIR / "templates" if _SOURCE_TREE else Path(__file__).resolve().parent / "templates"
+)
 
 TEMPLATES = [
     {
@@ -370,6 +387,20 @@ CELERY_RESULT_BACKEND = env(
 )
 # kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
 _REDIS_BROKER = CELERY_BROKER_URL.startswith(
+# The engine reads no result; the result backend counts fan-outs' chords (runs.dispatch). A
+# backend that is down must not hold the sender of a fan-out (a web request, a worker's pool
+# process) for Celery's 20 retries (19 s measured): one more try, then the fan-out goes
+# without its chord. The same bounds for a header task counting itself in the worker.
+CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {
+    "retry_policy": {
+        "max_retries": 1,
+        "interval_start": 0,
+        "interval_step": 0.2,
+        "interval_max": 0.2,
+    }
+}
+CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = 2.0
+CELERY_REDIS_SOCKET_TIMEOUT = 5.0
     ("redis://", "rediss://", "redis+socket://", "sentinel://")
 )
 if CELERY_BROKER_URL.startswith("filesystem://"):
@@ -734,6 +765,9 @@ DJFLOW = {
     "NOTIFY_BACKOFF_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_SECONDS", default=10.0),
     "NOTIFY_BACKOFF_MAX_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_MAX_SECONDS", default=600.0),
     "NOTIFY_TIMEOUT_SECONDS": env.float("DJFLOW_NOTIFY_TIMEOUT_SECONDS", default=10.0),
+    # On a result backend that counts no chord (the embedded default's database), Celery's
+    # chord_unlock polls a fan-out's header results every second for at most this long.
+    "FAN_OUT_CHORD_UNLOCK_SECONDS": env.float("DJFLOW_FAN_OUT_CHORD_UNLOCK_SECONDS", default=600.0),
     "NOTIFY_MAX_BODY_BYTES": env.int("DJFLOW_NOTIFY_MAX_BODY_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed

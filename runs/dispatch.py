@@ -194,15 +194,22 @@ def offer_fan_out_on_commit(step_runs: list[Any], *, run_id: Any, workflow_id: s
     priority = priority_of(step_runs[0]) if step_runs else None
 
     def send() -> None:
-        if settings.DJFLOW["FAN_OUT_CHORDS"] and len(messages) > 0:
+        header = None
+        if settings.DJFLOW["FAN_OUT_CHORDS"] and messages and _chords_kept():
             try:
-                _send_chord(messages, fan_in_body(run_id, priority))
-                return
+                header = _chord_header(messages, fan_in_body(run_id, priority))
             except NotImplementedError:
                 # The result backend keeps no chord (Celery's DisabledBackend, rpc://): it
                 # refuses before any header message is sent.
                 _warn_no_chords()
-        _send_plain(messages)
+            except Exception:
+                # The result backend is down (after a try or two: CELERY_RESULT_BACKEND's
+                # retry policy in the settings): the chord is a nudge, the attempts must go.
+                logger.warning("fan-out of run %s sent without its chord", run_id, exc_info=True)
+        if header is None:
+            _send_plain(messages)
+        else:
+            _publish(header)
 
     # robust: should the broker be down, the attempts stay scheduled and the reconciler
     # offers them again one by one.
@@ -230,12 +237,12 @@ def _header_signature(together: list[Any], *, keep_result: bool) -> Any:
     )
 
 
-def _send_chord(messages: list[list[Any]], body: Any) -> None:
-    """One chord of ``messages`` (each a list of attempts) and ``body``, on Celery's own
-    chord machinery: each header message frozen as a part of the chord (its group id, index
-    and the body it carries), the result backend told of the chord (its size on Redis,
-    ``apply_chord`` elsewhere), and, in the worker, the backend's counting of the parts as
-    they return (``on_chord_part_return``) and its call of the body.
+def _chord_header(messages: list[list[Any]], body: Any) -> list[Any]:
+    """The header of one chord of ``messages`` (each a list of attempts) and ``body``, on
+    Celery's own chord machinery: each header message frozen as a part of the chord (its
+    group id, index and the body it carries), and the result backend told of the chord (its
+    size on Redis, ``apply_chord`` elsewhere); in the worker, the backend counts the parts as
+    they return (``on_chord_part_return``) and calls the body. The caller publishes them.
 
     What ``chord.apply_async`` does, but for one thing. Upstream bug: on a Redis result
     backend Celery subscribes the sending process to every header task's result channel
@@ -250,7 +257,11 @@ def _send_chord(messages: list[list[Any]], body: Any) -> None:
     On Redis results the backend counts each header task as it returns (one script call)
     whether or not the task stores its result, so header tasks store none. Any other
     backend (the embedded default's SQLAlchemy one) has no counter: Celery's
-    ``celery.chord_unlock`` task polls the header's stored results, so they keep them.
+    ``celery.chord_unlock`` task polls the header's stored results, so they keep them, and
+    it polls for at most ``FAN_OUT_CHORD_UNLOCK_SECONDS``: a header task that never stores
+    a success (one lost with its worker, or handed back for want of a handler: Celery
+    stores its retry, and the attempt goes on in a message of its own) would keep it
+    polling, every second, for good.
     """
     app = current_app
     backend = app.backend
@@ -269,13 +280,38 @@ def _send_chord(messages: list[list[Any]], body: Any) -> None:
         # Refuses (NotImplementedError) when the backend cannot keep a chord; else starts
         # celery.chord_unlock, which polls the parts' results and calls the body.
         results = [app.AsyncResult(signature.id) for signature in header]
-        backend.apply_chord((group_id, results), body)
-    with app.producer_or_acquire() as producer, producer.batch():
+        interval = float(app.conf.result_chord_retry_interval or 1.0)
+        backend.apply_chord(
+            (group_id, results),
+            body,
+            interval=interval,
+            max_retries=max(
+                1, math.ceil(settings.DJFLOW["FAN_OUT_CHORD_UNLOCK_SECONDS"] / interval)
+            ),
+        )
+    return header
+
+
+def _publish(header: list[Any]) -> None:
+    with current_app.producer_or_acquire() as producer, producer.batch():
         for signature in header:
             signature.apply_async(producer=producer, add_to_parent=False)
 
 
 def _counts_chords(backend: Any) -> bool:
+def _chords_kept() -> bool:
+    """Whether the result backend can gather a chord whose parts run on any worker: not a
+    SQLite file outside the embedded default (each host would count in a file of its own,
+    and chord_unlock on one would wait for results stored on another)."""
+    if settings.EMBEDDED:
+        return True
+    url = str(getattr(current_app.backend, "url", "") or "")
+    if url.startswith("sqlite"):  # the SQLAlchemy backend's URL, without its db+
+        _warn_no_chords()
+        return False
+    return True
+
+
     """Whether the result backend counts a chord's parts itself (Redis, Sentinel)."""
     from celery.backends.redis import RedisBackend
 
@@ -299,9 +335,9 @@ def _warn_no_chords() -> None:
     if not _warned_no_chords:
         _warned_no_chords = True
         logger.warning(
-            "the result backend (%s) cannot count a chord: fan-outs go as plain messages "
-            "(their fan-in is the journal's either way). Set CELERY_RESULT_BACKEND to Redis "
-            "or a database (README: Configuration)",
+            "the result backend (%s) cannot gather a chord: fan-outs go as plain messages "
+            "(their fan-in is the journal's either way). Set CELERY_RESULT_BACKEND to the "
+            "Redis that all workers share (README: Configuration)",
             current_app.conf.result_backend,
         )
 

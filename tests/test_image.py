@@ -151,6 +151,50 @@ def test_every_file_of_the_repository_is_in_the_image() -> None:
     assert sorted(tracked - held) == []
 
 
+def test_nothing_git_ignores_reaches_the_image() -> None:
+    """What git ignores in this checkout (var/, .venv, .env, caches, at any depth) is not sent:
+    .dockerignore's patterns are anchored at the root where .gitignore's are not."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"],
+        cwd=BASE_DIR,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    ignored = [path.rstrip("/") for path in listed.split("\0") if path]
+    sent = image_files.context(BASE_DIR)
+    leaked = sorted(
+        path for path in sent for gone in ignored if path == gone or path.startswith(f"{gone}/")
+    )
+    assert leaked == []
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "deploy/.env",
+        "deploy/grafana/.env.local",
+        ".envrc",
+        "bench/.envrc",
+        "bench/var/secret_key",
+        "bench/var/db.sqlite3",
+        "tests/.venv/lib/x.py",
+        "data/secret_key",
+    ],
+)
+def test_secrets_and_data_in_a_subfolder_stay_out_of_the_image(
+    tmp_path: Path, planted: str
+) -> None:
+    (tmp_path / ".dockerignore").write_text((BASE_DIR / ".dockerignore").read_text())
+    (tmp_path / "Dockerfile").write_text("FROM scratch\nCOPY . .\n")
+    (tmp_path / "kept.py").write_text("")
+    path = tmp_path / planted
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("secret")
+    sent = image_files.context(tmp_path, tmp_path / "Dockerfile")
+    assert "kept.py" in sent
+    assert planted not in sent
+
+
 def test_the_image_installs_the_project_and_bakes_no_key_in() -> None:
     runs = [shlex.split(run.replace("&&", " && ")) for run in IMAGE.runs]
     installs = [words for words in runs if "pip" in words and "install" in words]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -352,6 +353,39 @@ def test_every_template_is_under_the_top_level_templates_folder() -> None:
     from django.conf import settings
 
     assert settings.TEMPLATES[0]["DIRS"] == [BASE_DIR / "templates"]
+
+
+@pytest.mark.parametrize("source_tree", [True, False])
+def test_the_templates_folder_follows_the_tree_the_settings_came_from(
+    tmp_path: Path, source_tree: bool
+) -> None:
+    """A source tree (manage.py beside config/) reads its top-level templates/, even with a
+    stray config/templates/ an older version left untracked; an install (no manage.py) reads
+    the wheel's config/templates/, never a templates/ beside it in site-packages."""
+    tree = tmp_path / "tree"
+    shutil.copytree(
+        BASE_DIR / "config", tree / "config", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (tree / "config" / "templates").mkdir()
+    (tree / "templates").mkdir()
+    if source_tree:
+        shutil.copy(BASE_DIR / "manage.py", tree / "manage.py")
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "CELERY_BROKER_URL")},
+        "PYTHONPATH": str(tree),
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "DJFLOW_VAR_DIR": str(tmp_path / "var"),
+    }
+    read = subprocess.run(
+        [sys.executable, "-c", "from django.conf import settings; print(settings.TEMPLATES_DIR)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = tree / "templates" if source_tree else tree / "config" / "templates"
+    assert Path(read.stdout.strip()) == expected
 
 
 @pytest.mark.slow

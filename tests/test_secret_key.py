@@ -90,6 +90,7 @@ def test_a_file_without_a_usable_key_is_refused_by_name(tmp_path: Path, monkeypa
     monkeypatch.setattr(secret_key, "_WAIT_SECONDS", 0.1)
     path = tmp_path / "secret_key"
     path.write_text("short\n")
+    path.chmod(0o600)
     with pytest.raises(secret_key.SecretKeyFileError, match=str(path)):
         secret_key.installation_key(path)
     # The settings say so as ImproperlyConfigured, naming the variable to set.
@@ -116,3 +117,60 @@ def test_without_hard_links_one_start_still_writes_it(tmp_path: Path, monkeypatc
     assert secret_key.installation_key(path) == first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in tmp_path.iterdir()] == ["secret_key"]
+
+
+def _own_file(path: Path, text: str, mode: int = 0o600) -> None:
+    path.write_text(text)
+    path.chmod(mode)
+
+
+@pytest.mark.parametrize(
+    ("plant", "why"),
+    [
+        # A key everyone reads is no secret: a pre-existing world-readable file.
+        (lambda p: _own_file(p, "known-to-everyone-" + "0123456789" * 6, 0o644), "open to other"),
+        (lambda p: _own_file(p, "known-to-everyone-" + "0123456789" * 6, 0o640), "open to other"),
+        # A link planted in a shared var folder would make any file the key.
+        (lambda p: p.symlink_to("/etc/hostname"), "symbolic link"),
+        # Long enough, but what check --deploy calls insecure.
+        (lambda p: _own_file(p, "django-insecure-" + "a" * 40), "no usable SECRET_KEY"),
+        (lambda p: _own_file(p, "ab" * 40), "no usable SECRET_KEY"),
+        (lambda p: p.mkdir(), "not a regular file|Is a directory"),
+    ],
+)
+def test_a_key_file_others_could_know_is_refused(tmp_path: Path, monkeypatch, plant, why) -> None:
+    monkeypatch.setattr(secret_key, "_WAIT_SECONDS", 0.1)
+    path = tmp_path / "secret_key"
+    plant(path)
+    with pytest.raises((secret_key.SecretKeyFileError, OSError), match=why):
+        secret_key.installation_key(path)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown needs root")
+def test_a_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "secret_key"
+    _own_file(path, "theirs-" + "0123456789" * 6)
+    os.chown(path, 4242, -1)
+    with pytest.raises(secret_key.SecretKeyFileError, match="another user"):
+        secret_key.installation_key(path)
+
+
+def test_the_key_goes_beside_the_database_and_var_is_private(tmp_path: Path) -> None:
+    """A database kept on a volume apart from var/ keeps its key with it: a new container
+    (a new var/) finds the same key. A var folder the settings make is this user's alone."""
+    data = tmp_path / "data"
+    data.mkdir()
+    env = {**_embedded_env(tmp_path / "var-1"), "DATABASE_URL": f"sqlite:///{data / 'db.sqlite3'}"}
+
+    def key(env: dict[str, str]) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE], cwd=BASE_DIR, env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip().splitlines()[-1]
+
+    first = key(env)
+    assert (data / "secret_key").read_text().strip() == first
+    assert not (tmp_path / "var-1" / "secret_key").exists()
+    assert key({**env, "DJFLOW_VAR_DIR": str(tmp_path / "var-2")}) == first
+    assert stat.S_IMODE((tmp_path / "var-2").stat().st_mode) & 0o077 == 0

@@ -166,22 +166,26 @@ def test_a_fan_out_goes_without_a_chord_on_a_result_backend_that_keeps_none(sent
         ([3], None, None),
         ([4], None, None),
     ]
-    assert sum("cannot count a chord" in r.getMessage() for r in caplog.records) == 1
+    assert sum("cannot gather a chord" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_fan_out_on_a_database_result_backend_keeps_its_results_for_chord_unlock(
-    sent, tmp_path
+    sent, tmp_path, settings
 ) -> None:
     """The embedded default's SQLAlchemy backend has no chord counter: Celery's
     ``celery.chord_unlock`` polls the header's stored results, so header tasks keep one."""
     from celery.backends.database import DatabaseBackend
 
+    settings.EMBEDDED = True  # its one host keeps the one results file
     backend = DatabaseBackend(app=app, url=f"sqlite:///{tmp_path / 'results.sqlite3'}")
     with mock.patch.object(app._local, "backend", backend, create=True):
         dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r7", workflow_id="w")
     unlock = [m for m in sent if m["task"] == "celery.chord_unlock"]
     header = [m for m in sent if m["task"] == "workers.execute_step"]
     assert len(unlock) == 1
+    # Bounded: a header task that never stores a success must not keep it polling for good.
+    assert unlock[0]["kwargs"]["max_retries"] == 600
+    assert unlock[0]["kwargs"]["interval"] == 1.0
     assert [(m["args"], m["ignore_result"]) for m in header] == [([3], False)]
     assert header[0]["chord"]["task"] == "runs.advance"
 
@@ -373,3 +377,44 @@ def test_the_instants_asked_for_are_forgotten_once_past(sent, settings, no_wakes
         dispatch.wake_timers_on_commit(past + timedelta(milliseconds=100 * index))
     assert len(sent) == 200
     assert len(dispatch._wakes_asked) <= 65
+
+
+def test_a_fan_out_goes_without_its_chord_when_the_result_backend_is_down(sent, caplog) -> None:
+    """The chord is a nudge: a result backend that does not answer costs the sender a try or
+    two (CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS), not Celery's 20 (19 s), and the attempts
+    go plain rather than not at all."""
+    import socket
+    import time
+
+    from celery.backends.redis import RedisBackend
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    backend = RedisBackend(app=app, url=f"redis://127.0.0.1:{port}/0")
+    began = time.monotonic()
+    with mock.patch.object(app._local, "backend", backend, create=True):
+        dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r8", workflow_id="w")
+    took = time.monotonic() - began
+    assert [(m["args"], m["chord"], m["group"]) for m in sent] == [([3], None, None)]
+    assert sent[0]["kwargs"] == {"more": [4]}
+    assert took < 5, took
+    assert any("sent without its chord" in r.getMessage() for r in caplog.records)
+
+
+def test_a_per_host_sqlite_result_backend_outside_the_embedded_default_sends_no_chord(
+    sent, settings, caplog, tmp_path
+) -> None:
+    """Each host would count in a SQLite file of its own, and chord_unlock on one would wait
+    for results stored on another: the fan-out goes plain, said once."""
+    from celery.backends.database import DatabaseBackend
+
+    settings.EMBEDDED = False
+    dispatch._warned_no_chords = False
+    backend = DatabaseBackend(app=app, url=f"sqlite:///{tmp_path / 'results.sqlite3'}")
+    with mock.patch.object(app._local, "backend", backend, create=True):
+        dispatch.offer_fan_out_on_commit([attempt(3), attempt(4)], run_id="r9", workflow_id="w")
+    assert [(m["task"], m["chord"], m["group"]) for m in sent] == [
+        ("workers.execute_step", None, None)
+    ]
+    assert any("cannot gather a chord" in r.getMessage() for r in caplog.records)
