@@ -455,6 +455,33 @@ def test_the_sweep_fires_a_slot_whose_message_was_lost(settings):
     assert off.next_run_at == slot
 
 
+def test_the_sweep_goes_on_past_a_schedule_it_cannot_fire(settings):
+    """A schedule whose crontab row was edited by hand to a value Celery cannot read raises
+    in its fire: the sweep records it on the schedule, counts it, and fires the others (it
+    raised out of the sweep before, every RECONCILE_SECONDS, and fired none after it)."""
+    from django_celery_beat.models import CrontabSchedule
+    from prometheus_client import REGISTRY
+
+    def failures() -> float:
+        labels = {"pass": "schedules.sweep"}
+        return REGISTRY.get_sample_value("djflow_pass_failures_total", labels) or 0.0
+
+    ada = person("ada", starter="nightly")
+    broken = make(ada, cron="0 * * * *")
+    fine = make(ada, cron="0 * * * *")
+    slot = broken.next_run_at
+    # Its own crontab row (beat's admin shares rows between tasks of one timing).
+    tab = CrontabSchedule.objects.create(minute="99", hour="*")
+    PeriodicTask.objects.filter(pk=broken.task_id).update(crontab=tab)
+    Schedule.objects.filter(pk=broken.pk).update(next_run_at=slot - timedelta(minutes=1))
+    before = failures()
+    assert services.schedules_sweep(now=slot + timedelta(seconds=25)) == 1
+    assert Run.objects.get().correlation == f"schedule:{fine.pk}"
+    broken.refresh_from_db()
+    assert broken.failures == 1 and broken.last_error.startswith("the sweep: ValueError")
+    assert failures() == before + 1
+
+
 def test_the_sweeps_beat_entry_is_installed_and_repaired(db):
     from django_celery_beat.models import IntervalSchedule
 
