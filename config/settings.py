@@ -640,6 +640,24 @@ def _retention_days(value: str) -> dict[str, int]:
     return found
 
 
+def _step_queues(names: list[str]) -> list[str]:
+    """DJFLOW_STEP_QUEUES: the queues authors may name in a step's ``queue`` (workflows.queues;
+    ``default`` is always among them). Naming one of the engine's own queues (those of
+    CELERY_TASK_ROUTES) refuses to start: a step there waits behind the clock, the planner or
+    the mail and holds them up, and a list the settings silently cut would surprise the
+    operator who wrote it."""
+    listed = sorted({name.strip() for name in names if name.strip()})
+    engine = {route["queue"] for route in CELERY_TASK_ROUTES.values()} - {CELERY_TASK_DEFAULT_QUEUE}
+    reserved = sorted(engine.intersection(listed))
+    if reserved:
+        raise ImproperlyConfigured(
+            f"DJFLOW_STEP_QUEUES names {', '.join(reserved)}: the engine's own queues "
+            f"({', '.join(sorted(engine))}) carry its planning, clock and mail, and steps may "
+            "never run there"
+        )
+    return listed
+
+
 DJFLOW = {
     # Largest accepted request body for the API, in bytes.
     "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
@@ -757,6 +775,9 @@ DJFLOW = {
     # they read, in bytes (past it the step fails, class fatal).
     "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
     "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
+    # The queues a step's ``queue`` may name in a document a person saves, besides
+    # ``default`` (comma-separated; workflows.queues). The engine's own never: see there.
+    "STEP_QUEUES": _step_queues(env.list("DJFLOW_STEP_QUEUES", default=["default"])),
     # Run-end webhooks (a document's notify; workers/notify.py): attempts at most, the wait
     # after the first failed one (doubled after each, at most NOTIFY_BACKOFF_MAX_SECONDS),
     # each attempt's time-out, and the largest body (past it the run is sent without its

@@ -27,6 +27,7 @@ from . import kinds
 from .errors import FieldError
 from .heartbeats import StepHandler, unlive_steps, unserved_errors, waiting_message, walk_steps
 from .inputs import input_errors
+from .queues import version_queue_errors
 from .validation import field_path
 
 # ``input`` left out: the checks of the document alone (the command without --input, the admin).
@@ -35,11 +36,14 @@ NO_INPUT: Any = object()
 
 def start_problems(version: Any, input: Any = NO_INPUT) -> list[FieldError]:
     """What stops a run of ``version`` (a ``WorkflowVersion``) from starting with ``input``:
-    the input schema, then each kind's pre-flight, then (when ``START_CHECKS_WORKERS``) a
-    handler no worker has served within ``UNSERVABLE_SECONDS``. Every problem at once; empty
-    when it may start."""
+    the input schema, then each kind's pre-flight, the queues its steps name, then (when
+    ``START_CHECKS_WORKERS``) a handler no worker has served within ``UNSERVABLE_SECONDS``.
+    Every problem at once; empty when it may start."""
     problems = [] if input is NO_INPUT else input_errors(version, input)
     problems += preflight_errors(version.document)
+    # A version saved before DJFLOW_STEP_QUEUES (or before the list shrank) may name a queue
+    # its author may no longer name: refused as its save would be now (workflows.queues).
+    problems += version_queue_errors(version)
     if settings.DJFLOW["START_CHECKS_WORKERS"]:
         # A run no worker can take would wait, then fail as unservable: say so now. One that
         # a worker served a moment ago (restarting) is accepted and waits (start_waits).

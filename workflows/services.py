@@ -18,6 +18,7 @@ from . import secrets as field_secrets
 from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
 from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
+from .queues import queue_errors
 from .recipes import prepare_recipe
 from .validation import ApprovalRules, every_step, prepare_document
 
@@ -78,7 +79,7 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     new id (and then becomes its first author); ``None`` is trusted code (the builder's sync).
     What its steps name is held to the user's rights too: handlers (:func:`handler_errors`),
     subworkflows (:func:`subworkflow_errors`), recipes (:func:`recipe_name_errors`),
-    knowledge bases (:func:`kb_name_errors`).
+    knowledge bases (:func:`kb_name_errors`), queues (``workflows.queues``).
     """
 
     def visible_exists(workflow_id: str, version: int | None) -> bool:
@@ -96,6 +97,7 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
     )
     raise_invalid(
         [
+            *queue_errors(prepared, trusted=access.trusted(user)),
             *handler_errors(prepared, user),
             *subworkflow_errors(prepared, user),
             *recipe_name_errors(prepared, user),

@@ -22,6 +22,7 @@ from workflows import kinds, secrets
 from workflows.inputs import input_errors
 from workflows.kinds import Role
 from workflows.models import WorkflowVersion
+from workflows.queues import version_queue_errors
 
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
@@ -496,6 +497,14 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
         _fail_start(run, step_run, str(error))
         return None
     if not body:
+        # A start of its workflow, held as POST /runs holds one: a version a person saved
+        # before DJFLOW_STEP_QUEUES (or an engine queue, whoever saved it) starts nothing.
+        refused = version_queue_errors(version)
+        if refused:
+            detail = "; ".join(f"{problem.field}: {problem.message}" for problem in refused)
+            message = f"subworkflow '{workflow_id}' cannot start: {detail}"
+            _fail_start(run, step_run, message, error_class=p.INVALID_INPUT)
+            return None
         # The child stands for a start of its workflow: its input meets that workflow's
         # input_schema, as POST /runs requires (else a step could hand the workflow's
         # handlers what its schema refuses). Not retryable: the same input fails again.
