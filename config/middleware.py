@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 
 from workflows.secrets import MASK, TOKEN, forget
 
@@ -43,3 +43,41 @@ class SecretMaskMiddleware:
         if response.has_header("Content-Length"):
             response["Content-Length"] = str(len(response.content))
         return response
+
+
+class NulRefusalMiddleware:
+    """A request whose path or query holds NUL is a 400 before any view sees it (contract
+    section 9: text with NUL anywhere is 400).
+
+    Postgres text holds no NUL, so an id or a filter carrying one made the database driver
+    raise in whichever view looked it up: a 500 on ``/api/v1/definitions/{id}``, its versions,
+    ``/api/v1/recipes/{name}``, ``/api/v1/kbs/{kb}/documents`` and admin pages. Refusing it
+    here covers every route, those added later included. Lone surrogates need no check: Django
+    decodes the path and the query as UTF-8 and re-quotes or replaces what is not.
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        where = _nul_in(request)
+        if where is None:
+            return self.get_response(request)
+        message = "may not hold NUL characters (%00)"
+        if request.path_info.startswith("/api/"):
+            return JsonResponse({"errors": [{"field": where, "message": message}]}, status=400)
+        shown = where if where in ("path", "query") else f"query parameter {where!r}"
+        return HttpResponseBadRequest(f"The {shown} {message}.", content_type="text/plain")
+
+
+def _nul_in(request: HttpRequest) -> str | None:
+    """Where ``request`` holds NUL: ``"path"``, the query parameter's name (``"query"`` for
+    a name holding one), else None."""
+    if "\x00" in request.path_info:
+        return "path"
+    for key, values in request.GET.lists():
+        if "\x00" in key:
+            return "query"
+        if any("\x00" in value for value in values):
+            return key
+    return None

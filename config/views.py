@@ -31,7 +31,7 @@ def bad_request(request: HttpRequest, exception: Exception | None = None) -> Htt
     if request.path.startswith("/api/"):
         if isinstance(exception, RequestDataTooBig):
             limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-            message = f"is larger than {limit} bytes (DJFLOW_MAX_DOCUMENT_BYTES)"
+            message = f"is larger than {limit} bytes (DJFLOW_MAX_BODY_BYTES)"
             return JsonResponse({"errors": [{"field": "body", "message": message}]}, status=413)
         return JsonResponse({"errors": [{"message": "bad request"}]}, status=400)
     return defaults.bad_request(request, exception)

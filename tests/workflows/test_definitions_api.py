@@ -139,7 +139,7 @@ def test_a_body_over_the_size_limit_is_refused(api: APIClient, settings) -> None
     assert response.status_code == 413
     assert response.json() == {
         "errors": [
-            {"field": "body", "message": "is larger than 2048 bytes (DJFLOW_MAX_DOCUMENT_BYTES)"}
+            {"field": "body", "message": "is larger than 2048 bytes (DJFLOW_MAX_BODY_BYTES)"}
         ]
     }
     assert not Workflow.objects.exists()

@@ -22,7 +22,7 @@ from workflows import selectors
 from workflows.errors import NotFound
 from workflows.preflight import NO_INPUT, start_problems, start_warnings
 
-# An input file is a start's body: bounded like one (DJFLOW_MAX_DOCUMENT_BYTES is larger).
+# An input file is a start's body: bounded like one (DJFLOW_MAX_BODY_BYTES is larger).
 MAX_INPUT_BYTES = 1_048_576
 
 
