@@ -148,8 +148,6 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    # NUL in the path or the query: a 400 before any view sends it to Postgres (a 500 there).
-    "config.middleware.NulRefusalMiddleware",
     # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below) on every response.
     "csp.middleware.CSPMiddleware",
     # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
@@ -387,8 +385,6 @@ CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
 CELERY_RESULT_BACKEND = env(
     "CELERY_RESULT_BACKEND", default=f"db+sqlite:///{VAR_DIR / 'celery-results.sqlite3'}"
 )
-# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
-_REDIS_BROKER = CELERY_BROKER_URL.startswith(
 # The engine reads no result; the result backend counts fan-outs' chords (runs.dispatch). A
 # backend that is down must not hold the sender of a fan-out (a web request, a worker's pool
 # process) for Celery's 20 retries (19 s measured): one more try, then the fan-out goes
@@ -403,6 +399,8 @@ CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {
 }
 CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = 2.0
 CELERY_REDIS_SOCKET_TIMEOUT = 5.0
+# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
+_REDIS_BROKER = CELERY_BROKER_URL.startswith(
     ("redis://", "rediss://", "redis+socket://", "sentinel://")
 )
 if CELERY_BROKER_URL.startswith("filesystem://"):
@@ -661,12 +659,8 @@ def _step_queues(names: list[str]) -> list[str]:
 
 
 DJFLOW = {
-    # Largest accepted request body, in bytes: a larger one is a 413 naming ``body``
-    # (DATA_UPLOAD_MAX_MEMORY_SIZE below). DJFLOW_MAX_BODY_BYTES is the contract's name;
-    # DJFLOW_MAX_DOCUMENT_BYTES, its name before, is still read when the new one is unset.
-    "MAX_BODY_BYTES": env.int(
-        "DJFLOW_MAX_BODY_BYTES", default=env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576)
-    ),
+    # Largest accepted request body for the API, in bytes.
+    "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
     # Most steps a workflow document may hold, nested ones included (checked at save).
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
@@ -742,6 +736,9 @@ DJFLOW = {
     # design card: "parallel and foreach map onto chords"); a notification only, the fan-in
     # is the journal's. false: the same messages without the chord (bench.fanout compares).
     "FAN_OUT_CHORDS": env.bool("DJFLOW_FAN_OUT_CHORDS", default=True),
+    # On a result backend that counts no chord (the embedded default's database), Celery's
+    # chord_unlock polls a fan-out's header results every second for at most this long.
+    "FAN_OUT_CHORD_UNLOCK_SECONDS": env.float("DJFLOW_FAN_OUT_CHORD_UNLOCK_SECONDS", default=600.0),
     # For the engine's own tests: every plan made from a run's settled prefix (the rows after
     # it only) is made again from the whole journal, and a difference raises.
     "CHECK_PREFIX": env.bool("DJFLOW_CHECK_PREFIX", default=False),
@@ -792,9 +789,6 @@ DJFLOW = {
     "NOTIFY_BACKOFF_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_SECONDS", default=10.0),
     "NOTIFY_BACKOFF_MAX_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_MAX_SECONDS", default=600.0),
     "NOTIFY_TIMEOUT_SECONDS": env.float("DJFLOW_NOTIFY_TIMEOUT_SECONDS", default=10.0),
-    # On a result backend that counts no chord (the embedded default's database), Celery's
-    # chord_unlock polls a fan-out's header results every second for at most this long.
-    "FAN_OUT_CHORD_UNLOCK_SECONDS": env.float("DJFLOW_FAN_OUT_CHORD_UNLOCK_SECONDS", default=600.0),
     "NOTIFY_MAX_BODY_BYTES": env.int("DJFLOW_NOTIFY_MAX_BODY_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
@@ -850,7 +844,7 @@ DJFLOW = {
     "SCHEDULE_CATCH_UP": env.str("DJFLOW_SCHEDULE_CATCH_UP", default="one"),
     "SCHEDULE_GRACE_SECONDS": env.float("DJFLOW_SCHEDULE_GRACE_SECONDS", default=60.0),
 }
-DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_BODY_BYTES"]
+DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MODEL_CONCURRENCY must be at least 1, not {DJFLOW['MODEL_CONCURRENCY']}"

@@ -279,8 +279,8 @@ def _chord_header(messages: list[list[Any]], body: Any) -> list[Any]:
     else:
         # Refuses (NotImplementedError) when the backend cannot keep a chord; else starts
         # celery.chord_unlock, which polls the parts' results and calls the body.
-        results = [app.AsyncResult(signature.id) for signature in header]
         interval = float(app.conf.result_chord_retry_interval or 1.0)
+        results = [app.AsyncResult(signature.id) for signature in header]
         backend.apply_chord(
             (group_id, results),
             body,
@@ -298,7 +298,6 @@ def _publish(header: list[Any]) -> None:
             signature.apply_async(producer=producer, add_to_parent=False)
 
 
-def _counts_chords(backend: Any) -> bool:
 def _chords_kept() -> bool:
     """Whether the result backend can gather a chord whose parts run on any worker: not a
     SQLite file outside the embedded default (each host would count in a file of its own,
@@ -312,6 +311,7 @@ def _chords_kept() -> bool:
     return True
 
 
+def _counts_chords(backend: Any) -> bool:
     """Whether the result backend counts a chord's parts itself (Redis, Sentinel)."""
     from celery.backends.redis import RedisBackend
 
@@ -435,6 +435,7 @@ def notify_on_commit(delivery_ids: list[int], *, countdown: float | None = None)
 
     # robust: a broker outage leaves the rows pending; the reconciler offers them again.
     transaction.on_commit(send, robust=True)
+
 
 
 # beat's period for the clock's tick, runs.fire_timers (runs.beat installs the entry).
