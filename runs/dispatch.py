@@ -437,7 +437,6 @@ def notify_on_commit(delivery_ids: list[int], *, countdown: float | None = None)
     transaction.on_commit(send, robust=True)
 
 
-
 # beat's period for the clock's tick, runs.fire_timers (runs.beat installs the entry).
 TICK_SECONDS = 1.0
 # A wake-up delivered this long after its instant is dropped: the tick has fired its timers by
