@@ -148,6 +148,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # NUL in the path or the query: a 400 before any view sends it to Postgres (a 500 there).
+    "config.middleware.NulRefusalMiddleware",
     # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below) on every response.
     "csp.middleware.CSPMiddleware",
     # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
@@ -659,8 +661,12 @@ def _step_queues(names: list[str]) -> list[str]:
 
 
 DJFLOW = {
-    # Largest accepted request body for the API, in bytes.
-    "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
+    # Largest accepted request body, in bytes: a larger one is a 413 naming ``body``
+    # (DATA_UPLOAD_MAX_MEMORY_SIZE below). DJFLOW_MAX_BODY_BYTES is the contract's name;
+    # DJFLOW_MAX_DOCUMENT_BYTES, its name before, is still read when the new one is unset.
+    "MAX_BODY_BYTES": env.int(
+        "DJFLOW_MAX_BODY_BYTES", default=env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576)
+    ),
     # Most steps a workflow document may hold, nested ones included (checked at save).
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
@@ -844,7 +850,7 @@ DJFLOW = {
     "SCHEDULE_CATCH_UP": env.str("DJFLOW_SCHEDULE_CATCH_UP", default="one"),
     "SCHEDULE_GRACE_SECONDS": env.float("DJFLOW_SCHEDULE_GRACE_SECONDS", default=60.0),
 }
-DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
+DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_BODY_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MODEL_CONCURRENCY must be at least 1, not {DJFLOW['MODEL_CONCURRENCY']}"
