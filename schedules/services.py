@@ -77,7 +77,13 @@ def schedule_create(
     may only see it) and becomes the owner. Bad values are a 400 naming each field: the cron
     syntax, ``every_ms`` outside [``DJFLOW_SCHEDULE_MIN_INTERVAL_MS``, a year], an input the
     version's ``input_schema`` refuses (the latest version's when none is pinned), a
-    workflow that already has ``DJFLOW_SCHEDULES_PER_WORKFLOW`` schedules.
+    user who already owns ``DJFLOW_SCHEDULES_PER_WORKFLOW`` schedules of the workflow.
+
+    The cap is per owner, not per workflow: counted over the workflow, any starter (the
+    global ``runs.add_run`` makes one of every workflow) could take every slot, and its
+    authors and other starters could then make none (issue 36). Each user's schedules start
+    runs as that user, who answers for them; the work a schedule makes is bounded by
+    ``DJFLOW_SCHEDULE_MIN_INTERVAL_MS``.
     """
     access.require_start(user, workflow)
     person = user if user is not None and user.is_authenticated else None
@@ -93,12 +99,12 @@ def schedule_create(
     limit = int(settings.DJFLOW["SCHEDULES_PER_WORKFLOW"])
     # Counted under the workflow's row lock: two creates at once cannot both pass the limit.
     Workflow.objects.select_for_update().filter(pk=workflow).first()
-    if Schedule.objects.filter(workflow_id=workflow).count() >= limit:
+    if Schedule.objects.filter(workflow_id=workflow, owner_id=person.pk).count() >= limit:
         errors.append(
             FieldError(
                 "workflow",
-                f"workflow '{workflow}' has {limit} schedules, the most one may have "
-                "(DJFLOW_SCHEDULES_PER_WORKFLOW): delete one first",
+                f"you have {limit} schedules of workflow '{workflow}', the most one user may "
+                "have (DJFLOW_SCHEDULES_PER_WORKFLOW): delete one first",
             )
         )
     if errors:

@@ -68,8 +68,8 @@ class ScheduleListView(APIView):
             " starter of the workflow (an unknown or unseen workflow is a 404, one the caller"
             " may only read a 403); its runs are started as the caller. A bad cron, an"
             " `every_ms` below DJFLOW_SCHEDULE_MIN_INTERVAL_MS, an input the version's"
-            " input_schema refuses, or a workflow with DJFLOW_SCHEDULES_PER_WORKFLOW schedules"
-            " is a 400 naming the field."
+            " input_schema refuses, or a caller who already has DJFLOW_SCHEDULES_PER_WORKFLOW"
+            " schedules of the workflow is a 400 naming the field."
         ),
         responses={201: ScheduleSerializer, 400: ERRORS, 401: ERRORS, 403: ERRORS, 404: ERRORS},
     )

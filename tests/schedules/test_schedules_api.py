@@ -175,6 +175,29 @@ def test_a_workflow_holds_a_bounded_number_of_schedules(settings):
     assert "DJFLOW_SCHEDULES_PER_WORKFLOW" in third.json()["errors"][0]["message"]
 
 
+def test_a_starter_cannot_use_up_the_workflows_schedules(settings):
+    """The cap is each owner's (issue 36): a user who may only start the workflow (here by
+    the global runs.add_run, which makes one of every workflow) fills their own share and no
+    more; the workflow's author and another starter still make theirs, each up to the cap.
+    On the cap counted per workflow, the author's first create was the 400."""
+    from django.contrib.auth.models import Permission
+
+    settings.DJFLOW = {**settings.DJFLOW, "SCHEDULES_PER_WORKFLOW": 2}
+    mallory = person("mallory")
+    mallory.user_permissions.add(Permission.objects.get(codename="add_run"))
+    starter = client_of(mallory)
+    assert create(starter).status_code == 201
+    assert create(starter, cron="*/5 * * * *").status_code == 201
+    refused = create(starter, cron="*/7 * * * *")
+    assert refused.status_code == 400 and fields(refused) == ["workflow"]
+    for who in (person("ada", author="nightly"), person("bob", starter="nightly")):
+        owner = client_of(who)
+        assert create(owner).status_code == 201
+        assert create(owner, cron="*/5 * * * *").status_code == 201
+        assert create(owner, cron="*/7 * * * *").status_code == 400
+    assert Schedule.objects.filter(workflow_id="nightly").count() == 6
+
+
 # --- who may ---------------------------------------------------------------------------------
 
 
