@@ -148,6 +148,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # NUL in the path or the query: a 400 before any view sends it to Postgres (a 500 there).
+    "config.middleware.NulRefusalMiddleware",
     # The Content-Security-Policy header (CONTENT_SECURITY_POLICY below) on every response.
     "csp.middleware.CSPMiddleware",
     # Static files (the admin's, Swagger UI's) from STATIC_ROOT, filled by `collectstatic`:
@@ -385,8 +387,6 @@ CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="filesystem://")
 CELERY_RESULT_BACKEND = env(
     "CELERY_RESULT_BACKEND", default=f"db+sqlite:///{VAR_DIR / 'celery-results.sqlite3'}"
 )
-# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
-_REDIS_BROKER = CELERY_BROKER_URL.startswith(
 # The engine reads no result; the result backend counts fan-outs' chords (runs.dispatch). A
 # backend that is down must not hold the sender of a fan-out (a web request, a worker's pool
 # process) for Celery's 20 retries (19 s measured): one more try, then the fan-out goes
@@ -401,6 +401,8 @@ CELERY_RESULT_BACKEND_TRANSPORT_OPTIONS = {
 }
 CELERY_REDIS_SOCKET_CONNECT_TIMEOUT = 2.0
 CELERY_REDIS_SOCKET_TIMEOUT = 5.0
+# kombu's Redis transport (Sentinel's too): its priorities run the other way (see below).
+_REDIS_BROKER = CELERY_BROKER_URL.startswith(
     ("redis://", "rediss://", "redis+socket://", "sentinel://")
 )
 if CELERY_BROKER_URL.startswith("filesystem://"):
@@ -640,9 +642,31 @@ def _retention_days(value: str) -> dict[str, int]:
     return found
 
 
+def _step_queues(names: list[str]) -> list[str]:
+    """DJFLOW_STEP_QUEUES: the queues authors may name in a step's ``queue`` (workflows.queues;
+    ``default`` is always among them). Naming one of the engine's own queues (those of
+    CELERY_TASK_ROUTES) refuses to start: a step there waits behind the clock, the planner or
+    the mail and holds them up, and a list the settings silently cut would surprise the
+    operator who wrote it."""
+    listed = sorted({name.strip() for name in names if name.strip()})
+    engine = {route["queue"] for route in CELERY_TASK_ROUTES.values()} - {CELERY_TASK_DEFAULT_QUEUE}
+    reserved = sorted(engine.intersection(listed))
+    if reserved:
+        raise ImproperlyConfigured(
+            f"DJFLOW_STEP_QUEUES names {', '.join(reserved)}: the engine's own queues "
+            f"({', '.join(sorted(engine))}) carry its planning, clock and mail, and steps may "
+            "never run there"
+        )
+    return listed
+
+
 DJFLOW = {
-    # Largest accepted request body for the API, in bytes.
-    "MAX_DOCUMENT_BYTES": env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576),
+    # Largest accepted request body, in bytes: a larger one is a 413 naming ``body``
+    # (DATA_UPLOAD_MAX_MEMORY_SIZE below). DJFLOW_MAX_BODY_BYTES is the contract's name;
+    # DJFLOW_MAX_DOCUMENT_BYTES, its name before, is still read when the new one is unset.
+    "MAX_BODY_BYTES": env.int(
+        "DJFLOW_MAX_BODY_BYTES", default=env.int("DJFLOW_MAX_DOCUMENT_BYTES", default=1_048_576)
+    ),
     # Most steps a workflow document may hold, nested ones included (checked at save).
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
     # A running attempt's lease: its worker renews it every third of this while the body
@@ -718,6 +742,9 @@ DJFLOW = {
     # design card: "parallel and foreach map onto chords"); a notification only, the fan-in
     # is the journal's. false: the same messages without the chord (bench.fanout compares).
     "FAN_OUT_CHORDS": env.bool("DJFLOW_FAN_OUT_CHORDS", default=True),
+    # On a result backend that counts no chord (the embedded default's database), Celery's
+    # chord_unlock polls a fan-out's header results every second for at most this long.
+    "FAN_OUT_CHORD_UNLOCK_SECONDS": env.float("DJFLOW_FAN_OUT_CHORD_UNLOCK_SECONDS", default=600.0),
     # For the engine's own tests: every plan made from a run's settled prefix (the rows after
     # it only) is made again from the whole journal, and a difference raises.
     "CHECK_PREFIX": env.bool("DJFLOW_CHECK_PREFIX", default=False),
@@ -757,6 +784,9 @@ DJFLOW = {
     # they read, in bytes (past it the step fails, class fatal).
     "HTTP_ALLOW": _http_allow(env.list("DJFLOW_HTTP_ALLOW", default=[])),
     "HTTP_MAX_RESPONSE_BYTES": env.int("DJFLOW_HTTP_MAX_RESPONSE_BYTES", default=1_048_576),
+    # The queues a step's ``queue`` may name in a document a person saves, besides
+    # ``default`` (comma-separated; workflows.queues). The engine's own never: see there.
+    "STEP_QUEUES": _step_queues(env.list("DJFLOW_STEP_QUEUES", default=["default"])),
     # Run-end webhooks (a document's notify; workers/notify.py): attempts at most, the wait
     # after the first failed one (doubled after each, at most NOTIFY_BACKOFF_MAX_SECONDS),
     # each attempt's time-out, and the largest body (past it the run is sent without its
@@ -765,9 +795,6 @@ DJFLOW = {
     "NOTIFY_BACKOFF_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_SECONDS", default=10.0),
     "NOTIFY_BACKOFF_MAX_SECONDS": env.float("DJFLOW_NOTIFY_BACKOFF_MAX_SECONDS", default=600.0),
     "NOTIFY_TIMEOUT_SECONDS": env.float("DJFLOW_NOTIFY_TIMEOUT_SECONDS", default=10.0),
-    # On a result backend that counts no chord (the embedded default's database), Celery's
-    # chord_unlock polls a fan-out's header results every second for at most this long.
-    "FAN_OUT_CHORD_UNLOCK_SECONDS": env.float("DJFLOW_FAN_OUT_CHORD_UNLOCK_SECONDS", default=600.0),
     "NOTIFY_MAX_BODY_BYTES": env.int("DJFLOW_NOTIFY_MAX_BODY_BYTES", default=1_048_576),
     # Model prices come from genai-prices' bundled table (offline: it is never updated at run
     # time). DJFLOW_PRICES (JSON, USD per million tokens) wins over it, keyed
@@ -823,7 +850,7 @@ DJFLOW = {
     "SCHEDULE_CATCH_UP": env.str("DJFLOW_SCHEDULE_CATCH_UP", default="one"),
     "SCHEDULE_GRACE_SECONDS": env.float("DJFLOW_SCHEDULE_GRACE_SECONDS", default=60.0),
 }
-DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_DOCUMENT_BYTES"]
+DATA_UPLOAD_MAX_MEMORY_SIZE = DJFLOW["MAX_BODY_BYTES"]
 if DJFLOW["MODEL_CONCURRENCY"] < 1:
     raise ImproperlyConfigured(
         f"DJFLOW_MODEL_CONCURRENCY must be at least 1, not {DJFLOW['MODEL_CONCURRENCY']}"
