@@ -25,7 +25,8 @@ from django.utils import timezone
 
 from runs.engine import isolation
 from runs.models import Run, StepRun, Timer, TimerPurpose
-from workflows.services import MAIL_EXTERNAL
+from workflows.mailbox import MailboxProblem, mailbox
+from workflows.services import MAIL_EXTERNAL, NAMING_PEOPLE, may_name_people
 from workflows.validation import MAX_APPROVERS, outside_domains
 
 from . import outbox
@@ -45,7 +46,12 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     resolve to enough people, resolve to too many, or include an address its version's
     author may not mail."""
     spec = step_run.input or {}
-    people, problem = _approvers(spec.get("approvers") or {})
+    # Asked before any name is looked up: an author who may not name people must not learn
+    # from the run's error which names exist.
+    problem = _unnamable(run, {"kind": "approval", **spec})
+    people: list[tuple[Any, str, str]] = []
+    if problem is None:
+        people, problem = _approvers(spec.get("approvers") or {})
     quorum = int(spec.get("quorum") or 1)
     if problem is None and len(people) > MAX_APPROVERS:
         # Groups are expanded only now; a request never mails more people than this.
@@ -87,6 +93,19 @@ def open_request(run: Run, step_run: StepRun, now: datetime) -> dict[str, Any] |
     return None
 
 
+def _unnamable(run: Run, step: Mapping[str, Any]) -> str | None:
+    """The error for a step naming site users or groups its version's author may not name
+    (``approvals.mail_users``, held now; see ``workflows.services.may_name_people``), or
+    None. Saving checks this already; here it holds versions saved before the rule, or by an
+    author who has lost the permission. A version saved with no user is the deployment's."""
+    author = run.version.created_by
+    field = None if author is None else may_name_people(author, step)
+    if field is None:
+        return None
+    number = run.version.number
+    return f"{field}: {NAMING_PEOPLE} (the author of version {number} does not hold it)"
+
+
 def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
     """The first address outside ``DJFLOW_APPROVER_EMAIL_DOMAINS`` that the author of the
     run's version may not name (``approvals.mail_external``, held now), or None.
@@ -98,7 +117,7 @@ def _unmailable(run: Run, spec: Mapping[str, Any]) -> str | None:
     outside = [
         (index, address)
         for index, address in enumerate(spec.get("emails") or [])
-        if isinstance(address, str) and outside_domains(address, domains)
+        if outside_domains(mailbox(address), domains)
     ]
     if not outside:
         return None
@@ -271,6 +290,9 @@ def handoff(run: Run, step_run: StepRun) -> dict[str, Any] | None:
     fails the step (class invalid_input) when the group does not exist."""
     spec = step_run.input or {}
     name = spec.get("group")
+    problem = _unnamable(run, {"kind": "handoff", "group": name})
+    if problem is not None:
+        return {"class": INVALID_INPUT, "message": problem}
     group = Group.objects.filter(name=name).first()
     if group is None:
         return {"class": INVALID_INPUT, "message": f"group: no group named '{name}'"}
@@ -315,7 +337,13 @@ def _approvers(spec: Mapping[str, Any]) -> tuple[list[tuple[Any, str, str]], str
         return [], problem
     people = [(user, user.email, via) for user, via in named]
     known = {(user.email or "").lower() for user, _ in named}
-    for email in dict.fromkeys(spec.get("emails") or []):
+    for index, entry in enumerate(spec.get("emails") or []):
+        # Saving parsed these already; a version stored before the parser is held to it
+        # here. The approver row keeps the address mail is sent to, nothing else.
+        try:
+            email = mailbox(entry)
+        except MailboxProblem as problem:
+            return [], f"approvers.emails[{index}]: {problem}"
         if email.lower() not in known:
             known.add(email.lower())
             people.append((None, email, "email"))
