@@ -63,6 +63,11 @@ class ApprovalRequest(models.Model):
                 "mail_external",
                 "Can name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS",
             ),
+            # Likewise: an author may mail no site user or group but themselves without it.
+            (
+                "mail_users",
+                "Can name site users and groups as approvers, escalation or hand-off people",
+            ),
         ]
         indexes = [
             models.Index(

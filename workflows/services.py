@@ -25,6 +25,15 @@ from .validation import ApprovalRules, every_step, prepare_document
 # Held by whoever may name e-mail approvers outside DJFLOW_APPROVER_EMAIL_DOMAINS (declared
 # by the approvals app, ``ApprovalRequest.Meta.permissions``).
 MAIL_EXTERNAL = "approvals.mail_external"
+# Held by whoever may name site users (other than themselves) and groups in an approval's
+# approvers or escalate_to, or a hand-off's group: each is mailed the author's text.
+MAIL_USERS = "approvals.mail_users"
+# Said for every name alike, existing or not, held or not: the answer must not tell names.
+NAMING_PEOPLE = (
+    "naming site users (other than yourself) or groups needs the permission "
+    f"{MAIL_USERS}: they are mailed this step's text; name plain addresses in "
+    "approvers.emails instead"
+)
 
 
 # Tries of a recipe save that lost a race for its version number to a concurrent save.
@@ -102,6 +111,7 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
             *subworkflow_errors(prepared, user),
             *recipe_name_errors(prepared, user),
             *kb_name_errors(prepared, user),
+            *people_errors(prepared, user),
         ]
     )
     # notify secrets leave the document here: it stores ••••, the version keeps them
@@ -344,6 +354,56 @@ def subworkflow_errors(document: dict[str, Any], user: AbstractBaseUser | None) 
                     f"you may not start runs of workflow '{target}', so no step of yours may",
                 )
             )
+    return errors
+
+
+def named_people(step: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """``(field, kind, name)`` for each site user (kind ``user``) and group (``group``) an
+    ``approval`` or ``handoff`` step names, which people the engine will mail; ``field``
+    within the step (``approvers.users[0]``, ``group``)."""
+    found: list[tuple[str, str, str]] = []
+    kind = step.get("kind")
+    if kind == "handoff" and isinstance(step.get("group"), str):
+        found.append(("group", "group", step["group"]))
+    if kind != "approval":
+        return found
+    for part in ("approvers", "escalate_to"):
+        named = step.get(part)
+        if not isinstance(named, Mapping):
+            continue
+        for plural, single in (("users", "user"), ("groups", "group")):
+            for index, name in enumerate(named.get(plural) or []):
+                if isinstance(name, str):
+                    found.append((f"{part}.{plural}[{index}]", single, name))
+    return found
+
+
+def may_name_people(user: Any, step: Mapping[str, Any]) -> str | None:
+    """The first field of ``step`` naming a site user or group that ``user`` may not name,
+    or None. Anyone may name themselves; anyone else, and every group, needs
+    :data:`MAIL_USERS`. Whether the name exists is never asked, so the answer is the same
+    for a stranger's name and a made-up one. ``None`` (trusted code) may name anyone."""
+    if user is None or user.has_perm(MAIL_USERS):
+        return None
+    own = user.get_username() if getattr(user, "is_authenticated", False) else None
+    for field, kind, name in named_people(step):
+        if kind == "group" or name != own:
+            return field
+    return None
+
+
+def people_errors(document: dict[str, Any], user: AbstractBaseUser | None) -> list[FieldError]:
+    """Approval and hand-off steps mail the site users and groups they name, with the
+    author's text and, for approvers, a link: naming anyone but oneself needs
+    :data:`MAIL_USERS` (:func:`may_name_people`), as an address outside the approver domains
+    needs ``approvals.mail_external``. One error per step, at its first such field."""
+    if access.trusted(user):
+        return []
+    errors = []
+    for step, where in every_step(document):
+        field = may_name_people(user, step)
+        if field is not None:
+            errors.append(FieldError(f"{where}.{field}", NAMING_PEOPLE))
     return errors
 
 

@@ -35,11 +35,12 @@ from urllib.parse import urlsplit
 
 from jsonschema.exceptions import ValidationError
 
-from .errors import FieldError, InvalidDocument
+from .errors import FieldError, InvalidDocument, echo
 from .guards import pattern_error
 from .input_schema import schema_errors
 from .kb_names import is_template
 from .kb_names import name_problem as kb_name_problem
+from .mailbox import MailboxProblem, domain_of, mailbox
 from .recipes import step_recipe_errors
 from .schema import (
     DEFAULT_MAX_DOCUMENT_STEPS,
@@ -79,14 +80,18 @@ class ApprovalRules:
     max_approvers: int = MAX_APPROVERS
 
 
-def email_domain(address: str) -> str:
-    """The domain of an e-mail address as the domain list is compared with it."""
-    return address.rpartition("@")[2].strip().lower().rstrip(".")
-
-
 def outside_domains(address: str, domains: frozenset[str] | None) -> bool:
-    """Whether naming ``address`` as an approver needs ``approvals.mail_external``."""
-    return domains is not None and email_domain(address) not in domains
+    """Whether naming ``address`` (as :func:`workflows.mailbox.mailbox` returned it: the
+    address mail goes to) as an approver needs ``approvals.mail_external``."""
+    return domains is not None and domain_of(address) not in domains
+
+
+def _mail_key(entry: str) -> str:
+    """An ``emails`` entry as people are counted once: the address it delivers to."""
+    try:
+        return mailbox(entry).lower()
+    except MailboxProblem:
+        return entry.lower()
 
 
 # What each kind's output can be read as, past ``steps.<id>.output``: ``None`` means the
@@ -571,6 +576,11 @@ class _Checker:
                     f"{where}.quorum",
                     f"quorum {quorum} is more than the {known} approver(s) listed",
                 )
+        for index, entry in enumerate(approvers.get("emails") or []):
+            try:
+                mailbox(entry)
+            except MailboxProblem as problem:
+                self.fail(f"{where}.approvers.emails[{index}]", f"'{echo(entry)}' {problem}")
         if self.approval_rules is not None:
             self._safely(self._approval_bounds, step, where)
 
@@ -583,14 +593,18 @@ class _Checker:
         approvers = step["approvers"]
         users = [u for u in approvers.get("users") or [] if isinstance(u, str)]
         emails = [e for e in approvers.get("emails") or [] if isinstance(e, str)]
-        listed = len(set(users)) + len({e.lower() for e in emails})
+        listed = len(set(users)) + len({_mail_key(e) for e in emails})
         if listed > rules.max_approvers:
             self.fail(
                 f"{where}.approvers",
                 f"names {listed} approvers; a request asks at most {rules.max_approvers}",
             )
         for index, address in enumerate(approvers.get("emails") or []):
-            if isinstance(address, str) and outside_domains(address, rules.mail_domains):
+            try:
+                delivered = mailbox(address)
+            except MailboxProblem:
+                continue  # reported by _kind_approval, for every saver
+            if outside_domains(delivered, rules.mail_domains):
                 allowed = ", ".join(sorted(rules.mail_domains or ())) or "none"
                 self.fail(
                     f"{where}.approvers.emails[{index}]",

@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+from django.contrib.auth.models import Permission
 from django.db import connection
 from rest_framework.test import APIClient
 
@@ -270,9 +271,11 @@ def test_openapi_and_swagger_are_served(api: APIClient) -> None:
     assert b"swagger" in docs.content.lower()
 
 
-def test_every_kind_document_round_trips(api: APIClient, settings) -> None:
-    # Its approval mails boss@example.com: a domain anyone may name, here.
+def test_every_kind_document_round_trips(api: APIClient, settings, user) -> None:
+    # Its approval mails boss@example.com: a domain anyone may name, here; and a group and a
+    # hand-off's group, which needs approvals.mail_users (issue 36).
     settings.DJFLOW = {**settings.DJFLOW, "APPROVER_EMAIL_DOMAINS": ["example.com"]}
+    user.user_permissions.add(Permission.objects.get(codename="mail_users"))
     response = api.post("/api/v1/definitions", every_kind(), format="json")
     assert response.status_code == 201, response.json()
     stored = api.get("/api/v1/definitions/every_kind/versions/1").json()["document"]
