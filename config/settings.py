@@ -669,6 +669,15 @@ DJFLOW = {
     ),
     # Most steps a workflow document may hold, nested ones included (checked at save).
     "MAX_DOCUMENT_STEPS": env.int("DJFLOW_MAX_DOCUMENT_STEPS", default=500),
+    # Most bytes one run may store (compact JSON): its attempts' inputs, outputs, errors and
+    # spans and its child runs' inputs, counted on the run's row as they are written. A
+    # write that would pass it fails the run (class limit) and is not made.
+    "MAX_RUN_BYTES": env.int("DJFLOW_MAX_RUN_BYTES", default=64 * 1_048_576),
+    # Most bytes of values (inputs, outputs, errors) one answer of GET /runs or
+    # GET /runs/{id} embeds (runs.answers); a value over DJFLOW_ANSWER_VALUE_BYTES, or past
+    # the budget, is null there and listed in its object's ``truncated`` with its link.
+    "MAX_ANSWER_BYTES": env.int("DJFLOW_MAX_ANSWER_BYTES", default=4 * 1_048_576),
+    "ANSWER_VALUE_BYTES": env.int("DJFLOW_ANSWER_VALUE_BYTES", default=65_536),
     # A running attempt's lease: its worker renews it every third of this while the body
     # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
     # again, at_most_once ones become in_doubt). Never renewed past the attempt's deadline

@@ -27,12 +27,17 @@ from django.utils import timezone
 from workflows import access, secrets
 from workflows.errors import FieldError, NotFound, echo
 
-from . import graph, timeline
+from . import answers, graph, timeline
+from .answers import STEP_VALUES
 from .engine import slots
 from .models import Content, ModelCall, Run, RunAction, StepRun, ToolCall
 from .status import RUN_MOVES, RUN_TERMINAL, RunStatus
 
 TIMELINE_ROWS = 200
+# The attempts' values a page reads at most (answers.bound): each up to 64 KiB (it shows
+# VALUE_CHARS of it), 4 MiB in all; a larger one is shown as its size and a link.
+PAGE_VALUE_BYTES = 65_536
+PAGE_VALUES_BYTES = 4 * 1_048_576
 DETAIL_ROWS = 100
 VALUE_CHARS = 4_000
 TEXT_CHARS = 12_000
@@ -81,8 +86,10 @@ def run_for_page(*, run_id: Any, user: Any) -> Run:
 @dataclass(frozen=True)
 class Shown:
     text: str
-    # Characters left out (0: all of it is shown).
+    # Characters left out (0: all of it is shown); bytes when the value was not read at all.
     cut: int = 0
+    # Where the whole value is, when the page read none of it (an attempt's large value).
+    url: str = ""
 
 
 def show(value: Any, limit: int = VALUE_CHARS) -> Shown:
@@ -299,9 +306,21 @@ class AttemptView:
 
 
 def _attempt_rows(run: Run, limit: int) -> list[StepRun]:
-    rows = list(StepRun.objects.filter(run=run).order_by("-id")[:limit])
+    """The run's last ``limit`` attempts without their values (``answers.bound`` reads those
+    the page shows): 200 attempts of 2 MiB each were read whole for a page showing 4,000
+    characters of each of 100."""
+    rows = list(answers.sized(StepRun.objects.filter(run=run), STEP_VALUES).order_by("-id")[:limit])
     rows.reverse()
     return rows
+
+
+def _left_out(step: StepRun, name: str) -> Shown | None:
+    """How the page shows a value ``answers.bound`` did not read: its size and its link."""
+    size = (getattr(step, "truncated", None) or {}).get(name)
+    if size is None:
+        return None
+    url = reverse("run-step-value", args=[step.run_id, step.id, name])
+    return Shown("", size, url)
 
 
 def attempts(run: Run, rows: list[StepRun], *, tracebacks: bool) -> list[AttemptView]:
@@ -317,8 +336,8 @@ def attempts(run: Run, rows: list[StepRun], *, tracebacks: bool) -> list[Attempt
         views.append(
             AttemptView(
                 step=step,
-                input=show(step.input),
-                output=show(step.output),
+                input=_left_out(step, "input") or show(step.input),
+                output=_left_out(step, "output") or show(step.output),
                 error=error,
                 traceback=_cut(traceback, VALUE_CHARS * 2).text,
                 usage=show(step.usage or None),
@@ -469,6 +488,7 @@ def page(run: Run, user: Any) -> Page:
     total = StepRun.objects.filter(run=run).count()
     rows = _attempt_rows(run, TIMELINE_ROWS)
     detailed = rows[-DETAIL_ROWS:]
+    answers.bound([], detailed, limits=(PAGE_VALUES_BYTES, PAGE_VALUE_BYTES))
     tracebacks = access.may_see_tracebacks(user, run.workflow_id)
     may_operate = access.may_operate_run(user, run.workflow_id, run.created_by_id)
     children = Run.objects.filter(parent_run=run).order_by("created_at", "id")

@@ -88,6 +88,10 @@ class Run(models.Model):
     reruns = models.JSONField(default=list, blank=True, db_default=[])
     attempts = models.PositiveIntegerField(default=0)
     cost_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    # Bytes of values this run has stored (compact JSON: its attempts' inputs, outputs, errors
+    # and spans, its children's inputs), a running total kept in the statements that write
+    # them and checked against DJFLOW_MAX_RUN_BYTES (runs.engine.store.charging).
+    stored_bytes = models.BigIntegerField(default=0, db_default=0)
     # Who the run's model calls count against (CONTRACT section 10: the per-account model
     # concurrency): the start's ``account``, else the starter's username; a child run has its
     # root's.

@@ -12,6 +12,8 @@ from django.db.models import F, Prefetch, Q, QuerySet
 from workflows import access
 from workflows.errors import FieldError, NotFound, echo
 
+from . import answers
+from .answers import RUN_VALUES, STEP_VALUES
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 
 # What the runs list's search box looks in (``run_list(search_in=...)``): exact matches only,
@@ -89,15 +91,21 @@ def _search(text: str, where: str) -> Q:
     return by_id | Q(correlation=text) | Q(idempotency_key=text)
 
 
-def run_detail_queryset(user: Any = None) -> QuerySet[Run]:
+def run_detail_queryset(user: Any = None, *, bounded: bool = False) -> QuerySet[Run]:
     """Runs with their journal (every attempt, in the order it was written) and the children
     ``user`` may read (``None``: all): a child of a workflow they may not see is not theirs to
-    know of, by id or status (CONTRACT section 8), though its output is their step's."""
+    know of, by id or status (CONTRACT section 8), though its output is their step's.
+    ``bounded``: the run's and the attempts' values are left unread, their sizes read
+    instead, for ``answers.bound`` to read those that fit an answer."""
     children = _readable_children(user)
-    return Run.objects.select_related("version", "parent_step_run").prefetch_related(
+    runs = Run.objects.select_related("version", "parent_step_run")
+    steps = StepRun.objects.order_by("id")
+    if bounded:
+        runs, steps = answers.sized(runs, RUN_VALUES), answers.sized(steps, STEP_VALUES)
+    return runs.prefetch_related(
         Prefetch(
             "steps",
-            queryset=StepRun.objects.order_by("id").prefetch_related(
+            queryset=steps.prefetch_related(
                 Prefetch(
                     "model_calls",
                     # The sizes of the prompt and reply, not their texts (the call's own
@@ -134,11 +142,51 @@ def run_get(*, run_id: Any, user: Any = None) -> Run:
         key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = run_detail_queryset(user).filter(id=key).first()
+    run = run_detail_queryset(user, bounded=True).filter(id=key).first()
+    if run is None:
+        raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
+    access.require_view_run(user, run)
+    # The values that fit one answer (DJFLOW_MAX_ANSWER_BYTES), read now; the rest are links.
+    answers.bound([run], run.steps.all())
+    return run
+
+
+def run_readable(*, run_id: Any, user: Any = None) -> Run:
+    """The run (its id, workflow, starter and secrets only), if ``user`` may read it; a
+    malformed or unknown id, or a run they may not read, is a 404 naming ``id``."""
+    try:
+        key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
+    except ValueError:
+        raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
+    run = Run.objects.only("id", "workflow_id", "created_by_id", "secrets").filter(id=key).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, run)
     return run
+
+
+def value_of(
+    *, run_id: Any, field: str, step_run_id: Any = None, user: Any = None
+) -> tuple[Run, Any]:
+    """The whole of one value a run or one of its attempts stores (``field``: input, output,
+    or an attempt's error), for whoever may read the run (else 404 naming ``id``); an
+    attempt that is not the run's, or a field that is none of those, is a 404 naming it."""
+    run = run_readable(run_id=run_id, user=user)
+    fields = RUN_VALUES if step_run_id is None else STEP_VALUES
+    if field not in fields:
+        raise NotFound(
+            errors=[FieldError("field", f"no value '{echo(field)}' ({', '.join(fields)})")]
+        )
+    if step_run_id is None:
+        return run, Run.objects.filter(id=run.id).values_list(field, flat=True).get()
+    text = str(step_run_id)
+    # A step run's id is a bigint: anything else names none (never a 500 from int()).
+    is_id = text.isascii() and text.isdigit() and len(text) <= 18
+    rows = StepRun.objects.filter(run_id=run.id, id=int(text)) if is_id else StepRun.objects.none()
+    found = list(rows.values_list(field, flat=True)[:1])
+    if not found:
+        raise NotFound(errors=[FieldError("step", f"run {run.id} has no step run '{echo(text)}'")])
+    return run, found[0]
 
 
 def run_as_started(run: Run) -> Run:
@@ -167,8 +215,10 @@ def run_as_planned(*, run_id: Any, user: Any = None) -> Run:
     as in :func:`run_as_started`). The caller started the run, so it may read it (CONTRACT
     section 8); children stay filtered to those ``user`` may read, looked up only when the
     run has any."""
-    run = Run.objects.select_related("version", "parent_step_run").get(id=run_id)
-    steps = list(StepRun.objects.filter(run_id=run.id).order_by("id"))
+    runs = Run.objects.select_related("version", "parent_step_run")
+    run = answers.sized(runs, RUN_VALUES).get(id=run_id)
+    steps = list(answers.sized(StepRun.objects.filter(run_id=run.id), STEP_VALUES).order_by("id"))
+    answers.bound([run], steps)
     for step in steps:
         step._prefetched_objects_cache = {
             "model_calls": _fetched(ModelCall.objects.none()),
@@ -196,14 +246,7 @@ def _fetched(queryset: QuerySet[Any], rows: list[Any] | None = None) -> QuerySet
 def model_call_get(*, run_id: Any, call_id: Any, user: Any = None) -> ModelCall:
     """One model call of a run with its prompt and reply; 404 naming ``id`` for a run the
     caller may not read, naming ``call`` for a call that is not the run's."""
-    try:
-        key = run_id if isinstance(run_id, uuid.UUID) else uuid.UUID(str(run_id))
-    except ValueError:
-        raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    run = Run.objects.only("id", "workflow_id", "created_by_id", "secrets").filter(id=key).first()
-    if run is None:
-        raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
-    access.require_view_run(user, run)
+    run = run_readable(run_id=run_id, user=user)
     call = (
         ModelCall.objects.select_related("prompt", "reply")
         .annotate(prompt_size=F("prompt__size"), reply_size=F("reply__size"))

@@ -20,6 +20,7 @@ from rest_framework import serializers
 
 from workflows import secrets
 
+from . import answers
 from .engine import slots, unservable
 from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
 from .selectors import RUN_LIST_FILTERS
@@ -385,6 +386,29 @@ def has_traceback(error: Any) -> bool:
     return isinstance(error, dict) and "traceback" in error
 
 
+# An object's values left out of an answer (runs.answers): {field: {"bytes", "url"}} or null.
+TRUNCATED_SCHEMA = {
+    "type": "object",
+    "nullable": True,
+    "description": "the values shown as null because they did not fit the answer "
+    "(DJFLOW_ANSWER_VALUE_BYTES a value, DJFLOW_MAX_ANSWER_BYTES an answer): each one's "
+    "size as JSON text and the link that answers it whole",
+    "additionalProperties": {
+        "type": "object",
+        "properties": {
+            "bytes": {"type": "integer"},
+            "url": {"type": "string", "format": "uri"},
+        },
+        "required": ["bytes", "url"],
+    },
+}
+
+
+def api_url(name: str, *args: Any) -> str:
+    """An API address on SITE_URL (as ``inspect_url``): the same whoever asks."""
+    return f"{settings.SITE_URL.rstrip('/')}{reverse(name, args=args)}"
+
+
 class StepRunSerializer(serializers.ModelSerializer):
     """One attempt of one step."""
 
@@ -395,6 +419,7 @@ class StepRunSerializer(serializers.ModelSerializer):
     error = serializers.SerializerMethodField()
     model_calls = ModelCallSerializer(many=True, read_only=True)
     tool_calls = ToolCallSerializer(many=True, read_only=True)
+    truncated = serializers.SerializerMethodField()
 
     class Meta:
         model = StepRun
@@ -423,6 +448,7 @@ class StepRunSerializer(serializers.ModelSerializer):
             "waiting_since",
             "idempotency_key",
             "not_before",
+            "truncated",
         ]
         read_only_fields = fields
         extra_kwargs = {
@@ -439,6 +465,12 @@ class StepRunSerializer(serializers.ModelSerializer):
             },
             "waiting_since": {"help_text": "since when no live worker has served it"},
         }
+
+    @extend_schema_field(TRUNCATED_SCHEMA)
+    def get_truncated(self, step: StepRun) -> dict[str, Any] | None:
+        return answers.truncated(
+            step, lambda name: api_url("run-step-value", step.run_id, step.id, name)
+        )
 
     @extend_schema_field(STEP_ERROR_SCHEMA)
     def get_error(self, step: StepRun) -> dict[str, Any] | None:
@@ -474,6 +506,7 @@ class RunListSerializer(serializers.ModelSerializer):
         help_text="the run's page in the run inspector (graph, timeline, attempts, actions), "
         "for people who may read the run; absolute, on SITE_URL"
     )
+    truncated = serializers.SerializerMethodField()
 
     class Meta:
         model = Run
@@ -499,6 +532,7 @@ class RunListSerializer(serializers.ModelSerializer):
             "finished_at",
             "deadline_at",
             "inspect_url",
+            "truncated",
         ]
         read_only_fields = fields
 
@@ -519,6 +553,10 @@ class RunListSerializer(serializers.ModelSerializer):
             "message": str(error.get("message") or ""),
             "step": error.get("step"),
         }
+
+    @extend_schema_field(TRUNCATED_SCHEMA)
+    def get_truncated(self, run: Run) -> dict[str, Any] | None:
+        return answers.truncated(run, lambda name: api_url(f"run-{name}", run.id))
 
     @extend_schema_field(OpenApiTypes.URI)
     def get_inspect_url(self, run: Run) -> str:

@@ -19,6 +19,24 @@ urlpatterns = [
         name="run-step-resolve",
     ),
     path("runs/<str:run_id>/trace", views.RunTraceView.as_view(), name="run-trace"),
+    # The whole of a value an answer left out (runs.answers): input, output or error.
+    path(
+        "runs/<str:run_id>/steps/<str:step_run_id>/<str:field>",
+        views.StepValueView.as_view(),
+        name="run-step-value",
+    ),
+    path(
+        "runs/<str:run_id>/input",
+        views.RunValueView.as_view(),
+        {"field": "input"},
+        name="run-input",
+    ),
+    path(
+        "runs/<str:run_id>/output",
+        views.RunValueView.as_view(),
+        {"field": "output"},
+        name="run-output",
+    ),
     path("runs/<str:run_id>/calls/<int:call_id>", views.ModelCallView.as_view(), name="run-call"),
     path("events", views.EventView.as_view(), name="events"),
 ]

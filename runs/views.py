@@ -22,7 +22,7 @@ from config.pagination import NewestFirstPagination
 from workflows import access, secrets
 from workflows.views import ERRORS
 
-from . import bulk, selectors, services, trace
+from . import answers, bulk, selectors, services, trace
 from .models import Run
 from .serializers import (
     BulkActionSerializer,
@@ -59,7 +59,9 @@ class RunListView(APIView):
         operation_id="runs_list",
         description=(
             "Runs, newest first, cursor-paginated. List rows leave out `steps` and `children`"
-            " for speed; read one run for its journal and children."
+            " for speed; read one run for its journal and children. An `input` or `output` that"
+            " does not fit the answer (DJFLOW_ANSWER_VALUE_BYTES a value, DJFLOW_MAX_ANSWER_BYTES"
+            " a page) is null and listed in the row's `truncated` with its link."
         ),
         parameters=[
             RunListQuerySerializer,
@@ -73,7 +75,9 @@ class RunListView(APIView):
         query.is_valid(raise_exception=True)
         runs = selectors.run_list(**query.validated_data, user=request.user)
         paginator = self.pagination_class()
-        page = paginator.paginate_queryset(runs, request, view=self)
+        # Read without their values; those that fit the answer are read for the page.
+        page = paginator.paginate_queryset(answers.sized(runs, answers.RUN_VALUES), request, self)
+        answers.bound(page or [])
         return paginator.get_paginated_response(RunListSerializer(page, many=True).data)
 
     @extend_schema(
@@ -131,11 +135,75 @@ class RunDetailView(APIView):
     @extend_schema(
         operation_id="runs_read",
         parameters=[RUN_ID],
-        description="The run with its children and its journal: every attempt of every step.",
+        description="The run with its children and its journal: every attempt of every step."
+        " A value (the run's input or output, an attempt's input, output or error) that does"
+        " not fit the answer (DJFLOW_ANSWER_VALUE_BYTES a value, DJFLOW_MAX_ANSWER_BYTES in"
+        " all, oldest first) is null and listed in its object's `truncated`, with the link"
+        " that answers it whole.",
         responses={200: RunSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, run_id: str) -> Response:
         return Response(_render(request, selectors.run_get(run_id=run_id, user=request.user)))
+
+
+def _value_response(request: Request, run: Run, value: Any, *, field: str) -> Response:
+    """One stored value, whole, as the run's readers see it (secrets as ••••, tracebacks
+    for its operators only). Every value is at most 1 MiB (MAX_VALUE_BYTES, or a request
+    body), so it is answered as one JSON document."""
+    hidden = field == "error" and has_traceback(value)
+    if hidden and not access.may_see_tracebacks(request.user, run.workflow_id):
+        value = {key: shown for key, shown in value.items() if key != "traceback"}
+    return Response({"value": secrets.shown(value) if run.secrets else value})
+
+
+VALUE_ANSWER = {
+    "type": "object",
+    "properties": {"value": {"description": "the whole value, any JSON"}},
+    "required": ["value"],
+}
+
+
+class RunValueView(APIView):
+    @extend_schema(
+        operation_id="runs_value",
+        parameters=[RUN_ID],
+        description="The run's whole input or output, which `GET /runs/{id}` and `GET /runs`"
+        " leave out (`truncated`) when it does not fit their answer. Whoever may read the run;"
+        " 404 otherwise.",
+        responses={200: VALUE_ANSWER, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str, field: str) -> Response:
+        run, value = selectors.value_of(run_id=run_id, field=field, user=request.user)
+        return _value_response(request, run, value, field=field)
+
+
+class StepValueView(APIView):
+    @extend_schema(
+        operation_id="runs_step_value",
+        parameters=[
+            RUN_ID,
+            OpenApiParameter(
+                "step_run_id", OpenApiTypes.STR, OpenApiParameter.PATH, description="the attempt"
+            ),
+            OpenApiParameter(
+                "field",
+                OpenApiTypes.STR,
+                OpenApiParameter.PATH,
+                enum=["input", "output", "error"],
+                description="which of the attempt's values",
+            ),
+        ],
+        description="One attempt's whole input, output or error, which `GET /runs/{id}` leaves"
+        " out (`truncated`) when it does not fit the answer. Whoever may read the run (the"
+        " error's traceback for its operators only); 404 otherwise, or for an attempt of"
+        " another run.",
+        responses={200: VALUE_ANSWER, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str, step_run_id: str, field: str) -> Response:
+        run, value = selectors.value_of(
+            run_id=run_id, step_run_id=step_run_id, field=field, user=request.user
+        )
+        return _value_response(request, run, value, field=field)
 
 
 class ModelCallView(APIView):

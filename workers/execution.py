@@ -44,7 +44,7 @@ from runs.engine.advance import (
 )
 from runs.engine.ending import Ends
 from runs.engine.plan import MAX_VALUE_BYTES
-from runs.engine.store import attempts_in_flight, record_result, request_advance
+from runs.engine.store import attempts_in_flight, record_charged, request_advance
 from runs.models import Effect, Run, StepRun
 from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
@@ -1059,17 +1059,28 @@ def _record_inside(
                 Run.objects.filter(id=row.run_id).update(cost_usd=F("cost_usd") + cost)
             calls.calls_record(ctx.model_calls if ctx is not None else [])
             calls.tool_calls_record(ctx.tool_calls if ctx is not None else [])
-            if not record_result(row.id, claim, result):
+            outcome = record_charged(row.run_id, row.id, claim, result)
+            if outcome == "lost":
                 logger.info("attempt %s finished after it was given up; result dropped", row.id)
                 return "dropped", None
             if cost:
                 _charge_attempt(row.id, cost)
-            if asks and request_advance(row.run_id):
+            if (asks or outcome == "refused") and request_advance(row.run_id):
                 dispatch.advance_on_commit(row.run_id)
-    # Nothing but the result to write (a plain item's success): one statement, autocommit.
-    elif not record_result(row.id, claim, result):
+    else:
+        # Nothing but the result to write (a plain item's success): one statement on
+        # Postgres, autocommit, the run charged what it stores (DJFLOW_MAX_RUN_BYTES) in it.
+        outcome = record_charged(row.run_id, row.id, claim, result)
+        if outcome == "refused":
+            # Over the run's cap: the attempt failed (class limit), which fails the run.
+            with transaction.atomic():
+                if request_advance(row.run_id):
+                    dispatch.advance_on_commit(row.run_id)
+    if outcome == "lost":
         logger.info("attempt %s finished after it was given up; result dropped", row.id)
         return "dropped", None
+    if outcome == "refused":
+        return StepStatus.FAILED, None
     if not asks:
         _ask_if_last(row)
     return result["status"], None

@@ -31,10 +31,15 @@ from .plan import Plan, plan
 from .sql import cursor as prepared_cursor
 from .store import (
     attempts_in_flight,
-    record_result,
-    record_results,
+    charging,
+    claim_holds,
+    claim_params,
+    record_charged,
+    record_results_charged,
     recording,
     request_advance,
+    result_bytes,
+    settle_charge,
     take_advance_request,
 )
 
@@ -280,23 +285,39 @@ def lock_run_recording_reading(
     insert and the commit; now three."""
     if connection.vendor != "postgresql":
         run = lock_run(run_id)
-        recorded = run is not None and record_result(step_run_id, claim, values)
+        recorded = run is not None and _charged(run, step_run_id, claim, values)
         read = None
         if run is not None and after is not None:
             read = (after, journal.journal_of(run_id, after=after))
         return run, recorded, read
     update, params = recording(step_run_id, claim, values)
+    size = result_bytes(values)
+    charge, charge_params = charging(
+        run_id, size, guard=f" AND EXISTS (SELECT 1 FROM locked){claim_holds()}"
+    )
     # The run's lock is taken as the UPDATE's condition reads ``locked``, before the
-    # attempt's row is: the order every transaction of the engine takes them in.
+    # attempt's row is: the order every transaction of the engine takes them in. The run is
+    # charged what the result stores in the same statement (DJFLOW_MAX_RUN_BYTES): a result
+    # over the cap is not written.
     sql = (
         f"WITH locked AS (SELECT {_RUN_COLUMNS} FROM {Run._meta.db_table}"
         " WHERE id = %s FOR NO KEY UPDATE),"
-        f" recorded AS ({update} AND EXISTS (SELECT 1 FROM locked) RETURNING 1)"
-        " SELECT locked.*, (SELECT count(*) FROM recorded) FROM locked"
+        f" charged AS ({charge}),"
+        f" recorded AS ({update} AND EXISTS (SELECT 1 FROM charged) RETURNING 1)"
+        " SELECT locked.*, (SELECT count(*) FROM charged), (SELECT count(*) FROM recorded)"
+        " FROM locked"
     )
     rows = None
     with prepared_cursor() as cursor, prepared_cursor() as reader, _pipelined():
-        cursor.execute(sql, [Run._meta.pk.get_db_prep_value(run_id, connection), *params])
+        cursor.execute(
+            sql,
+            [
+                Run._meta.pk.get_db_prep_value(run_id, connection),
+                *charge_params,
+                *claim_params(step_run_id, claim),
+                *params,
+            ],
+        )
         if after is not None:
             journal.send_journal_read(reader, run_id, after)
         row = cursor.fetchone()
@@ -304,7 +325,23 @@ def lock_run_recording_reading(
             rows = journal.journal_read(reader)
     if row is None:
         return None, False, None
-    return _run_of(row[:-1]), row[-1] == 1, None if rows is None else (after or 0, rows)
+    run = _run_of(row[:-2])
+    outcome = settle_charge(run_id, step_run_id, claim, values, size, row[-2], row[-1])
+    if outcome == "recorded":
+        # ``locked`` was read before the charge: the plan sees the run's total with it.
+        run.stored_bytes += size
+    elif outcome == "refused" and rows is not None:
+        # The journal was read with the attempt still running: read it again.
+        rows = journal.journal_of(run_id, after=after or 0)
+    return run, outcome != "lost", None if rows is None else (after or 0, rows)
+
+
+def _charged(run: Run, step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
+    """Record a result charged against its (locked) run: whether a row was written."""
+    outcome = record_charged(run.id, step_run_id, claim, values)
+    if outcome == "recorded":
+        run.stored_bytes += result_bytes(values)
+    return outcome != "lost"
 
 
 def lock_runs_recording_reading(
@@ -322,9 +359,13 @@ def lock_runs_recording_reading(
         ]
     runs = lock_runs([run_id for run_id, *_ in entries])
     mine = [entry for entry in entries if str(entry[0]) in runs]
-    recorded = record_results(
-        [(step_run_id, claim, values) for _, step_run_id, claim, values, _ in mine]
+    # Each run charged what its result stores, in the statement that records it.
+    recorded, added = record_results_charged(
+        [(run_id, step_run_id, claim, values) for run_id, step_run_id, claim, values, _ in mine]
     )
+    for run_id, size in added.items():
+        # Locked and read before the charge: the plans see the runs' totals with it.
+        runs[run_id].stored_bytes += size
     afters = {str(entry[0]): entry[4] for entry in mine if entry[4] is not None}
     journals = journal.journals_of(afters) if afters else {}
     return [

@@ -23,6 +23,7 @@ from workflows.inputs import input_errors
 from workflows.kinds import Role
 from workflows.models import WorkflowVersion
 from workflows.queues import version_queue_errors
+from workflows.templates import encoded_size
 
 from .. import dispatch, vault
 from ..models import Run, StepRun, Timer, TimerPurpose
@@ -39,10 +40,13 @@ from . import costs, ending
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import (
+    Increment,
     LoneAttempt,
     Rider,
     insert_attempts,
     insert_lone_attempts,
+    max_run_bytes,
+    over_cap_error,
     prep_value,
     request_advance,
     send_riders,
@@ -123,7 +127,14 @@ def apply_plan(
     With ``ends`` (a batch's), a plan that ends the run and opens nothing (``_ends_alone``)
     leaves the end's writes to ``ends`` (``ending.end_run``).
     """
+    planned, stored = _within_cap(run, planned)
     writer = _Writer(run, now)
+    if stored:
+        # Added to the row's total, not written over it: fan-out completions add theirs
+        # without the run's lock (store.charging).
+        run.stored_bytes += stored
+        writer.stored += stored
+        writer.fields.add("stored_bytes")
     if ends is not None and _ends_alone(planned):
         writer.ends = ends
     for action in planned.actions:
@@ -134,6 +145,48 @@ def apply_plan(
     if hold and defer is not None and _defers(planned):
         return writer.defer(planned, defer, claim_as)
     return writer.done(planned, hold=hold, claim_as=claim_as if hold else None)
+
+
+def _values_of(action: Any) -> list[tuple[str, Any]]:
+    """The values ``action`` stores for its run, each with what it is (for the error)."""
+    if isinstance(action, p.Schedule):
+        return [("input", action.input)]
+    if isinstance(action, p.Open):
+        start = action.start or {}
+        found = [("input", action.input), ("output", action.output), ("error", action.error)]
+        return [*found, ("child run's input", start.get("input"))]
+    if isinstance(action, p.Close):
+        return [("output", action.output), ("error", action.error)]
+    # Not a Finish's output: written once, at most 1 MiB (MAX_VALUE_BYTES), by the end's own
+    # statement (ending.end_run), which a charge would cost a statement more on every end.
+    return []
+
+
+# What a plan that would pass DJFLOW_MAX_RUN_BYTES keeps besides its end: the actions that
+# store no value (end_run closes whatever the dropped ones left open).
+_KEPT_OVER_CAP = (p.StartRun, p.Expire, p.Cancel)
+
+
+def _within_cap(run: Run, planned: p.Plan) -> tuple[p.Plan, int]:
+    """``planned`` and the bytes of values it stores, when they fit in what the run may
+    still store (DJFLOW_MAX_RUN_BYTES); else a plan that fails the run (class limit) naming
+    the first value that would pass the cap, and stores none of them. The sizes are those
+    of compact JSON, as every bound is stated (workflows.templates.encoded_size)."""
+    limit = max_run_bytes()
+    stored, total = run.stored_bytes, 0
+    for action in planned.actions:
+        for what, value in _values_of(action):
+            if value is None:
+                continue
+            size = encoded_size(value)
+            if stored + total + size > limit:
+                step = getattr(action, "step_id", None)
+                named = f"the {what} of step '{step}'" if step else f"the run's {what}"
+                error = {**over_cap_error(named, size, stored + total), "step": step}
+                kept = [a for a in planned.actions if isinstance(a, _KEPT_OVER_CAP)]
+                return p.Plan(actions=[*kept, p.Finish("failed", error=error)]), 0
+            total += size
+    return planned, total
 
 
 def _defers(planned: p.Plan) -> bool:
@@ -179,6 +232,8 @@ class _Writer:
         self.riders: list[Rider] = []
         # A batch's ends, when the run's end may be written with the batch's (apply_plan).
         self.ends: ending.Ends | None = None
+        # Bytes of values this plan stores, added to the run's stored_bytes (_within_cap).
+        self.stored = 0
 
     def send_riders(self) -> None:
         if self.riders:
@@ -322,8 +377,10 @@ class _Writer:
         """The run's fields this plan changed, ``updated_at`` among them when more than the
         count of attempts changed."""
         run = self.run
-        changes = {name: getattr(run, name) for name in sorted(self.fields)}
-        if self.fields - {"attempts"}:
+        changes: dict[str, Any] = {name: getattr(run, name) for name in sorted(self.fields)}
+        if self.stored:
+            changes["stored_bytes"] = Increment(self.stored)
+        if self.fields - {"attempts", "stored_bytes"}:
             # Not for a count of attempts alone, as most steps write: updated_at is in an
             # index (the reconciler's look for idle runs), and writing it made every step's
             # run update a new version in each of the run's 17 indexes; without it the update

@@ -1211,7 +1211,7 @@ class _Planner:
         if latest is not None and latest.status != "running" and latest.generation == generation:
             # Failed in this generation: it went on (continue), or the run has ended.
             error = dict(latest.error or {"class": "fatal", "message": latest.status})
-            if step.get("on_error", "fail_run") == "continue":
+            if _goes_on(step, error):
                 self._settle(step, "failed", None, error)
                 return _Go.CONTINUE
             return self._fail(step, error)
@@ -1266,7 +1266,7 @@ class _Planner:
             self._settle(step, "succeeded", output, None)
             return _Go.CONTINUE
         if go is _Go.FAILED:
-            if step.get("on_error", "fail_run") == "continue":
+            if _goes_on(step, self.failure):
                 self._settle(step, "failed", None, failure)
                 return _Go.CONTINUE
             return self._fail(step, self.failure)
@@ -1584,6 +1584,13 @@ def _head(path: str, step_id: str) -> str:
     """The step a journal row belongs to at the top of its path: the row's own step at the
     top level or in a condition's branch (no path), else the composite its path starts in."""
     return path.split("[", 1)[0] if path else step_id
+
+
+def _goes_on(step: Mapping[str, Any], error: Mapping[str, Any]) -> bool:
+    """Whether a failed composite step lets its container go on (``on_error: continue``):
+    never for a run limit one of its steps ran into (DJFLOW_MAX_RUN_BYTES, a model call over
+    ``max_cost_usd``), which fails the run whatever on_error says, as for a plain step."""
+    return step.get("on_error", "fail_run") == "continue" and error.get("class") != LIMIT
 
 
 def _one(body: Any) -> Mapping[str, Any]:

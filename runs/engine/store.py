@@ -16,6 +16,8 @@ from typing import Any
 from django.db import connection
 from django.db.models import Field, Model
 
+from workflows.templates import encoded_size
+
 from ..models import AdvanceRequest, Run, StepRun
 from ..status import StepStatus, run_sources, step_sources
 from .sql import cursor as prepared_cursor
@@ -52,12 +54,29 @@ def prep_value(name: str, value: Any, model: type[Model] = StepRun) -> Any:
     return _field(name, model).get_db_prep_save(value, connection)
 
 
+@dataclass(frozen=True)
+class Increment:
+    """A run field's change written as ``column = column + by``: right whatever the row
+    held when the caller read it (``stored_bytes``, which fan-out completions add to
+    without the run's lock)."""
+
+    by: int
+
+
 def run_update_sql(run_id: Any, changes: dict[str, Any]) -> tuple[str, list[Any]]:
     """The UPDATE of a run's ``changes``. One that writes a status is conditional on the
     table (``runs.status.RUN_MOVES``): the row must be in a status that may move to it, or
     hold it already (the same status written again is no move)."""
-    assignments = ", ".join(f"{_column(n, Run)} = %s" for n in changes)
-    params = [prep_value(name, value, Run) for name, value in changes.items()]
+
+    def assignment(name: str, value: Any) -> str:
+        column = _column(name, Run)
+        return f"{column} = {column} + %s" if isinstance(value, Increment) else f"{column} = %s"
+
+    assignments = ", ".join(assignment(n, v) for n, v in changes.items())
+    params = [
+        value.by if isinstance(value, Increment) else prep_value(name, value, Run)
+        for name, value in changes.items()
+    ]
     params.append(prep_value("id", run_id, Run))
     sql = f"UPDATE {Run._meta.db_table} SET {assignments} WHERE id = %s"
     if "status" in changes:
@@ -284,6 +303,192 @@ def record_result(step_run_id: int, claim: Any, values: dict[str, Any]) -> bool:
     with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         return bool(cursor.rowcount == 1)
+
+
+# --- what a run stores (DJFLOW_MAX_RUN_BYTES) ----------------------------------------------
+
+# The fields of an attempt's result that hold values a handler made (counted against the run).
+_CHARGED = ("output", "error", "spans")
+
+
+def result_bytes(values: dict[str, Any]) -> int:
+    """What recording ``values`` stores of a handler's making, as compact UTF-8 JSON (the
+    form every bound is stated in): its output, error and spans."""
+    return sum(encoded_size(values[name]) for name in _CHARGED if values.get(name))
+
+
+def max_run_bytes() -> int:
+    from django.conf import settings
+
+    return int(settings.DJFLOW["MAX_RUN_BYTES"])
+
+
+def over_cap_error(what: str, size: int, stored: int | None = None) -> dict[str, Any]:
+    """The error (class limit) of a write that would pass DJFLOW_MAX_RUN_BYTES."""
+    held = "" if stored is None else f" on top of the {stored} bytes it holds"
+    return {
+        "class": "limit",
+        "message": f"DJFLOW_MAX_RUN_BYTES ({max_run_bytes()}) reached: {what} ({size} bytes)"
+        f" would bring what the run stores{held} past it; it was not stored",
+    }
+
+
+def over_cap(values: dict[str, Any], size: int) -> dict[str, Any]:
+    """``values`` as recorded when they would pass the run's cap: the attempt failed with
+    class limit, none of its output, error or spans kept (same fields, for batch writes)."""
+    refused = {**values, "status": StepStatus.FAILED, "output": None, "spans": []}
+    refused["error"] = over_cap_error("this attempt's result", size)
+    return refused
+
+
+def charging(run_id: Any, size: int, *, guard: str = "") -> tuple[str, list[Any]]:
+    """The UPDATE adding ``size`` to the run's ``stored_bytes`` if that stays within
+    DJFLOW_MAX_RUN_BYTES (``RETURNING 1`` when it did). Concurrent completions of one run
+    take turns on its row, and each re-reads the total it adds to (READ COMMITTED
+    re-checks the condition on the row's latest version), so the total is exact and the
+    cap holds however many complete at once. ``guard``: more SQL conditions."""
+    table = Run._meta.db_table
+    sql = (
+        f"UPDATE {table} SET stored_bytes = stored_bytes + %s WHERE id = %s"
+        f" AND stored_bytes + %s <= %s{guard} RETURNING 1"
+    )
+    return sql, [size, prep_value("id", run_id, Run), size, max_run_bytes()]
+
+
+def record_results_charged(
+    entries: Sequence[tuple[Any, int, Any, dict[str, Any]]],
+) -> tuple[set[int], dict[str, int]]:
+    """:func:`record_results` for several runs' attempts (run id, attempt id, claim, values;
+    one a run, each run locked by the caller), each run charged what its result stores in
+    the same statement (:func:`charging`). A result that would pass its run's cap is
+    recorded failed, class limit (``over_cap``), by a second statement; a charge whose
+    result lost its claim is taken back. Returns the ids recorded either way, and what each
+    run (by id as a string) was charged."""
+    if connection.vendor != "postgresql" or len(entries) < 2:
+        recorded, added = set(), {}
+        for run_id, step_run_id, claim, values in entries:
+            outcome = record_charged(run_id, step_run_id, claim, values)
+            if outcome != "lost":
+                recorded.add(step_run_id)
+            if outcome == "recorded":
+                added[str(run_id)] = result_bytes(values)
+        return recorded, added
+    if len({str(run_id) for run_id, *_ in entries}) != len(entries):
+        raise ValueError("one result a run: a run's charges would be added once")
+    for status in {values["status"] for *_, values in entries}:
+        step_sources(status, [StepStatus.RUNNING])
+    sizes = [result_bytes(values) for *_, values in entries]
+    names = tuple(entries[0][3])
+    columns = _unnest_columns(
+        ("id", "claim", *names),
+        [{"id": i, "claim": claim, **values} for _, i, claim, values in entries],
+    )
+    runs = [prep_value("id", run_id, Run) for run_id, *_ in entries]
+    with prepared_cursor() as cursor:
+        cursor.execute(
+            _record_charged_unnest_sql(names),
+            [runs, sizes, max_run_bytes(), *columns, str(StepStatus.RUNNING)],
+        )
+        found = cursor.fetchall()
+    recorded = {int(value) for kind, value in found if kind == "recorded"}
+    charged = {str(value) for kind, value in found if kind == "charged"}
+    refused, added = [], {}
+    for (run_id, step_run_id, claim, values), size in zip(entries, sizes, strict=True):
+        if str(run_id) not in charged:
+            refused.append((step_run_id, claim, over_cap(values, size)))
+        elif step_run_id not in recorded:
+            refund(run_id, size)
+        else:
+            added[str(run_id)] = size
+    if refused:
+        recorded |= record_results(refused)
+    return recorded, added
+
+
+@functools.cache
+def _record_charged_unnest_sql(names: tuple[str, ...]) -> str:
+    """:func:`_record_unnest_sql` with each attempt's run charged first (``charged``) and
+    only the attempts of runs charged recorded; answers ("charged", run id) and
+    ("recorded", attempt id) rows."""
+    table = Run._meta.db_table
+    record = _record_unnest_sql(names).replace(
+        " RETURNING s.id", " AND s.run_id IN (SELECT id FROM charged) RETURNING s.id"
+    )
+    return (
+        f"WITH charged AS (UPDATE {table} AS r SET stored_bytes = r.stored_bytes + c.n"
+        " FROM UNNEST(%s::uuid[], %s::bigint[]) AS c(id, n)"
+        " WHERE r.id = c.id AND r.stored_bytes + c.n <= %s RETURNING r.id),"
+        f" recorded AS ({record})"
+        " SELECT 'charged', id::text FROM charged"
+        " UNION ALL SELECT 'recorded', id::text FROM recorded"
+    )
+
+
+def claim_holds() -> str:
+    """:func:`charging`'s guard: the attempt still runs under its claim (a charge for a
+    result that cannot be recorded is mostly not made; the rare race is refunded)."""
+    return (
+        f" AND EXISTS (SELECT 1 FROM {_TABLE} WHERE id = %s"
+        f" AND status = '{StepStatus.RUNNING}' AND claim = %s)"
+    )
+
+
+def claim_params(step_run_id: int, claim: Any) -> list[Any]:
+    return [step_run_id, prep_value("claim", claim)]
+
+
+def refund(run_id: Any, size: int) -> None:
+    """Take back a charge whose result was not recorded (its claim was lost meanwhile)."""
+    if size:
+        update_run(run_id, {"stored_bytes": Increment(-size)})
+
+
+def record_charged(run_id: Any, step_run_id: int, claim: Any, values: dict[str, Any]) -> str:
+    """Record a running attempt's result and charge its run what it stores, in one
+    statement on Postgres: "recorded"; "refused" when the result would pass the run's
+    DJFLOW_MAX_RUN_BYTES (the attempt is recorded failed, class limit, none of its values
+    stored); "lost" when the claim no longer holds (nothing written, nothing charged)."""
+    size = result_bytes(values)
+    update, params = recording(step_run_id, claim, values)
+    if connection.vendor == "postgresql":
+        charge, charge_params = charging(run_id, size, guard=claim_holds())
+        sql = (
+            f"WITH charged AS ({charge}),"
+            f" recorded AS ({update} AND EXISTS (SELECT 1 FROM charged) RETURNING 1)"
+            " SELECT (SELECT count(*) FROM charged), (SELECT count(*) FROM recorded)"
+        )
+        with prepared_cursor() as cursor:
+            cursor.execute(sql, [*charge_params, *claim_params(step_run_id, claim), *params])
+            charged, recorded = cursor.fetchone()
+    else:
+        charge, charge_params = charging(run_id, size)
+        with prepared_cursor() as cursor:
+            cursor.execute(charge.removesuffix(" RETURNING 1"), charge_params)
+            charged = cursor.rowcount
+            recorded = charged and record_result(step_run_id, claim, values)
+    return settle_charge(run_id, step_run_id, claim, values, size, charged, recorded)
+
+
+def settle_charge(
+    run_id: Any,
+    step_run_id: int,
+    claim: Any,
+    values: dict[str, Any],
+    size: int,
+    charged: int,
+    recorded: int,
+) -> str:
+    """After a charged record (:func:`record_charged`'s answer): a charge whose record
+    lost its claim is taken back; a refused charge records the attempt failed (class
+    limit) if its claim holds."""
+    if recorded:
+        return "recorded"
+    if charged:
+        refund(run_id, size)
+        return "lost"
+    if record_result(step_run_id, claim, over_cap(values, size)):
+        return "refused"
+    return "lost"
 
 
 def attempts_in_flight(run_id: Any, kinds: frozenset[str], *, besides: int) -> bool:
