@@ -171,6 +171,34 @@ def test_a_bulk_retry_retries_failed_top_level_runs_only(
     assert row.detail == {"generation": 2, "bulk": str(action.id)}
 
 
+def test_a_run_a_batch_fails_on_is_marked_and_the_batch_goes_on(user, version, sent) -> None:
+    """A bulk retry of three failed runs, one of which the database refuses to change (a
+    trigger, as a DBA's rule or a constraint would): the other two are retried, the refused
+    one logged, counted, marked and skipped, and the action finishes. Before, the database
+    error rolled the whole batch back, and the reconciler's re-offer ran it into the same run
+    again, forever."""
+    from runs.models import RunFault
+
+    from .refusals import refuse
+
+    runs = [RunFactory(version=version, status=RunStatus.FAILED) for _ in range(3)]
+    for run in runs:
+        StepRunFactory(run=run, step_id="send", status=StepStatus.FAILED)
+    poison = runs[1]
+    refuse(table="runs_run", event="UPDATE", column="id", value=poison.id)
+    started = bulk.bulk_action_start(action="retry", user=user, send=False, status="failed")
+    assert started.action is not None
+    with mock.patch("runs.tasks.advance.apply_async"):
+        action = _all_batches(started.action.id)
+    assert action.finished_at is not None and (action.done, action.skipped) == (2, 1)
+    assert _statuses(runs) == [RunStatus.RUNNING, RunStatus.FAILED, RunStatus.RUNNING]
+    fault = RunFault.objects.get(run=poison)
+    assert fault.pass_name == "bulk_action" and "refused by a trigger" in fault.error
+    assert list(RunAction.objects.filter(run=poison).values_list("action", flat=True)) == [
+        "pass_failed"
+    ]
+
+
 def test_a_dry_run_counts_and_changes_nothing(api: APIClient, version, sent) -> None:
     runs = [RunFactory(version=version, status=RunStatus.RUNNING) for _ in range(3)]
     response = api.post(

@@ -31,6 +31,7 @@ from runs.retention import retention_purge
 from workflows.services import definition_save
 
 from .factories import RunFactory, StepRunFactory
+from .refusals import refuse
 
 pytestmark = pytest.mark.django_db
 
@@ -224,19 +225,7 @@ def test_retention_deletes_every_other_tree_and_marks_one_it_cannot_delete() -> 
     poison = ended[1]
     StepRunFactory(run=poison)
     # The database refuses to delete the poison's journal (a rule a DBA left, say).
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            CREATE FUNCTION djflow_test_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN RAISE EXCEPTION 'refused by a trigger'; END $$;
-            """
-        )
-        cursor.execute(
-            f"""
-            CREATE TRIGGER djflow_test_refuse BEFORE DELETE ON {StepRun._meta.db_table}
-            FOR EACH ROW WHEN (OLD.run_id = '{poison.id}') EXECUTE FUNCTION djflow_test_refuse()
-            """
-        )
+    refuse(table=StepRun._meta.db_table, event="DELETE", column="run_id", value=poison.id)
     before = failures("retention")
     report = retention_purge(older_than={"completed": timedelta(days=30)})
     assert set(Run.objects.values_list("id", flat=True)) == {poison.id}
