@@ -221,15 +221,22 @@ def restore_reminders(now: datetime, batch: int) -> int:
         .exclude(isolation.in_backoff(REMINDERS, now))
         .order_by("created_at")[:batch]
     )
-    restored = 0
-    for request in candidates:
-        if slots_passed(request, quiet) > request.reminders_sent:
-            logger.warning("reconcile: approval %s missed a reminder", request.id)
-            # One request's failure (an approver's address that no longer renders, say) is
-            # logged, counted and marked on its run; the others are reminded.
-            reminded = partial(remind, step_run_id=request.step_run_id, now=now)
-            restored += bool(isolation.guarded(REMINDERS, request.run_id, reminded, failed=0))
-    return restored
+    # Each request on its own: one whose reminder fails (a row no slot can be computed for,
+    # an approver whose mail cannot be queued) is logged, counted and marked on its run, and
+    # the others are reminded (runs.engine.isolation).
+    return sum(
+        isolation.guarded(
+            REMINDERS, request.run_id, partial(_restore, request, quiet, now), failed=0
+        )
+        for request in candidates
+    )
+
+
+def _restore(request: ApprovalRequest, quiet: datetime, now: datetime) -> int:
+    if slots_passed(request, quiet) <= request.reminders_sent:
+        return 0
+    logger.warning("reconcile: approval %s missed a reminder", request.id)
+    return int(bool(remind(step_run_id=request.step_run_id, now=now)))
 
 
 def _set_reminder(request: ApprovalRequest, step_run: StepRun, now: datetime) -> None:

@@ -40,10 +40,14 @@ from workflows import access
 from workflows.errors import EngineError, FieldError, InvalidInput, NotFound, echo
 
 from . import selectors, services
+from .engine import isolation
 from .models import BulkAction, Run
 from .status import RUN_MOVES, RunStatus
 
 logger = logging.getLogger(__name__)
+
+# A run a batch failed on, as counted and marked (runs.engine.isolation).
+BULK = "bulk_action"
 
 TASK = "runs.bulk_action"
 CANCEL = BulkAction.Action.CANCEL
@@ -206,6 +210,13 @@ def bulk_action_batch(*, bulk_id: Any, batch: int, send_next: bool = True) -> bo
             except EngineError as refused:
                 # Ended, retried or no longer the caller's to operate since it was counted.
                 logger.info("bulk %s: run %s passed over: %s", bulk.id, run_id, refused)
+                bulk.skipped += 1
+            except Exception as error:
+                # A run the service fails on (its journal unreadable, say): its savepoint is
+                # rolled back, the failure logged, counted and marked on it, and the batch
+                # goes on; raised, it rolled the whole batch back, and the reconciler's
+                # re-offer ran it into the same run again forever (runs.engine.isolation).
+                isolation.record_failure(BULK, run_id, error)
                 bulk.skipped += 1
             else:
                 bulk.done += 1

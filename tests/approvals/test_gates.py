@@ -998,6 +998,35 @@ def test_the_reconciler_restores_a_reminder_whose_timer_fired_but_sent_nothing(p
     assert following.fire_at == request.created_at + timedelta(minutes=2)
 
 
+def test_the_reminders_repair_goes_on_past_a_request_it_cannot_remind(people) -> None:
+    """A request whose reminder period no date can be computed with (a row written by hand:
+    timedelta overflows) raises in the repair: it is logged, counted and marked on its run,
+    and the request after it is still reminded (before, the repair raised and reminded no
+    one after it, at every reconciler tick)."""
+    from runs.models import RunAction, RunFault
+
+    save(approval(approvers={"users": ["ann"]}, remind_after_ms=60_000, timeout_ms=HOUR))
+    broken, fine = start(), start()
+    for run in (broken, fine):
+        Timer.objects.filter(run=run, purpose="approval_reminder").delete()
+    ApprovalRequest.objects.filter(run=broken).update(remind_after_ms=10**17)
+    created = request_of(fine).created_at
+    late = created + timedelta(
+        minutes=1, seconds=django_settings.DJFLOW["LOST_MESSAGE_SECONDS"] + 1
+    )
+    with time_machine.travel(late, tick=False):
+        assert gates.restore_reminders(late, 100) == 1
+    assert mails("reminder") == ["ann@example.com"]
+    assert request_of(fine).reminders_sent == 1
+    fault = RunFault.objects.get(run=broken)
+    assert fault.pass_name == gates.REMINDERS and "OverflowError" in fault.error
+    assert RunAction.objects.filter(run=broken, action="pass_failed").count() == 1
+    # In its back-off, the next pass leaves it alone.
+    with time_machine.travel(late, tick=False):
+        assert gates.restore_reminders(late, 100) == 0
+    assert RunAction.objects.filter(run=broken, action="pass_failed").count() == 1
+
+
 def test_one_slot_is_reminded_once_by_whoever_comes_first(people) -> None:
     save(approval(remind_after_ms=60_000, timeout_ms=HOUR))
     run = start()
