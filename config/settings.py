@@ -678,6 +678,20 @@ DJFLOW = {
     # the budget, is null there and listed in its object's ``truncated`` with its link.
     "MAX_ANSWER_BYTES": env.int("DJFLOW_MAX_ANSWER_BYTES", default=4 * 1_048_576),
     "ANSWER_VALUE_BYTES": env.int("DJFLOW_ANSWER_VALUE_BYTES", default=65_536),
+    # The operator's cap on one tree of runs, which no document can raise (runs.engine.trees):
+    # at most MAX_TREE_RUNS runs under one root (subworkflow children and body runs, every
+    # depth; the start past it fails its step, class limit), started at most
+    # MAX_TREE_RUNS_PER_MINUTE a minute after a first minute's worth at once (a start past
+    # the pace waits for its turn, a timer, rather than fail: it will succeed). A document's
+    # limits.max_steps counts at most MAX_STEPS_CEILING.
+    "MAX_TREE_RUNS": env.int("DJFLOW_MAX_TREE_RUNS", default=10_000),
+    "MAX_TREE_RUNS_PER_MINUTE": env.int("DJFLOW_MAX_TREE_RUNS_PER_MINUTE", default=6_000),
+    "MAX_STEPS_CEILING": env.int("DJFLOW_MAX_STEPS_CEILING", default=100_000),
+    # A cancel (or any end) ends the runs below the run in its own transaction when their
+    # tree has started at most this many (about 10 ms each under load), each only if no one
+    # holds it; a larger tree's, and a busy one, are ended by a runs.end_tree task in
+    # batches, and POST /runs/{id}/cancel answers 202 instead of 200.
+    "CANCEL_INLINE_RUNS": env.int("DJFLOW_CANCEL_INLINE_RUNS", default=50),
     # A running attempt's lease: its worker renews it every third of this while the body
     # runs; when it lapses the worker is taken as lost (at_least_once attempts are offered
     # again, at_most_once ones become in_doubt). Never renewed past the attempt's deadline
@@ -879,6 +893,11 @@ if DJFLOW["MCP_POOL_SIZE"] < 1:
 for _name in ("BULK_BATCH", "RETENTION_BATCH", "RETENTION_EVERY_SECONDS"):
     if DJFLOW[_name] < 1:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
+for _name in ("MAX_TREE_RUNS", "MAX_TREE_RUNS_PER_MINUTE", "MAX_STEPS_CEILING"):
+    if DJFLOW[_name] < 1:
+        raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
+if DJFLOW["CANCEL_INLINE_RUNS"] < 0:
+    raise ImproperlyConfigured("DJFLOW_CANCEL_INLINE_RUNS must not be negative")
 for _name in ("MCP_IDLE_SECONDS", "MCP_PREFLIGHT_TIMEOUT_SECONDS", "RETENTION_TICK_SECONDS"):
     if DJFLOW[_name] <= 0:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be more than 0")

@@ -34,6 +34,7 @@ EXECUTE_STEP = "workers.execute_step"
 ADVANCE_RUNS = "workers.advance_runs"
 DELIVER_NOTIFICATION = "workers.deliver_notification"
 WAKE_TIMERS = "runs.wake_timers"
+END_TREE = "runs.end_tree"
 
 
 # A run's priority when nothing says otherwise (POST /runs's default).
@@ -435,6 +436,17 @@ def notify_on_commit(delivery_ids: list[int], *, countdown: float | None = None)
 
     # robust: a broker outage leaves the rows pending; the reconciler offers them again.
     transaction.on_commit(send, robust=True)
+
+
+def end_tree_on_commit(root_id: Any) -> None:
+    """Hand what ends left of the tree of ``root_id`` (runs.engine.ending.end_orphans) to a
+    ``runs.end_tree`` task once the transaction commits."""
+    # robust: a broker outage must not undo the end; the reconciler finds what it leaves.
+    transaction.on_commit(lambda: end_tree_now(root_id), robust=True)
+
+
+def end_tree_now(root_id: Any) -> None:
+    current_app.signature(END_TREE, (str(root_id),), ignore_result=True).apply_async()
 
 
 # beat's period for the clock's tick, runs.fire_timers (runs.beat installs the entry).

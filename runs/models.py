@@ -328,6 +328,9 @@ class TimerPurpose(models.TextChoices):
     UNSERVABLE = "unservable"
     # Fails an in_doubt attempt nobody resolved within DJFLOW_IN_DOUBT_SECONDS.
     IN_DOUBT = "in_doubt"
+    # A child run whose tree starts runs faster than DJFLOW_MAX_TREE_RUNS_PER_MINUTE: its
+    # first steps are planned when this fires (runs.engine.trees).
+    TREE_PACE = "tree_pace"
 
 
 class Timer(models.Model):
@@ -414,6 +417,29 @@ class AdvanceRequest(models.Model):
 
     def __str__(self) -> str:
         return f"advance of run {self.run_id} requested at {self.requested_at}"
+
+
+class RunTree(models.Model):
+    """The operator's cap on one tree of runs (CONTRACT section 9; ``runs.engine.trees``):
+    how many runs were started under its root (subworkflow children and body runs, at every
+    depth) and the pace they were started at, kept on a row of their own beside the root.
+
+    ``runs`` only grows, by a conditional ``UPDATE`` (``runs < DJFLOW_MAX_TREE_RUNS``) that
+    decides each start, so concurrent starts in one tree never pass the cap together and no
+    start counts the tree. ``paced_until`` is the pace's theoretical arrival time (GCRA):
+    each start pushes it one interval (60 s / DJFLOW_MAX_TREE_RUNS_PER_MINUTE) later, and a
+    start it puts more than a minute ahead waits for its turn. Not on the root's own row: a
+    descendant starting a child would then lock its root, which the root's advance holds
+    while it ends that descendant (a deadlock)."""
+
+    root_run = models.OneToOneField(
+        Run, primary_key=True, on_delete=models.CASCADE, related_name="+"
+    )
+    runs = models.PositiveIntegerField(default=0)
+    paced_until = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"tree of run {self.root_run_id}: {self.runs} runs"
 
 
 class EventScope(models.Model):

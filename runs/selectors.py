@@ -14,6 +14,7 @@ from workflows.errors import FieldError, NotFound, echo
 
 from . import answers
 from .answers import RUN_VALUES, STEP_VALUES
+from .engine.ending import orphans_of
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 
 # What the runs list's search box looks in (``run_list(search_in=...)``): exact matches only,
@@ -257,3 +258,9 @@ def model_call_get(*, run_id: Any, call_id: Any, user: Any = None) -> ModelCall:
         raise NotFound(errors=[FieldError("call", f"run {run.id} has no model call {call_id}")])
     call.run = run
     return call
+
+
+def run_tree_ending(*, run: Run) -> bool:
+    """Whether runs that ends in ``run``'s tree left behind are still live: a
+    ``runs.end_tree`` task is ending them (a cancel's answer is then 202, not 200)."""
+    return orphans_of(run.root_run_id or run.id).exists()

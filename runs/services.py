@@ -20,7 +20,6 @@ from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
 from workflows.heartbeats import StepHandler
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems, start_waits
-from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size
 
 from . import dispatch, retries, tracing, vault
@@ -30,6 +29,7 @@ from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
 from .models import Event, Run, RunAction, StepRun, Timer, TimerPurpose
 from .moves import move_run, move_steps
+from .selectors import run_tree_ending
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
 
 
@@ -241,7 +241,10 @@ def _locked(run_id: Any, user: AbstractBaseUser | None = None, *, lock: bool = T
         run_id = uuid.UUID(str(run_id))
     except ValueError:
         raise NotFound(errors=[FieldError("id", f"'{echo(run_id)}' is not a run id")]) from None
-    runs = Run.objects.select_for_update() if lock else Run.objects.all()
+    # NO KEY UPDATE, as the engine's advances lock a run: inserts that only reference it (a
+    # child's start, an advance request) do not wait behind an operator's action. FOR UPDATE
+    # made them wait, and a cancel then deadlocked with its tree's own child starts.
+    runs = Run.objects.select_for_update(no_key=True) if lock else Run.objects.all()
     run = runs.filter(id=run_id).first()
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
@@ -274,8 +277,19 @@ def run_cancel(
     """Cancel the run and, transitively, its children. Scheduled attempts are cancelled;
     running ones are revoked best-effort and their results will be refused. ``user`` must
     operate the run; its children follow whoever may operate them. ``audit`` is kept with
-    the recorded action (a bulk action's id)."""
+    the recorded action (a bulk action's id).
+
+    The run itself is cancelled in this transaction; the runs below it are too when their
+    tree has started at most ``DJFLOW_CANCEL_INLINE_RUNS``, each unless another
+    transaction holds it, and a ``runs.end_tree`` task cancels the rest after commit
+    (``run_tree_ending`` then holds). Idempotent: a run already cancelled is left as it
+    is (nothing recorded), and its tree's task is asked for again should runs below it
+    still be live."""
     run = _locked(run_id, user)
+    if run.status == RunStatus.CANCELLED:
+        if run_tree_ending(run=run):
+            dispatch.end_tree_on_commit(run.root_run_id or run.id)
+        return run
     check_run_move(run.status, RunStatus.CANCELLED)
     if user is not None:
         record_action(run.id, "cancel", user, dict(audit) if audit else None)
@@ -385,11 +399,6 @@ def run_retry(
             )
         raise InvalidInput(errors=[FieldError("from_step", message)])
     _check_retryable(run, from_step=from_step is not None, edit=input is not None)
-    # A retry runs steps again: a version naming a queue its saver may not name now (an
-    # engine queue, or one DJFLOW_STEP_QUEUES no longer lists) is refused as its start is.
-    refused = version_queue_errors(run.version, document=document)
-    if refused:
-        raise InvalidInput(errors=refused)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
         stored_input, sealed = _edited_input(run, document, input, user)

@@ -12,6 +12,7 @@ from django.utils import timezone
 
 from . import bulk, metrics, retention
 from .dispatch import TICK_SECONDS
+from .engine import trees
 from .engine.advance import run_advance, run_fan_in
 from .engine.reconcile import reconcile as reconcile_once
 from .engine.timers import fire_due, wake_before
@@ -83,6 +84,14 @@ def reconcile() -> dict[str, int]:
     else:
         logger.debug("reconcile: nothing to repair %s", counts)
     return counts
+
+
+@shared_task(name="runs.end_tree", ignore_result=True, acks_late=True)
+def end_tree(root_id: str) -> None:
+    """End, in batches, the runs that ends of this tree left behind (a cancel of a large
+    tree, children busy at their parent's end); sends itself again while some are left. A
+    second delivery finds fewer, or none."""
+    trees.end_tree(root_id=root_id)
 
 
 @shared_task(name="runs.bulk_action", ignore_result=True, acks_late=True)

@@ -254,14 +254,27 @@ def _action_schema(name: str, description: str, codes: tuple[int, ...]) -> Any:
 class RunCancelView(RunActionView):
     action = staticmethod(services.run_cancel)
 
-    @_action_schema(
-        "cancel",
-        "Cancel the run and its children, transitively. Scheduled and running attempts are"
-        " cancelled. A run that has already ended is a 409.",
-        (401, 403, 404, 409),
+    @extend_schema(
+        operation_id="runs_cancel",
+        parameters=[RUN_ID],
+        request=None,
+        description="Cancel the run and its children, transitively. Scheduled and running"
+        " attempts are cancelled. 200 when the whole tree below the run ended in the request;"
+        " 202 when the run is cancelled and a worker is cancelling the runs below it (more than"
+        " DJFLOW_CANCEL_INLINE_RUNS, or busy), in batches. A second cancel of a cancelled run"
+        " changes nothing and answers the same way; a run that ended otherwise is a 409.",
+        responses={
+            200: RunSerializer,
+            202: RunSerializer,
+            **dict.fromkeys((401, 403, 404, 409), ERRORS),
+        },
     )
     def post(self, request: Request, run_id: str) -> Response:
-        return super().post(request, run_id)
+        run = services.run_cancel(run_id=run_id, user=request.user)
+        code = 202 if selectors.run_tree_ending(run=run) else 200
+        return Response(
+            _render(request, selectors.run_get(run_id=run.id, user=request.user)), status=code
+        )
 
 
 class RunPauseView(RunActionView):

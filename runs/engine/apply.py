@@ -36,7 +36,7 @@ from ..status import (
     check_step_move,
     step_sources,
 )
-from . import costs, ending
+from . import costs, ending, trees
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import (
@@ -294,7 +294,7 @@ class _Writer:
         if action.wait_key and action.status == StepStatus.WAITING:
             self.applied.waits.append(opened)
         if action.start is not None:
-            child = _start_child(run, opened, action.start)
+            child = _start_child(run, opened, action.start, now)
             if child is not None:
                 self.applied.children.append(child)
 
@@ -526,10 +526,12 @@ def _ended_on_open(run: Run, opened: StepRun, now: datetime) -> bool:
     return True
 
 
-def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
+def _start_child(run: Run, step_run: StepRun, start: Any, now: datetime) -> Run | None:
     """Start a subworkflow's child run, pinned to its version, linked to the step run; the
     caller plans its first steps (``advance.advance_locked``, within its budget). None when
-    the start failed the step instead."""
+    the start failed the step instead, when the tree's root has ended (the row waits for
+    the tree's sweep to end the run), or when the child waits for its tree's pace (its
+    ``tree_pace`` timer plans it: ``trees``)."""
     version: WorkflowVersion | None
     if "body" in start:
         # An anonymous child: the parent's own version, running one body of it.
@@ -573,6 +575,13 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
             message = f"subworkflow '{workflow_id}' refuses this input: {mask(detail)}"
             _fail_start(run, step_run, message, error_class=p.INVALID_INPUT)
             return None
+    # Last, so that only a start that is made counts against the tree's cap and pace.
+    admission = trees.admit(run, now)
+    if admission.refused is not None:
+        _fail_start(run, step_run, admission.refused, error_class=p.LIMIT)
+        return None
+    if admission.ended:
+        return None
     child_input, registry = vault.seal_input(schema, start["input"], inherited)
     child = Run.objects.create(
         workflow_id=workflow_id,
@@ -589,6 +598,14 @@ def _start_child(run: Run, step_run: StepRun, start: Any) -> Run | None:
         root_run_id=run.root_run_id or run.id,
         depth=run.depth if "body" in start else run.depth + 1,
     )
+    if admission.wait_until is not None:
+        Timer.objects.create(
+            run=child,
+            purpose=TimerPurpose.TREE_PACE,
+            key=TimerPurpose.TREE_PACE,
+            fire_at=admission.wait_until,
+        )
+        return None
     return child
 
 

@@ -383,6 +383,7 @@ def planner_settings() -> Settings:
     return Settings(
         deadline_grace=timedelta(seconds=settings.DJFLOW["DEADLINE_GRACE_SECONDS"]),
         in_doubt=timedelta(seconds=settings.DJFLOW["IN_DOUBT_SECONDS"]),
+        max_steps_ceiling=settings.DJFLOW["MAX_STEPS_CEILING"],
     )
 
 

@@ -323,6 +323,8 @@ class Settings:
     deadline_grace: timedelta = timedelta(seconds=5)
     # How long an in_doubt attempt waits for an operator before it fails (IN_DOUBT_SECONDS).
     in_doubt: timedelta = timedelta(days=1)
+    # The most limits.max_steps counts, whatever a document says (MAX_STEPS_CEILING).
+    max_steps_ceiling: int = 100_000
 
 
 # --- the walk -----------------------------------------------------------------------------
@@ -916,9 +918,10 @@ class _Planner:
     def _out_of_steps(self, step_id: str) -> bool:
         """Whether limits.max_steps is reached, by this run or by its tree of runs (then the
         run fails: a Finish is planned)."""
-        own = self.limits.get("max_steps", DEFAULT_MAX_STEPS)
+        ceiling = self.settings.max_steps_ceiling
+        own = min(self.limits.get("max_steps", DEFAULT_MAX_STEPS), ceiling)
         view = self.run_view
-        tree = own if view.tree_limit is None else view.tree_limit
+        tree = own if view.tree_limit is None else min(view.tree_limit, ceiling)
         if self.counted >= own:
             message = f"limits.max_steps ({own}) reached"
         elif self.counted + view.tree_used >= tree:
@@ -928,6 +931,8 @@ class _Planner:
             )
         else:
             return False
+        if ceiling in (own, tree):
+            message += f"; the deployment counts at most {ceiling} (DJFLOW_MAX_STEPS_CEILING)"
         error = {"class": LIMIT, "message": message, "step": step_id}
         self.out.actions.append(Finish("failed", error=error))
         return True

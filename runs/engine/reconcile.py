@@ -57,7 +57,7 @@ from workflows.kinds import Role
 from .. import dispatch
 from ..models import AdvanceRequest, Run, StepRun, Timer, TimerPurpose
 from ..status import RunStatus, StepStatus
-from . import costs, delivery, hooks, slots, unservable
+from . import costs, delivery, hooks, slots, trees, unservable
 from .advance import run_advance
 from .isolation import guarded, in_backoff
 
@@ -96,6 +96,8 @@ def reconcile(*, budget_seconds: float | None = None) -> dict[str, int]:
             # admit in their own transaction; this is the re-check), keys taking turns.
             ("admitted", lambda: slots.admit_waiting(now, batch)),
             ("requested", lambda: advance_requested(now, batch, until=until)),
+            # Trees whose ends left runs behind and whose runs.end_tree message was lost.
+            ("orphaned_trees", lambda: trees.resume_orphaned(now, batch)),
             ("missed_events", lambda: delivery.match_missed(batch)),
             ("timers_pruned", lambda: prune_timers(now, batch)),
             # Cost held by attempts whose worker was lost during a model call: charged.
@@ -198,7 +200,10 @@ def advance_stuck(now: datetime, batch: int, *, until: float = _NO_END) -> int:
         not_before__lte=quiet,
     )
     backing_off = Timer.objects.filter(
-        run_id=OuterRef("id"), purpose=TimerPurpose.RETRY_BACKOFF, fired_at__isnull=True
+        run_id=OuterRef("id"),
+        # A child run waiting for its tree's pace (runs.engine.trees) is quiet on purpose too.
+        purpose__in=[TimerPurpose.RETRY_BACKOFF, TimerPurpose.TREE_PACE],
+        fired_at__isnull=True,
     )
     # A timer the tick fired within the quiet period: the run's advance is on its way, in a
     # queue that a burst of due timers makes long. Re-advancing such runs was double work

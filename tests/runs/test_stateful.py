@@ -162,7 +162,10 @@ class RunMachine(RuleBasedStateMachine):
     @rule(run=runs, act=SOMETIMES)
     def cancel(self, run: str, act: bool) -> None:
         if act:
-            self._operate(services.run_cancel, run, RunStatus.CANCELLED)
+            # A second cancel is idempotent: accepted, and the run stays as it was.
+            self._operate(
+                services.run_cancel, run, RunStatus.CANCELLED, same_from={RunStatus.CANCELLED}
+            )
 
     @rule(run=runs, act=SOMETIMES)
     def pause(self, run: str, act: bool) -> None:
@@ -204,9 +207,11 @@ class RunMachine(RuleBasedStateMachine):
         run: str,
         target: str,
         only_from: set[str] | None = None,
+        same_from: frozenset[str] | set[str] = frozenset(),
     ) -> bool:
         before = Run.objects.get(id=run).status
         allowed = target in RUN_MOVES[before] and (only_from is None or before in only_from)
+        allowed = allowed or before in same_from
         try:
             action(run_id=run, user=self.user)
         except Conflict as refused:
