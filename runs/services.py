@@ -20,6 +20,7 @@ from workflows.errors import Conflict, FieldError, InvalidInput, NotFound, echo
 from workflows.heartbeats import StepHandler
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems, start_waits
+from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size
 
 from . import dispatch, retries, tracing, vault
@@ -399,6 +400,11 @@ def run_retry(
             )
         raise InvalidInput(errors=[FieldError("from_step", message)])
     _check_retryable(run, from_step=from_step is not None, edit=input is not None)
+    # A retry runs steps again: a version naming a queue its saver may not name now (an
+    # engine queue, or one DJFLOW_STEP_QUEUES no longer lists) is refused as its start is.
+    refused = version_queue_errors(run.version, document=document)
+    if refused:
+        raise InvalidInput(errors=refused)
     stored_input, sealed = run.input, run.secrets
     if input is not None:
         stored_input, sealed = _edited_input(run, document, input, user)

@@ -76,14 +76,16 @@ def queue_errors(document: dict[str, Any], *, trusted: bool) -> list[FieldError]
     return errors
 
 
-def version_queue_errors(version: Any) -> list[FieldError]:
-    """:func:`queue_errors` for a start of a stored ``WorkflowVersion``, held to the rule of
-    whoever saved it: trusted when no person did (``created_by`` empty) or a superuser did.
-    A version without a queue of its own costs no query."""
-    if not any(isinstance(step.get("queue"), str) for step, _ in every_step(version.document)):
+def version_queue_errors(version: Any, *, document: Any = None) -> list[FieldError]:
+    """:func:`queue_errors` for a start (or a retry) of a stored ``WorkflowVersion``, held to
+    the rule of whoever saved it: trusted when no person did (``created_by`` empty) or a
+    superuser did. ``document`` is the version's, when the caller has it already: a document
+    that names no queue then costs no query, not even the version's row."""
+    document = version.document if document is None else document
+    if not any(isinstance(step.get("queue"), str) for step, _ in every_step(document)):
         return []
     trusted = version.created_by_id is None or access.trusted(version.created_by)
-    return queue_errors(version.document, trusted=trusted)
+    return queue_errors(document, trusted=trusted)
 
 
 def _listed(queues: Iterable[str]) -> str:

@@ -25,9 +25,12 @@ from django.db import connection
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
+from workflows.templates import encoded_size
+
 from ..models import Event, EventScope, Run, StepRun
 from ..moves import move_steps
 from ..status import StepStatus
+from .store import Increment, max_run_bytes, over_cap_error, update_run
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,20 @@ def take_event(run: Run, wait: StepRun) -> bool:
     )
     if event is None:
         return False
+    size = encoded_size(event.payload) if event.payload is not None else 0
+    if run.stored_bytes + size > max_run_bytes():
+        # The payload would pass what the run may store (DJFLOW_MAX_RUN_BYTES): the wait
+        # takes the event (it is not offered again) but fails, class limit, which fails the
+        # run; the payload is not written.
+        resumed = move_steps(
+            StepRun.objects.filter(id=wait.id),
+            StepStatus.FAILED,
+            sources=[StepStatus.WAITING],
+            error=over_cap_error("the event's payload", size, run.stored_bytes),
+            event=event,
+            finished_at=timezone.now(),
+        )
+        return resumed == 1
     resumed = move_steps(
         StepRun.objects.filter(id=wait.id),
         StepStatus.SUCCEEDED,
@@ -70,4 +87,8 @@ def take_event(run: Run, wait: StepRun) -> bool:
         event=event,
         finished_at=timezone.now(),
     )
+    if resumed == 1 and size:
+        # The run is locked by the caller: its total is the row's, and rises by the payload.
+        update_run(run.id, {"stored_bytes": Increment(size)})
+        run.stored_bytes += size
     return resumed == 1

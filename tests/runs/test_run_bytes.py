@@ -220,3 +220,30 @@ def test_concurrent_completions_keep_the_count_exact_and_the_cap(celery_worker):
     assert (run.status, run.error["class"]) == ("failed", "limit")
     assert run.stored_bytes <= _counted(run) <= limit + 8 * KIB
     assert _journal_bytes(run) <= limit + 20 * KIB
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("payload_kib", "status"), [(50, "completed"), (300, "failed")])
+def test_an_events_payload_counts_and_one_past_the_cap_fails_the_run(cap, payload_kib, status):
+    limit = cap(200 * KIB)
+    definition_save(
+        document={
+            "id": "bounded_wait",
+            "steps": [
+                {"id": "hold", "kind": "wait_event", "event": "big", "key": "k"},
+                {"id": "again", "kind": "wait_event", "event": "small", "key": "k"},
+            ],
+        }
+    )
+    run = services.run_start(workflow="bounded_wait", input={}).run
+    services.event_send(name="big", key="k", payload=_blob(payload_kib * KIB))
+    services.event_send(name="small", key="k", payload="s")
+    run.refresh_from_db()
+    assert run.status == status, run.error
+    hold = StepRun.objects.get(run=run, step_id="hold")
+    assert hold.event_id is not None  # taken either way: not offered again
+    if status == "failed":
+        assert run.error["class"] == "limit" and "event's payload" in run.error["message"]
+        assert hold.output is None and run.stored_bytes <= limit
+    else:
+        assert run.stored_bytes == _counted(run) > payload_kib * KIB

@@ -208,6 +208,25 @@ def test_a_subworkflow_naming_an_engine_queue_fails_its_step_clearly(user) -> No
     assert not Run.objects.filter(workflow_id="child").exists()
 
 
+@pytest.mark.parametrize("queue", ["timers", "gpu"])
+def test_a_retry_of_such_a_version_is_refused_the_same_way(
+    api: APIClient, user, queue: str
+) -> None:
+    """A retry runs steps again: the run, started before the rule, may not rerun them on a
+    queue its version's saver may not name now."""
+    from runs.status import RunStatus
+
+    from ..runs.factories import RunFactory
+
+    version = _stored(queue, by=user)
+    run = RunFactory(version=version, status=RunStatus.COMPLETED, input={})
+    response = api.post(f"/api/v1/runs/{run.id}/retry", {"from_step": "first"}, format="json")
+    assert response.status_code == 400, response.content
+    assert sorted(_fields(response)) == sorted(EVERY_FIELD)
+    run.refresh_from_db()
+    assert run.status == RunStatus.COMPLETED and run.generation == 1
+
+
 # --- the operator's list ---------------------------------------------------------------------
 
 
