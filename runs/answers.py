@@ -8,7 +8,7 @@ that fit: each at most ``DJFLOW_ANSWER_VALUE_BYTES``, all of one answer together
 ``DJFLOW_MAX_ANSWER_BYTES``, in the order they are shown (the runs first, then the journal,
 oldest first). A value left out is ``null`` in the answer and listed in the object's
 ``truncated`` (``{field: {"bytes": n, "url": ...}}``), whose link answers the whole value
-to whoever may read the run (``runs.views.RunValueView``).
+to whoever may read the run (``runs.views.RunInputView``, ``RunOutputView``).
 
 Invariant: the web process holds at most the bound's bytes of values for one answer, however
 large the journal (the sizes and ids of its rows aside).

@@ -25,18 +25,8 @@ urlpatterns = [
         views.StepValueView.as_view(),
         name="run-step-value",
     ),
-    path(
-        "runs/<str:run_id>/input",
-        views.RunValueView.as_view(),
-        {"field": "input"},
-        name="run-input",
-    ),
-    path(
-        "runs/<str:run_id>/output",
-        views.RunValueView.as_view(),
-        {"field": "output"},
-        name="run-output",
-    ),
+    path("runs/<str:run_id>/input", views.RunInputView.as_view(), name="run-input"),
+    path("runs/<str:run_id>/output", views.RunOutputView.as_view(), name="run-output"),
     path("runs/<str:run_id>/calls/<int:call_id>", views.ModelCallView.as_view(), name="run-call"),
     path("events", views.EventView.as_view(), name="events"),
 ]

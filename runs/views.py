@@ -163,18 +163,30 @@ VALUE_ANSWER = {
 }
 
 
-class RunValueView(APIView):
-    @extend_schema(
-        operation_id="runs_value",
-        parameters=[RUN_ID],
-        description="The run's whole input or output, which `GET /runs/{id}` and `GET /runs`"
-        " leave out (`truncated`) when it does not fit their answer. Whoever may read the run;"
-        " 404 otherwise.",
-        responses={200: VALUE_ANSWER, 401: ERRORS, 404: ERRORS},
-    )
-    def get(self, request: Request, run_id: str, field: str) -> Response:
-        run, value = selectors.value_of(run_id=run_id, field=field, user=request.user)
-        return _value_response(request, run, value, field=field)
+def _run_value_view(field: str) -> type[APIView]:
+    """The view of the run's whole ``field`` (input or output): one view per route, so that
+    each has an operation of its own in the OpenAPI document (drf-spectacular refuses two
+    routes of one view under one operation id, W001)."""
+
+    class RunValueView(APIView):
+        @extend_schema(
+            operation_id=f"runs_{field}",
+            parameters=[RUN_ID],
+            description=f"The run's whole {field}, which `GET /runs/{{id}}` and `GET /runs`"
+            " leave out (`truncated`) when it does not fit their answer. Whoever may read the"
+            " run; 404 otherwise.",
+            responses={200: VALUE_ANSWER, 401: ERRORS, 404: ERRORS},
+        )
+        def get(self, request: Request, run_id: str) -> Response:
+            run, value = selectors.value_of(run_id=run_id, field=field, user=request.user)
+            return _value_response(request, run, value, field=field)
+
+    RunValueView.__name__ = RunValueView.__qualname__ = f"Run{field.title()}View"
+    return RunValueView
+
+
+RunInputView = _run_value_view("input")
+RunOutputView = _run_value_view("output")
 
 
 class StepValueView(APIView):

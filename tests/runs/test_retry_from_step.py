@@ -419,6 +419,11 @@ def test_an_operator_who_is_neither_author_nor_starter_gives_the_secrets_again(a
     assert retry(api, run, {"from_step": "two", "input": {"topic": "x"}}).status_code == 200
 
 
+def _locks(sql: str) -> bool:
+    """A row lock, whichever strength (runs are locked FOR NO KEY UPDATE since issue 36)."""
+    return "FOR UPDATE" in sql or "FOR NO KEY UPDATE" in sql
+
+
 def test_a_dry_run_takes_no_lock_and_a_retry_does(api) -> None:
     """A preview writes nothing: holding the run's row lock would keep its workers from
     recording while it plans."""
@@ -434,8 +439,8 @@ def test_a_dry_run_takes_no_lock_and_a_retry_does(api) -> None:
     previewed = [q["sql"] for q in preview.captured_queries]
     # The preview read the run (the log is this request's), and locked nothing.
     assert [q for q in previewed if 'FROM "runs_run"' in q], previewed
-    assert not [q for q in previewed if "FOR UPDATE" in q], previewed
+    assert not [q for q in previewed if _locks(q)], previewed
     with CaptureQueriesContext(connection) as real:
         assert retry(api, run, body).status_code == 200
     retried = [q["sql"] for q in real.captured_queries]
-    assert [q for q in retried if "FOR UPDATE" in q], retried
+    assert [q for q in retried if _locks(q)], retried
