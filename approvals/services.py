@@ -61,6 +61,9 @@ def check_decision(decision: Any, comment: Any) -> tuple[str, str]:
         comment = ""
     if not isinstance(comment, str):
         raise InvalidInput(errors=[FieldError("comment", "must be a string")])
+    if "\x00" in comment:
+        # Postgres text holds no NUL: stored, it was a 500 (contract section 9: a 400).
+        raise InvalidInput(errors=[FieldError("comment", "may not hold NUL characters")])
     if len(comment) > COMMENT_MAX:
         raise InvalidInput(
             errors=[

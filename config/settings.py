@@ -364,7 +364,10 @@ REST_FRAMEWORK = {
         "user": env("DJFLOW_API_THROTTLE_USER", default="600/min"),
         "anon": env("DJFLOW_API_THROTTLE_ANON", default="60/min"),
     },
-    "NUM_PROXIES": DJFLOW_TRUSTED_PROXIES or None,
+    # 0 (no proxy): the client is REMOTE_ADDR. DRF's None would take the whole
+    # X-Forwarded-For, which any client writes: it could throttle another's address, or
+    # itself never (a new header each request).
+    "NUM_PROXIES": DJFLOW_TRUSTED_PROXIES,
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "djflow API",

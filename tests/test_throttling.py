@@ -98,6 +98,28 @@ def test_behind_a_trusted_proxy_the_client_address_is_counted(rates, settings) -
     assert two.get("/api/v1/definition.schema.json").status_code == 200
 
 
+def test_without_a_trusted_proxy_x_forwarded_for_is_ignored(rates) -> None:
+    """DJFLOW_TRUSTED_PROXIES 0 (the default): the client is REMOTE_ADDR, whatever
+    X-Forwarded-For says. With DRF's None it was the whole header: a client writing a new
+    one each time was never throttled, and one writing its victim's address throttled it."""
+    from django.conf import settings as django_settings
+
+    assert django_settings.REST_FRAMEWORK["NUM_PROXIES"] == 0
+    rates(anon="2/min")
+    url = "/api/v1/definition.schema.json"
+    for n in range(2):
+        rotating = APIClient(REMOTE_ADDR="10.0.0.7", HTTP_X_FORWARDED_FOR=f"198.51.100.{n}")
+        assert rotating.get(url).status_code == 200
+    assert_throttled(
+        APIClient(REMOTE_ADDR="10.0.0.7", HTTP_X_FORWARDED_FOR="198.51.100.9").get(url)
+    )
+    victim = APIClient(REMOTE_ADDR="10.0.0.8")
+    for _ in range(2):
+        framed = APIClient(REMOTE_ADDR="10.0.0.9", HTTP_X_FORWARDED_FOR="10.0.0.8")
+        framed.get(url)
+    assert victim.get(url).status_code == 200
+
+
 def _counted_once_in_the_database_cache(rates, settings, **options: Any):
     """A user allowed one request a minute, who made it, counted in the database cache
     (with ``options``); the user."""

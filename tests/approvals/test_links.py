@@ -307,6 +307,17 @@ def test_a_comment_over_the_limit_rerenders_the_form_with_400(client: Client, wa
     assert_untouched(request)
 
 
+@pytest.mark.parametrize("who", ["bob", "ext@example.org"])
+def test_nul_in_a_comment_rerenders_the_form_with_400(client: Client, waiting, who) -> None:
+    """An anonymous link holder's form, or a signed-in approver's: NUL never reaches the
+    database (it was a 500)."""
+    _, request = waiting
+    page = decide_by_link(request, who, comment="fine\x00by me")
+    assert page.status_code == 400
+    assert "comment: may not hold NUL characters" in page.content.decode()
+    assert_untouched(request)
+
+
 def test_a_post_without_a_decision_is_400(client: Client, waiting) -> None:
     _, request = waiting
     page = decide_by_link(request, "ext@example.org", "maybe")

@@ -1016,3 +1016,13 @@ def test_embeddings_are_priced_by_their_input_tokens(settings: Any) -> None:
 
     settings.DJFLOW = {**settings.DJFLOW, "PRICES": {"ollama:nomic-embed-text": {"input": 0.01}}}
     assert pricing.embedding_cost("ollama", "nomic-embed-text", input_tokens=M) == Decimal("0.01")
+
+
+@pytest.mark.parametrize("dotted", [0, 5, 40])
+def test_text_whose_lower_case_is_longer_masks_the_key_where_it_is(dotted: int) -> None:
+    """ "İ".lower() is two characters: positions found in str.lower()'s text moved the mask
+    past the key (its whole self shown after 40 of them). Case is folded on ASCII only."""
+    key = "sk-proj-Z7rQ2mW9xK4tL8vN3pB6"
+    text = "İ" * dotted + f" model not found; url https://api.example/v1?k={key}"
+    masked = providers.base.mask_secret(text, key)
+    assert masked == "İ" * dotted + " model not found; url https://api.example/v1?k=***"

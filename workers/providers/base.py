@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import string
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -178,6 +179,9 @@ _CREDENTIAL = re.compile(
 MASK_SCAN = 8 * MAX_PROVIDER_MESSAGE
 
 
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 def mask_secret(text: str, secret: str | None) -> str:
     """``text`` with the API key masked as ``***``: the key as is, URL-encoded, JSON-escaped,
     in hexadecimal and in base64 (standard or URL-safe, at any offset, so inside a Basic
@@ -187,7 +191,9 @@ def mask_secret(text: str, secret: str | None) -> str:
     if secret and len(secret) >= 4:
         forms = _secret_forms(secret)
         covered = bytearray(len(text))
-        lowered = text.lower()
+        # ASCII only: str.lower() may change the length ("İ" becomes two characters), and
+        # positions found in the lowered text are masked in the text itself.
+        lowered = text.translate(_ASCII_LOWER)
         for form in forms:
             start = lowered.find(form)
             while start != -1:
@@ -217,7 +223,7 @@ def _secret_forms(secret: str) -> set[str]:
         first, end = -(-8 * shift // 6), 8 * len(padded) // 6
         for encode in (base64.b64encode, base64.urlsafe_b64encode):
             forms.add(encode(padded).decode("ascii")[first:end])
-    return {form.lower() for form in forms if len(form) >= 4}
+    return {form.translate(_ASCII_LOWER) for form in forms if len(form) >= 4}
 
 
 def _masked(text: str, covered: bytearray) -> str:
