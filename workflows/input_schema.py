@@ -28,7 +28,7 @@ from jsonschema.exceptions import FormatError, SchemaError, ValidationError
 from referencing import Registry, Resource
 from referencing.exceptions import NoSuchResource, Unresolvable
 
-from .regex import compile_linear, linear_pattern_error
+from .regex import compile_linear, linear_pattern_cost, linear_pattern_error
 from .templates import join_location
 
 __all__ = [
@@ -207,38 +207,50 @@ def schema_format_checker() -> FormatChecker:
 
 
 # What one validation (an input, a model's reply) judges of ``format: "regex"`` values: at
-# most this many values, of at most this many characters in all. RE2 takes 7 to 35 us a
-# value, most of it fixed cost, and up to 3 us a character of wide case-insensitive classes
-# (measured here, under load): a 1 MiB body holds 100,000 short values (2.8 s of a web worker
-# with no bound) or one 1 MiB pattern (about a second). Past either, a value is refused
-# unjudged, naming its field.
+# most this many values, of at most this many characters and compiled program instructions in
+# all. RE2 takes 7 to 35 us a value, most of it fixed cost, and up to 3 us a character of wide
+# case-insensitive classes (measured here, under load): a 1 MiB body holds 100,000 short
+# values (2.8 s of a web worker with no bound) or one 1 MiB pattern (about a second). Neither
+# count bounds compile work: a counted repetition of a wide class, ``[\pL\pN]{63}``, is 45
+# characters and 84,550 instructions (about 30 ms; a thousand of them, 30 s). So the
+# instructions RE2 built are counted too (``workflows.regex.linear_pattern_cost``: a program
+# refused as too large counts ``TOO_LARGE_COST``), 0.3 us each at worst here (1.2 us under
+# load), so 1 Mi of them is 0.3 to 1.3 s; a thousand short patterns use under 100,000. Past
+# any bound, a value is refused unjudged, naming its field; the instruction bound is checked
+# before each compile, so the one value that crosses it (at most ``MAX_MEM``) is judged.
 MAX_REGEX_VALUES = 1000
 MAX_REGEX_CHARS = 65_536
+MAX_REGEX_PROGRAM = 1024 * 1024
 
 
 class _Budgeted(FormatChecker):
     """:data:`FORMAT_CHECKER` with what it may still judge of regex values: one per
     validator, so a validation compiles at most :data:`MAX_REGEX_VALUES` values of
-    :data:`MAX_REGEX_CHARS` characters in all."""
+    :data:`MAX_REGEX_CHARS` characters and about :data:`MAX_REGEX_PROGRAM` instructions in
+    all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.checkers = FORMAT_CHECKER.checkers
         self.values_left = MAX_REGEX_VALUES
         self.chars_left = MAX_REGEX_CHARS
+        self.program_left = MAX_REGEX_PROGRAM
 
 
 def _regex_problem(checker: Any, pattern: str) -> str | None:
-    if isinstance(checker, _Budgeted):
-        if checker.values_left <= 0 or len(pattern) > checker.chars_left:
-            return (
-                f"a value is checked for at most {MAX_REGEX_VALUES} regular expressions "
-                f"(format: regex) of {MAX_REGEX_CHARS} characters in all, and this one is "
-                "past that"
-            )
-        checker.values_left -= 1
-        checker.chars_left -= len(pattern)
-    return linear_pattern_error(pattern)
+    if not isinstance(checker, _Budgeted):
+        return linear_pattern_error(pattern)
+    if checker.values_left <= 0 or len(pattern) > checker.chars_left or checker.program_left <= 0:
+        return (
+            f"a value is checked for at most {MAX_REGEX_VALUES} regular expressions "
+            f"(format: regex) of {MAX_REGEX_CHARS} characters in all (and {MAX_REGEX_PROGRAM} "
+            "compiled instructions), and this one is past that"
+        )
+    checker.values_left -= 1
+    checker.chars_left -= len(pattern)
+    reason, cost = linear_pattern_cost(pattern)
+    checker.program_left -= cost
+    return reason
 
 
 def _format(

@@ -20,7 +20,7 @@ from rest_framework.test import APIClient
 
 from runs.models import Run
 from workers.kinds import recipe
-from workflows import input_schema, schema
+from workflows import input_schema, regex, schema
 from workflows.input_schema import input_validator, write_only_values
 
 from ..runs.factories import WorkflowVersionFactory, support_ticket_document
@@ -81,8 +81,9 @@ def test_what_re2_refuses_is_not_a_regex_and_the_message_is_short(pattern: str) 
 
 
 def test_a_pattern_past_re2s_memory_bound_is_refused_quickly() -> None:
-    """``max_mem`` (8 MiB) bounds the program RE2 builds: counted repetitions that would pass
-    it are refused, not built; so are nested counts past RE2's own bound."""
+    """``max_mem`` (``regex.MAX_MEM``, 1.25 MiB) bounds the program RE2 builds: counted
+    repetitions that would pass it are refused, not built; so are nested counts past RE2's own
+    bound."""
     started = time.monotonic()
     [(_, message)] = _errors({"pattern_field": "a{1000}" * 1000})
     assert "pattern too large" in message
@@ -108,6 +109,76 @@ def test_one_validation_judges_a_bounded_number_of_patterns() -> None:
     assert [path for path, _ in found] == [["patterns", 1]]
     # Each validation has its own budget.
     assert _errors({"patterns": ["a+"] * limit}) == []
+
+
+# Under RE2's default 8 MiB max_mem this compiled to 536,804 instructions in about 180 ms, and
+# 1,000 of them (a 21.7 KB body) held a web worker 186 s.
+WIDE_COUNT = "[\\pL\\pN]{400}"
+# Near the largest such count MAX_MEM admits (63): about 80,000 instructions, accepted.
+WIDE_COUNT_OK = "[\\pL\\pN]{60}"
+
+
+def _spied_costs() -> tuple[list[int], Any]:
+    costs: list[int] = []
+
+    def spy(pattern: str) -> tuple[str | None, int]:
+        reason, cost = regex.linear_pattern_cost(pattern)
+        costs.append(cost)
+        return reason, cost
+
+    return costs, mock.patch.object(input_schema, "linear_pattern_cost", side_effect=spy)
+
+
+def test_a_pattern_past_the_small_max_mem_is_refused_and_costs_a_bounded_amount() -> None:
+    """RE2 judges values with ``regex.MAX_MEM``, not its 8 MiB default: what needs more is
+    refused as too large (charged ``TOO_LARGE_COST``); what fits is charged its size."""
+    assert regex.MAX_MEM <= 2 * 1024 * 1024
+    reason, cost = regex.linear_pattern_cost(WIDE_COUNT)
+    assert reason is not None and "pattern too large" in reason and "RE2" in reason
+    assert cost == regex.TOO_LARGE_COST
+    reason, cost = regex.linear_pattern_cost(WIDE_COUNT_OK)
+    assert reason is None and 0 < cost < regex.TOO_LARGE_COST
+    assert regex.linear_pattern_cost("a+") == (None, regex.linear_pattern_cost("b+")[1])
+    assert regex.linear_pattern_cost("(a)\\1")[1] == 0
+    [(path, message)] = _errors({"pattern_field": WIDE_COUNT})
+    assert path == ["pattern_field"] and "pattern too large" in message
+
+
+@pytest.mark.parametrize("base", [WIDE_COUNT, WIDE_COUNT_OK], ids=["refused", "accepted"])
+def test_one_validation_bounds_the_compile_work_of_its_patterns(base: str) -> None:
+    """1,000 distinct wide counts (within the value and character counts) compile at most
+    about MAX_REGEX_PROGRAM instructions in all; every value past that is refused unjudged,
+    naming its place."""
+    values = [f"{base}{n:x}" for n in range(1_000)]
+    assert sum(map(len, values)) < input_schema.MAX_REGEX_CHARS
+    costs, spy = _spied_costs()
+    with spy:
+        found = _errors({"patterns": values})
+    budget = input_schema.MAX_REGEX_PROGRAM
+    assert sum(costs) <= budget + regex.TOO_LARGE_COST
+    assert len(costs) <= budget // min(costs) + 1 < 100
+    assert sum(costs) >= budget  # the budget, not the count, stopped it
+    assert [path for path, _ in found][-1] == ["patterns", 999]
+    past = [path for path, message in found if "compiled instructions" in message]
+    assert past == [["patterns", n] for n in range(len(costs), 1_000)]
+    if base == WIDE_COUNT:
+        assert len(found) == 1_000
+    else:
+        assert len(found) == 1_000 - len(costs)
+    # Each validation has its own budget.
+    again = _errors({"patterns": values[:3]})
+    assert all("compiled instructions" not in message for _, message in again)
+
+
+def test_cached_author_patterns_are_bounded_too() -> None:
+    """``compile_linear`` keeps at most 64 programs, each built under ``MAX_MEM`` (was 256 of
+    up to 8 MiB each), outside ``re2.compile``'s own cache."""
+    regex.compile_linear.cache_clear()
+    assert regex.compile_linear(WIDE_COUNT) is None
+    compiled = regex.compile_linear(WIDE_COUNT_OK)
+    assert compiled is not None and compiled.search("é" * 60) is not None
+    assert compiled.options.max_mem == regex.MAX_MEM
+    assert regex.compile_linear.cache_info().maxsize == 64
 
 
 def test_a_huge_value_is_not_echoed_whole() -> None:
@@ -150,6 +221,31 @@ def test_an_array_of_bad_patterns_names_each_item(api: APIClient, version) -> No
     response = _start(api, {"patterns": ["ok", "(a)\\1", "[", "fine+"]})
     assert response.status_code == 400, response.content
     assert _fields(response) == ["input.patterns[1]", "input.patterns[2]"]
+
+
+def test_a_pattern_past_max_mem_is_a_400_naming_the_field(api: APIClient, version) -> None:
+    response = _start(api, {"pattern_field": WIDE_COUNT})
+    assert response.status_code == 400, response.content
+    assert _fields(response) == ["input.pattern_field"]
+    assert "pattern too large" in response.json()["errors"][0]["message"]
+    assert not Run.objects.exists()
+
+
+def test_a_body_of_wide_counts_is_refused_after_a_bounded_compile_work(
+    api: APIClient, version
+) -> None:
+    """The 21.7 KB body of 1,000 ``[\\pL\\pN]{400}`` held a web worker 186 s: now at most
+    MAX_REGEX_PROGRAM instructions are compiled, the rest refused unjudged."""
+    costs, spy = _spied_costs()
+    with spy:
+        response = _start(api, {"patterns": [f"{WIDE_COUNT}{n:x}" for n in range(1_000)]})
+    assert response.status_code == 400, response.content
+    assert _fields(response)[:2] == ["input.patterns[0]", "input.patterns[1]"]
+    # Two validations, each with its budget: the input's, and (it has problems) the one that
+    # finds its writeOnly values to mask them.
+    assert sum(costs) <= 2 * (input_schema.MAX_REGEX_PROGRAM + regex.TOO_LARGE_COST)
+    assert len(costs) < 100
+    assert not Run.objects.exists()
 
 
 @pytest.mark.parametrize(
