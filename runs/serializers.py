@@ -19,6 +19,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from workflows import secrets
+from workflows.templates import encoded_size
 
 from . import answers
 from .engine import slots, unservable
@@ -573,6 +574,39 @@ class RunListSerializer(serializers.ModelSerializer):
         return {"run": str(run.parent_run_id), "step": step.step_id if step else None}
 
 
+# The run's resource embeds its newest SHOWN_ACTIONS actions (oldest first), each detail
+# whole when its compact JSON is at most ACTION_DETAIL_BYTES, else each top-level entry over
+# ACTION_ENTRY_BYTES as {"bytes": n} (or the whole detail as that, should it still be over):
+# at most about 400 KB of a GET /runs/{id} however many actions the run has or how large a
+# detail an older release recorded (a retry's input changes; security review, issue 36).
+SHOWN_ACTIONS = 50
+ACTION_DETAIL_BYTES = 8192
+ACTION_ENTRY_BYTES = 1024
+
+
+def shown_detail(detail: Any) -> Any:
+    """An action's detail within ACTION_DETAIL_BYTES (see above)."""
+    size = encoded_size(detail)
+    if size <= ACTION_DETAIL_BYTES:
+        return detail
+    if isinstance(detail, dict):
+        cut = {}
+        for key, value in detail.items():
+            entry = encoded_size(value)
+            cut[key] = value if entry <= ACTION_ENTRY_BYTES else {"bytes": entry}
+        if encoded_size(cut) <= ACTION_DETAIL_BYTES:
+            return cut
+    return {"bytes": size}
+
+
+class NewestActionsSerializer(serializers.ListSerializer):
+    """The newest SHOWN_ACTIONS of the run's actions (prefetched oldest first), in order."""
+
+    def to_representation(self, data: Any) -> list[Any]:
+        rows = list(data.all()) if hasattr(data, "all") else list(data)
+        return super().to_representation(rows[-SHOWN_ACTIONS:])
+
+
 class RunActionSerializer(serializers.ModelSerializer):
     by = serializers.SerializerMethodField(help_text="who acted; null for the system")
     at = serializers.DateTimeField(source="created_at", read_only=True)
@@ -581,9 +615,15 @@ class RunActionSerializer(serializers.ModelSerializer):
         model = RunAction
         fields = ["action", "by", "at", "detail"]
         read_only_fields = fields
+        list_serializer_class = NewestActionsSerializer
 
     def get_by(self, action: RunAction) -> str | None:
         return action.actor_name or None
+
+    def to_representation(self, action: RunAction) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(action)
+        data["detail"] = shown_detail(data["detail"])
+        return data
 
 
 class RunSerializer(RunListSerializer):
@@ -596,7 +636,8 @@ class RunSerializer(RunListSerializer):
         many=True,
         read_only=True,
         help_text="who cancelled, paused, resumed, retried, resolved an attempt in doubt or "
-        "sent events",
+        "sent events: the newest 50, oldest first; a detail over 8 KB shows its larger "
+        'entries as {"bytes": n}',
     )
     reason = serializers.SerializerMethodField(
         help_text="null, or why the run does not move on (it waits for a concurrency slot of "

@@ -21,13 +21,14 @@ from workflows.heartbeats import StepHandler
 from workflows.inputs import input_errors
 from workflows.preflight import start_problems, start_waits
 from workflows.queues import version_queue_errors
-from workflows.templates import TooLarge, check_size
+from workflows.templates import TooLarge, check_size, encoded_size
 
 from . import dispatch, retries, tracing, vault
 from .engine import delivery, journal, slots, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
+from .engine.store import Increment, update_run
 from .models import Event, Run, RunAction, StepRun, Timer, TimerPurpose
 from .moves import move_run, move_steps
 from .selectors import run_tree_ending
@@ -420,17 +421,28 @@ def run_retry(
             restart_at=restart,
             rerun=rerun,
             kept=kept,
-            input_changes=retries.changes(run.input, stored_input),
-            step_inputs=_next_inputs(run, document, attempts, stored_input, reruns),
+            # Each value up to DJFLOW_ANSWER_VALUE_BYTES, all of them within
+            # DJFLOW_MAX_ANSWER_BYTES (a larger one is {"bytes": n}; /runs/{id}/input has it).
+            **_bounded_preview(
+                retries.changes(run.input, stored_input),
+                _next_inputs(run, document, attempts, stored_input, reruns),
+            ),
         )
     detail: dict[str, Any] = {"generation": run.generation + 1}
     if from_step is not None:
         detail |= {"from_step": from_step, "restart_at": restart}
     if input is not None:
-        # Kept with its tokens (the API shows them masked): the input each generation ran on.
-        detail |= {"input_changes": retries.changes(run.input, stored_input, raw=True)}
+        # Kept with its tokens (the API shows them masked), bounded (RETRY_CHANGE_PATHS paths,
+        # small values only): what changed. The input each generation runs on is the run's.
+        detail |= _recorded_changes(retries.changes(run.input, stored_input, raw=True))
     slot = _retry_slot(run)
-    record_action(run.id, "retry", user, detail | dict(audit or {}))
+    action = record_action(run.id, "retry", user, detail | dict(audit or {}))
+    # What the action keeps (at most about RETRY_DETAIL_BYTES) counts towards the run's
+    # stored_bytes, as an event's payload does; never refused: a retry is how a run that
+    # reached DJFLOW_MAX_RUN_BYTES is taken up again.
+    charged = encoded_size(action.detail)
+    update_run(run.id, {"stored_bytes": Increment(charged)})
+    run.stored_bytes += charged
     move_run(
         run,
         RunStatus.RUNNING,
@@ -447,6 +459,89 @@ def run_retry(
     )
     dispatch.advance_on_commit(run.id)
     return run
+
+
+# What a retry's action records of its input's changes (security review, issue 36: eight
+# retries each with a new 1,000,000-character topic stored 15 MB of details, uncharged, and
+# GET /runs/{id} answered all of it): at most this many changed paths (the rest counted in
+# ``input_changes_omitted``), each path at most PATH_CHARS characters, and a value only when
+# it is at most RETRY_VALUE_BYTES and the values kept so far stay within RETRY_DETAIL_BYTES;
+# another is ``{"bytes": n}`` (its compact JSON size). The run's whole input is its own
+# (/runs/{id}/input).
+RETRY_CHANGE_PATHS = 20
+RETRY_PATH_CHARS = 200
+RETRY_VALUE_BYTES = 1024
+RETRY_DETAIL_BYTES = 4096
+# A dry run answers at most this many changed paths of the input and of each step's input.
+PREVIEW_CHANGE_PATHS = 100
+
+
+def _bounded_changes(
+    changes: list[dict[str, Any]],
+    sides: tuple[str, ...],
+    *,
+    paths: int,
+    largest: int,
+    total: int,
+    name: str = "field",
+) -> tuple[list[dict[str, Any]], int]:
+    """The first ``paths`` of ``changes``, each value of ``sides`` kept when it is at most
+    ``largest`` bytes and within ``total`` with those kept before it, else ``{"bytes": n}``;
+    and how many changes were left out. ``name``: the key of the path (cut to
+    RETRY_PATH_CHARS characters)."""
+    bounded, spent = [], 0
+    for change in changes[:paths]:
+        entry = dict(change)
+        where = entry.get(name)
+        if isinstance(where, str) and len(where) > RETRY_PATH_CHARS:
+            entry[name] = where[:RETRY_PATH_CHARS] + "…"
+        for side in sides:
+            size = encoded_size(entry.get(side))
+            if size <= largest and spent + size <= total:
+                spent += size
+            else:
+                entry[side] = {"bytes": size}
+        bounded.append(entry)
+    return bounded, max(0, len(changes) - paths)
+
+
+def _recorded_changes(changes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A retry action's ``input_changes`` (and ``input_changes_omitted`` when capped)."""
+    kept, omitted = _bounded_changes(
+        changes,
+        ("before", "after"),
+        paths=RETRY_CHANGE_PATHS,
+        largest=min(RETRY_VALUE_BYTES, int(settings.DJFLOW["ANSWER_VALUE_BYTES"])),
+        total=RETRY_DETAIL_BYTES,
+    )
+    return {"input_changes": kept} | ({"input_changes_omitted": omitted} if omitted else {})
+
+
+def _bounded_preview(
+    input_changes: list[dict[str, Any]], step_inputs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A dry run's differences within the answer bounds (DJFLOW_ANSWER_VALUE_BYTES a value,
+    DJFLOW_MAX_ANSWER_BYTES for all of them), at most PREVIEW_CHANGE_PATHS of each list."""
+    largest, total = (
+        int(settings.DJFLOW["ANSWER_VALUE_BYTES"]),
+        int(settings.DJFLOW["MAX_ANSWER_BYTES"]),
+    )
+    changes, _ = _bounded_changes(
+        input_changes,
+        ("before", "after"),
+        paths=PREVIEW_CHANGE_PATHS,
+        largest=largest,
+        total=total // 2,
+    )
+    steps, _ = _bounded_changes(
+        step_inputs,
+        ("before", "after"),
+        paths=PREVIEW_CHANGE_PATHS,
+        largest=largest,
+        total=total // 2,
+        name="path",
+    )
+    return {"input_changes": changes, "step_inputs": steps}
 
 
 def _retry_slot(run: Run) -> dict[str, Any]:
