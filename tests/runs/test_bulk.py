@@ -517,3 +517,12 @@ def test_the_requester_reads_the_actions_progress_and_no_one_else(
     missing = bob.get("/api/v1/runs/bulk/not-a-uuid")
     assert (missing.status_code, _fields(missing)) == (404, ["id"])
     assert APIClient().get(path).status_code == 401
+
+
+@pytest.mark.parametrize("name", ["cancel", "retry"])
+def test_reading_a_run_named_like_a_bulk_action_is_a_404_not_a_405(api: APIClient, name) -> None:
+    """GET /runs/{id} documents 200, 401 and 404: a run id that is a bulk route's name reads
+    no run (schemathesis drew it and got the bulk route's 405)."""
+    response = api.get(f"/api/v1/runs/{name}")
+    assert response.status_code == 404, response.content
+    assert list(response.json()) == ["errors"]
