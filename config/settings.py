@@ -681,6 +681,9 @@ DJFLOW = {
     # the budget, is null there and listed in its object's ``truncated`` with its link.
     "MAX_ANSWER_BYTES": env.int("DJFLOW_MAX_ANSWER_BYTES", default=4 * 1_048_576),
     "ANSWER_VALUE_BYTES": env.int("DJFLOW_ANSWER_VALUE_BYTES", default=65_536),
+    # Most attempts GET /runs/{id} embeds: the newest ones, oldest first; the whole journal
+    # is GET /runs/{id}/steps, cursor-paginated (20,000 attempts answered ~10 MB of rows).
+    "ANSWER_STEPS": env.int("DJFLOW_ANSWER_STEPS", default=1000),
     # The operator's cap on one tree of runs, which no document can raise (runs.engine.trees):
     # at most MAX_TREE_RUNS runs under one root (subworkflow children and body runs, every
     # depth; the start past it fails its step, class limit), started at most
@@ -896,7 +899,7 @@ if DJFLOW["MCP_POOL_SIZE"] < 1:
 for _name in ("BULK_BATCH", "RETENTION_BATCH", "RETENTION_EVERY_SECONDS"):
     if DJFLOW[_name] < 1:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
-for _name in ("MAX_TREE_RUNS", "MAX_TREE_RUNS_PER_MINUTE", "MAX_STEPS_CEILING"):
+for _name in ("MAX_TREE_RUNS", "MAX_TREE_RUNS_PER_MINUTE", "MAX_STEPS_CEILING", "ANSWER_STEPS"):
     if DJFLOW[_name] < 1:
         raise ImproperlyConfigured(f"DJFLOW_{_name} must be at least 1, not {DJFLOW[_name]}")
 if DJFLOW["CANCEL_INLINE_RUNS"] < 0:

@@ -7,6 +7,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.db.models import F, Prefetch, Q, QuerySet
 
 from workflows import access
@@ -93,39 +94,56 @@ def _search(text: str, where: str) -> Q:
 
 
 def run_detail_queryset(user: Any = None, *, bounded: bool = False) -> QuerySet[Run]:
-    """Runs with their journal (every attempt, in the order it was written) and the children
-    ``user`` may read (``None``: all): a child of a workflow they may not see is not theirs to
-    know of, by id or status (CONTRACT section 8), though its output is their step's.
-    ``bounded``: the run's and the attempts' values are left unread, their sizes read
-    instead, for ``answers.bound`` to read those that fit an answer."""
+    """Runs with their actions and the children ``user`` may read (``None``: all): a child of
+    a workflow they may not see is not theirs to know of, by id or status (CONTRACT section
+    8), though its output is their step's. The journal is :func:`with_journal`'s.
+    ``bounded``: the run's values are left unread, their sizes read instead, for
+    ``answers.bound`` to read those that fit an answer."""
     children = _readable_children(user)
     runs = Run.objects.select_related("version", "parent_step_run")
-    steps = StepRun.objects.order_by("id")
     if bounded:
-        runs, steps = answers.sized(runs, RUN_VALUES), answers.sized(steps, STEP_VALUES)
+        runs = answers.sized(runs, RUN_VALUES)
     return runs.prefetch_related(
-        Prefetch(
-            "steps",
-            queryset=steps.prefetch_related(
-                Prefetch(
-                    "model_calls",
-                    # The sizes of the prompt and reply, not their texts (the call's own
-                    # resource has them).
-                    queryset=ModelCall.objects.annotate(
-                        prompt_size=F("prompt__size"), reply_size=F("reply__size")
-                    ).order_by("id"),
-                ),
-                Prefetch(
-                    "tool_calls",
-                    queryset=ToolCall.objects.annotate(
-                        arguments_size=F("arguments__size"), result_size=F("result__size")
-                    ).order_by("id"),
-                ),
-            ),
-        ),
         Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
         Prefetch("children", queryset=children),
     )
+
+
+def journal_queryset(*, bounded: bool = False) -> QuerySet[StepRun]:
+    """Attempts with their model and tool calls (the sizes of a call's prompt, reply,
+    arguments and result, not their texts: the call's own resource has them); ``bounded``:
+    the attempts' values left unread, their sizes read instead (``answers.sized``)."""
+    steps = StepRun.objects.all()
+    if bounded:
+        steps = answers.sized(steps, STEP_VALUES)
+    return steps.prefetch_related(
+        Prefetch(
+            "model_calls",
+            queryset=ModelCall.objects.annotate(
+                prompt_size=F("prompt__size"), reply_size=F("reply__size")
+            ).order_by("id"),
+        ),
+        Prefetch(
+            "tool_calls",
+            queryset=ToolCall.objects.annotate(
+                arguments_size=F("arguments__size"), result_size=F("result__size")
+            ).order_by("id"),
+        ),
+    )
+
+
+def with_journal(run: Run, *, bounded: bool = False) -> Run:
+    """``run`` with the newest DJFLOW_ANSWER_STEPS of its attempts, oldest first, as
+    ``run.steps.all()``, and ``run.steps_total``, how many its journal holds: a run's
+    resource is bounded in rows as ``answers`` bounds it in bytes (20,000 attempts answered
+    about 10 MB of rows; security review, issue 36). The whole journal is
+    :func:`journal_page`'s, a page at a time. Reads the run_journal index from its end."""
+    steps = _newest(run, journal_queryset(bounded=bounded))
+    run._prefetched_objects_cache = {
+        **getattr(run, "_prefetched_objects_cache", {}),
+        "steps": _fetched(StepRun.objects.none(), steps),
+    }
+    return run
 
 
 def _readable_children(user: Any) -> QuerySet[Run]:
@@ -147,9 +165,28 @@ def run_get(*, run_id: Any, user: Any = None) -> Run:
     if run is None:
         raise NotFound(errors=[FieldError("id", f"unknown run '{run_id}'")])
     access.require_view_run(user, run)
+    with_journal(run, bounded=True)
     # The values that fit one answer (DJFLOW_MAX_ANSWER_BYTES), read now; the rest are links.
     answers.bound([run], run.steps.all())
     return run
+
+
+def _newest(run: Run, steps: QuerySet[StepRun]) -> list[StepRun]:
+    """The newest DJFLOW_ANSWER_STEPS of ``steps`` of ``run``, oldest first; sets
+    ``run.steps_total`` (counted only when there may be more)."""
+    shown = int(settings.DJFLOW["ANSWER_STEPS"])
+    rows = list(steps.filter(run_id=run.id).order_by("-id")[:shown])[::-1]
+    run.steps_total = len(rows)
+    if len(rows) == shown:
+        run.steps_total = StepRun.objects.filter(run_id=run.id).count()
+    return rows
+
+
+def journal_page(run: Run) -> QuerySet[StepRun]:
+    """The whole journal of ``run`` (one its reader has: :func:`run_readable`), oldest first
+    (by id, the order attempts were written), values unread for ``answers.bound``: what
+    ``GET /runs/{id}/steps`` pages through."""
+    return journal_queryset(bounded=True).filter(run_id=run.id)
 
 
 def run_readable(*, run_id: Any, user: Any = None) -> Run:
@@ -201,6 +238,7 @@ def run_as_started(run: Run) -> Run:
         "actions": _fetched(RunAction.objects.none()),
         "children": _fetched(Run.objects.none()),
     }
+    run.steps_total = 0
     return run
 
 
@@ -218,7 +256,7 @@ def run_as_planned(*, run_id: Any, user: Any = None) -> Run:
     run has any."""
     runs = Run.objects.select_related("version", "parent_step_run")
     run = answers.sized(runs, RUN_VALUES).get(id=run_id)
-    steps = list(answers.sized(StepRun.objects.filter(run_id=run.id), STEP_VALUES).order_by("id"))
+    steps = _newest(run, answers.sized(StepRun.objects.all(), STEP_VALUES))
     answers.bound([run], steps)
     for step in steps:
         step._prefetched_objects_cache = {

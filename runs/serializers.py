@@ -13,6 +13,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.validators import RegexValidator
+from django.db.models import Q
 from django.urls import reverse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
@@ -631,7 +632,20 @@ class RunSerializer(RunListSerializer):
     Pass ``context={"tracebacks": True}`` to show step tracebacks (operators only)."""
 
     children = RunChildSerializer(many=True, read_only=True)
-    steps = StepRunSerializer(many=True, read_only=True)
+    steps = StepRunSerializer(
+        many=True,
+        read_only=True,
+        help_text="the journal's newest attempts (at most DJFLOW_ANSWER_STEPS, 1,000 by "
+        "default), oldest first; `steps_total` says how many it holds, `steps_url` pages "
+        "through them all",
+    )
+    steps_total = serializers.SerializerMethodField(
+        help_text="how many attempts the run's journal holds (more than `steps` shows when "
+        "it is over DJFLOW_ANSWER_STEPS)"
+    )
+    steps_url = serializers.SerializerMethodField(
+        help_text="GET /runs/{id}/steps: the whole journal, oldest first, cursor-paginated"
+    )
     actions = RunActionSerializer(
         many=True,
         read_only=True,
@@ -646,19 +660,48 @@ class RunSerializer(RunListSerializer):
     )
 
     class Meta(RunListSerializer.Meta):
-        fields = [*RunListSerializer.Meta.fields, "reason", "actions", "children", "steps"]
+        fields = [
+            *RunListSerializer.Meta.fields,
+            "reason",
+            "actions",
+            "children",
+            "steps",
+            "steps_total",
+            "steps_url",
+        ]
         read_only_fields = fields
+
+    def get_steps_total(self, run: Run) -> int:
+        # Set by selectors.with_journal; a run rendered otherwise shows all it was given.
+        return int(getattr(run, "steps_total", len(run.steps.all())))
+
+    @extend_schema_field(OpenApiTypes.URI)
+    def get_steps_url(self, run: Run) -> str:
+        return api_url("run-steps", run.id)
 
     def get_reason(self, run: Run) -> str | None:
         queued = slots.waiting_reason(run)
         if queued is not None:
             return queued
-        # The journal is prefetched (selectors.run_detail_queryset): no query.
-        reasons = (
-            in_doubt_reason(run, step) or unservable.waiting_reason(step)
-            for step in run.steps.all()
-        )
-        return next((reason for reason in reasons if reason), None)
+        # The newest attempts are prefetched (selectors.with_journal): no query.
+        shown = run.steps.all()
+        reasons = (in_doubt_reason(run, step) or unservable.waiting_reason(step) for step in shown)
+        reason = next((reason for reason in reasons if reason), None)
+        if reason is None and len(shown) < self.get_steps_total(run):
+            # An attempt in doubt or waiting for a worker among those not shown (a foreach
+            # of thousands): one look-up on the run_journal index.
+            older = (
+                StepRun.objects.filter(run_id=run.id, id__lt=shown[0].id)
+                .filter(
+                    Q(status=StepStatus.IN_DOUBT)
+                    | Q(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
+                )
+                .order_by("id")
+                .first()
+            )
+            if older is not None:
+                reason = in_doubt_reason(run, older) or unservable.waiting_reason(older)
+        return reason
 
 
 def in_doubt_reason(run: Run, step: StepRun) -> str | None:

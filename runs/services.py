@@ -24,12 +24,12 @@ from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size, encoded_size
 
 from . import dispatch, retries, tracing, vault
-from .engine import delivery, journal, slots, unservable
+from .engine import delivery, journal, slots, trees, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
 from .engine.store import Increment, update_run
-from .models import Event, Run, RunAction, StepRun, Timer, TimerPurpose
+from .models import Event, Run, RunAction, RunFault, StepRun, Timer, TimerPurpose
 from .moves import move_run, move_steps
 from .selectors import run_tree_ending
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
@@ -331,6 +331,7 @@ def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     record_action(run.id, "resume", user)
     # Should the advance message be lost, the reconciler advances a run this quiet.
     move_run(run, RunStatus.RUNNING)
+    RunFault.objects.filter(run_id=run.id).delete()
     dispatch.advance_on_commit(run.id)
     return run
 
@@ -457,6 +458,10 @@ def run_retry(
         started_at=timezone.now(),
         deadline_at=None,  # set by the next advance from the document's limits
     )
+    trees.restarted(run)
+    # An operator took the run up again: the periodic passes try it at once, not at the end
+    # of a back-off its failures earned (runs.engine.isolation).
+    RunFault.objects.filter(run_id=run.id).delete()
     dispatch.advance_on_commit(run.id)
     return run
 

@@ -18,8 +18,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from config.pagination import NewestFirstPagination
+from config.pagination import ContractCursorPagination, NewestFirstPagination
 from workflows import access, secrets
+from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
 from . import answers, bulk, selectors, services, trace
@@ -39,6 +40,7 @@ from .serializers import (
     RunStartSerializer,
     RunTraceSerializer,
     StepResolveSerializer,
+    StepRunSerializer,
     has_traceback,
 )
 from .status import RunStatus
@@ -135,11 +137,13 @@ class RunDetailView(APIView):
     @extend_schema(
         operation_id="runs_read",
         parameters=[RUN_ID],
-        description="The run with its children and its journal: every attempt of every step."
-        " A value (the run's input or output, an attempt's input, output or error) that does"
-        " not fit the answer (DJFLOW_ANSWER_VALUE_BYTES a value, DJFLOW_MAX_ANSWER_BYTES in"
-        " all, oldest first) is null and listed in its object's `truncated`, with the link"
-        " that answers it whole.",
+        description="The run with its children and its journal's newest attempts (at most"
+        " DJFLOW_ANSWER_STEPS, oldest first; `steps_total` counts them all and"
+        " `GET /runs/{id}/steps` pages through the whole journal). A value (the run's input"
+        " or output, an attempt's input, output or error) that does not fit the answer"
+        " (DJFLOW_ANSWER_VALUE_BYTES a value, DJFLOW_MAX_ANSWER_BYTES in all, oldest first)"
+        " is null and listed in its object's `truncated`, with the link that answers it"
+        " whole.",
         responses={200: RunSerializer, 401: ERRORS, 404: ERRORS},
     )
     def get(self, request: Request, run_id: str) -> Response:
@@ -399,6 +403,48 @@ class StepResolveView(APIView):
             run_id=run_id, step_run_id=step_run_id, user=request.user, **body.validated_data
         )
         return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
+
+
+class JournalPagination(ContractCursorPagination):
+    """A run's attempts, oldest first (by id, the order they were written); a cursor whose
+    position is not an id is a bad cursor (400 naming it), not a database error."""
+
+    ordering = ("id",)
+    max_page_size = 1000
+
+    def decode_cursor(self, request: Any) -> Any:
+        cursor = super().decode_cursor(request)
+        position = cursor.position if cursor is not None else None
+        if position is not None and not (
+            position.isascii() and position.isdigit() and len(position) <= 18
+        ):
+            raise InvalidInput(errors=[FieldError("cursor", "is not a cursor this API gave out")])
+        return cursor
+
+
+class RunStepsView(APIView):
+    pagination_class = JournalPagination
+
+    @extend_schema(
+        operation_id="runs_steps",
+        parameters=[RUN_ID, OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        description="The run's whole journal, every attempt of every step, oldest first,"
+        " cursor-paginated (`limit` 1 to 1,000, 50 by default): what `GET /runs/{id}` embeds"
+        " the newest DJFLOW_ANSWER_STEPS of. A value that does not fit the page's answer is"
+        " null and listed in its attempt's `truncated` with its link, as there. Whoever may"
+        " read the run (tracebacks for its operators); 404 otherwise.",
+        responses={200: StepRunSerializer(many=True), 400: ERRORS, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str) -> Response:
+        run = selectors.run_readable(run_id=run_id, user=request.user)
+        paginator = self.pagination_class()
+        page = paginator.paginate_queryset(selectors.journal_page(run), request, self) or []
+        answers.bound([], page)
+        tracebacks = any(has_traceback(step.error) for step in page) and access.may_see_tracebacks(
+            request.user, run.workflow_id
+        )
+        data = StepRunSerializer(page, many=True, context={"tracebacks": tracebacks}).data
+        return paginator.get_paginated_response(secrets.shown(data) if run.secrets else data)
 
 
 class RunTraceView(APIView):

@@ -146,6 +146,16 @@ def anon_api() -> APIClient:
     return APIClient()
 
 
+@pytest.fixture
+def stranger(db) -> APIClient:
+    """Eve, a user with no permission: she may start runs of nothing and read none but her
+    own (what a 404 for another's run is tested with)."""
+    eve = get_user_model().objects.create_user(username="eve", password="a-long-password-1")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=eve).key}")
+    return client
+
+
 # --- Real worker and beat processes (tests/processes.py) -----------------------------------
 
 

@@ -36,9 +36,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from runs import dispatch
+from runs import answers, dispatch
 from runs.models import NotifyDelivery
-from runs.selectors import run_detail_queryset
+from runs.selectors import run_detail_queryset, with_journal
 from runs.serializers import RunListSerializer, RunSerializer
 from runs.status import DeliveryStatus
 from workflows import notify
@@ -113,7 +113,10 @@ def _render(row: NotifyDelivery) -> str:
 def render_body(run_id: Any) -> str:
     """The run as the API shows it to a reader (compact JSON); without its journal
     (``steps``) when the whole would be over ``NOTIFY_MAX_BODY_BYTES``."""
-    run = run_detail_queryset().get(id=run_id)
+    # Bounded as GET /runs/{id} is (runs.answers, the newest DJFLOW_ANSWER_STEPS attempts):
+    # a run's whole journal, values and all, read into a worker is no body to send.
+    run = with_journal(run_detail_queryset(bounded=True).get(id=run_id), bounded=True)
+    answers.bound([run], run.steps.all())
     data: dict[str, Any] = dict(RunSerializer(run).data)
     body = _json(data)
     if len(body.encode("utf-8")) > settings.DJFLOW["NOTIFY_MAX_BODY_BYTES"]:

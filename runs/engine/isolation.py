@@ -19,7 +19,8 @@ Invariants:
 - A marked run is left out of that pass's candidates (:func:`in_backoff`) until its
   ``retry_at``: ``PASS_BACKOFF_SECONDS``, doubling with each failure in a row, at most a day.
   A poison run then costs a pass one try per back-off, not one per tick, and never holds the
-  head of a batch ordered by age.
+  head of a batch ordered by age. An operator's retry or resume of the run deletes its marks
+  (``runs.services``): the passes try it again at once, and a new failure counts from one.
 - A transient failure (``OperationalError``: a deadlock, a lock time-out, a lost connection)
   is logged and counted but not marked: it says nothing about the run, and the next pass tries
   again, as before.

@@ -136,6 +136,17 @@ def _count_elsewhere(root_id: Any, cap: int, step: timedelta, now: datetime) -> 
     return tree.paced_until
 
 
+def restarted(run: Run) -> None:
+    """A root run's retry (a new generation) starts its tree's count afresh: from the runs of
+    the tree still active (a previous generation's being ended), not from every run it ever
+    started, which would fail the first child start of a tree that once reached the cap.
+    The pace is kept. A child run's retry counts on in its root's tree."""
+    if run.root_run_id is not None:
+        return
+    active = Run.objects.filter(root_run_id=run.id, status__in=RUN_ACTIVE).count()
+    RunTree.objects.filter(root_run_id=run.id).update(runs=active)
+
+
 def _root_ended(root_id: Any) -> bool:
     return Run.objects.filter(id=root_id, status__in=RUN_TERMINAL).exists()
 

@@ -9,9 +9,6 @@ import tracemalloc
 from typing import Any
 
 import pytest
-from django.contrib.auth import get_user_model
-from rest_framework.authtoken.models import Token
-from rest_framework.test import APIClient
 
 from runs import services
 from runs.models import Run, StepRun
@@ -32,15 +29,6 @@ def bounds(settings) -> tuple[int, int]:
         "ANSWER_VALUE_BYTES": 64 * KIB,
     }
     return 512 * KIB, 64 * KIB
-
-
-@pytest.fixture
-def stranger() -> APIClient:
-    """A user who may start runs of nothing and read none but their own."""
-    eve = get_user_model().objects.create_user(username="eve", password="a-long-password-1")
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=eve).key}")
-    return client
 
 
 def _big_run(user: Any, *, size: int = 300 * KIB, items: int = 3) -> Run:

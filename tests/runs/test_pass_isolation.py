@@ -158,6 +158,20 @@ def test_a_poison_run_is_marked_and_skipped_and_every_other_repair_still_happens
     assert failures("reconcile.advance") == before + 2
 
 
+def test_an_operators_resume_clears_the_marks_and_the_passes_try_the_run_at_once() -> None:
+    poison = napping(due=True, poison=True)
+    reconcile(budget_seconds=30)
+    assert RunFault.objects.filter(run=poison).count() == 1
+    services.run_pause(run_id=poison.id)
+    services.run_resume(run_id=poison.id)
+    # Taken up again: no back-off left, and a failure now counts from one, not two.
+    assert not RunFault.objects.filter(run=poison).exists()
+    Run.objects.filter(id=poison.id).update(updated_at=timezone.now() - HOUR_AGO)
+    reconcile(budget_seconds=30)
+    assert RunFault.objects.get(run=poison).failures == 1
+    assert len(marks(poison)) == 2
+
+
 def test_the_marks_are_on_the_runs_resource(api) -> None:
     poison = napping(due=True, poison=True)
     reconcile(budget_seconds=30)

@@ -111,6 +111,25 @@ def test_a_fork_bomb_stops_at_the_tree_cap_and_fails_with_class_limit(db, settin
     assert _tree(root).count() == 12
 
 
+def test_a_retried_root_counts_its_tree_afresh(db, settings) -> None:
+    """The count is per generation of the root: a tree that once reached the cap is not
+    refused its first start when an operator retries it (it was, for good)."""
+    _tunables(settings, MAX_TREE_RUNS=12)
+    _bomb(branches=3)
+    root = services.run_start(workflow="bomb", input={}).run
+    _drive()
+    root.refresh_from_db()
+    assert (root.status, _tree(root).count()) == (RunStatus.FAILED, 12)
+    services.run_retry(run_id=root.id)
+    _drive()
+    root.refresh_from_db()
+    # The new generation started a tree of its own, up to the cap again, and no more.
+    assert root.generation == 2
+    assert (root.status, root.error["class"]) == (RunStatus.FAILED, "limit")
+    assert _tree(root).count() == 24
+    assert RunTree.objects.get(root_run=root).runs == 12
+
+
 def test_a_start_in_a_tree_whose_root_has_ended_is_not_made(db, settings) -> None:
     _tunables(settings, CANCEL_INLINE_RUNS=0)
     _bomb(branches=2)
