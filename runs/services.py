@@ -778,6 +778,11 @@ def step_run_resolve(
         user,
         {"step_run": row_id, "step_id": step_run.step_id, "outcome": outcome},
     )
+    if outcome == StepStatus.SUCCEEDED:
+        # What the answer stores counts towards the run's stored_bytes (DJFLOW_MAX_RUN_BYTES),
+        # as an attempt's output does; not refused: the operator's answer is how the run
+        # goes on, and it is at most 1 MiB.
+        update_run(run.id, {"stored_bytes": Increment(encoded_size(output))})
     # Its deadline is moot now; the run plans on from the answer.
     Timer.objects.filter(
         step_run_id=row_id, purpose=TimerPurpose.IN_DOUBT, fired_at__isnull=True

@@ -97,9 +97,12 @@ def test_an_operator_resolves_it_as_succeeded_and_the_run_goes_on_with_that_outp
     payout, api, user, django_capture_on_commit_callbacks
 ) -> None:
     run, pay = in_doubt()
+    stored = Run.objects.get(id=run.id).stored_bytes
     with django_capture_on_commit_callbacks(execute=False) as sent:
         answer = resolve(api, run, pay.id, {"outcome": "succeeded", "output": {"paid": True}})
     assert answer.status_code == 200, answer.json()
+    # The answer's output counts towards what the run stores, as a worker's output does.
+    assert Run.objects.get(id=run.id).stored_bytes == stored + len('{"paid":true}')
     assert sent, "the run's advance is asked for on commit"
     pay.refresh_from_db()
     assert (pay.status, pay.output, pay.error) == ("succeeded", {"paid": True}, None)
