@@ -5,9 +5,6 @@ findings): the contract and the README named it, the settings never read it (the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,8 @@ from rest_framework.test import APIClient
 
 from runs.models import Run
 
-BASE_DIR = Path(__file__).resolve().parent.parent
+from .settings_probe import last_line, probe_settings
+
 PROBE = (
     "import django; django.setup(); from django.conf import settings; "
     "print(settings.DATA_UPLOAD_MAX_MEMORY_SIZE, settings.DJFLOW['MAX_BODY_BYTES'])"
@@ -23,22 +21,8 @@ PROBE = (
 
 
 def _limit(tmp_path: Path, **env: str) -> str:
-    environ = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("DJFLOW_MAX_BODY_BYTES", "DJFLOW_MAX_DOCUMENT_BYTES")
-    }
-    environ.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path), **env)
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().splitlines()[-1]
+    unset = ("DJFLOW_MAX_BODY_BYTES", "DJFLOW_MAX_DOCUMENT_BYTES")
+    return last_line(probe_settings(tmp_path, PROBE, unset=unset, **env))
 
 
 def test_the_body_limit_is_read_from_djflow_max_body_bytes(tmp_path: Path) -> None:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from .settings_probe import last_line, probe_settings
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 CONFIG_VARS = (
@@ -69,18 +68,7 @@ client.close(timeout=0)
 
 
 def load_settings(tmp_path: Path, **env: str) -> dict[str, Any]:
-    environ = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
-    environ.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path), **env)
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(last_line(probe_settings(tmp_path, PROBE, unset=CONFIG_VARS, **env)))
 
 
 def assert_durable_celery(conf: dict[str, Any]) -> None:
@@ -255,17 +243,7 @@ def test_embeddings_are_off_unless_a_model_is_named(tmp_path: Path) -> None:
 def test_a_model_slot_setting_out_of_range_is_refused_naming_it(
     tmp_path: Path, name: str, value: str
 ) -> None:
-    environ = {k: v for k, v in os.environ.items() if k not in CONFIG_VARS}
-    environ.update(DJANGO_SETTINGS_MODULE="config.settings", DJFLOW_VAR_DIR=str(tmp_path))
-    environ[name] = value
-    done = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = probe_settings(tmp_path, unset=CONFIG_VARS, **{name: value})
     assert done.returncode != 0
     assert "ImproperlyConfigured" in done.stderr and name in done.stderr
 

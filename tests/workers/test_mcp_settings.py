@@ -5,9 +5,6 @@ the entry and what is wrong with it, and never quoting a header's or an env vari
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,8 @@ from django.core.exceptions import ImproperlyConfigured
 
 from config.settings import _mcp_servers
 
-BASE_DIR = Path(__file__).resolve().parent.parent.parent
+from ..settings_probe import probe_settings
+
 SECRET = "Bearer hush-hush-42"
 
 BAD = {
@@ -60,20 +58,8 @@ def test_good_entries_are_kept_normalised() -> None:
 
 
 def test_a_process_with_a_bad_entry_does_not_start(tmp_path: Path) -> None:
-    environ = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
-    environ.update(
-        DJANGO_SETTINGS_MODULE="config.settings",
-        DJFLOW_VAR_DIR=str(tmp_path),
-        DJFLOW_MCP_SERVERS=json.dumps({"docs": {"url": "ftp://x", "headers": {"A": SECRET}}}),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    servers = json.dumps({"docs": {"url": "ftp://x", "headers": {"A": SECRET}}})
+    done = probe_settings(tmp_path, unset=["DATABASE_URL"], DJFLOW_MCP_SERVERS=servers)
     assert done.returncode != 0
     assert "ImproperlyConfigured: DJFLOW_MCP_SERVERS['docs']" in done.stderr
     assert "hush-hush" not in done.stderr

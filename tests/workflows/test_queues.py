@@ -10,9 +10,6 @@ Before: any queue was saved and started; three slow steps on ``timers`` made an 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +26,10 @@ from workflows.errors import InvalidDocument
 from workflows.models import WorkflowVersion
 from workflows.services import definition_save
 
+from ..settings_probe import last_line, probe_settings
+
 pytestmark = pytest.mark.django_db
 
-BASE_DIR = Path(__file__).resolve().parent.parent.parent
 ENGINE_QUEUES = ["engine", "timers", "mail"]
 
 
@@ -232,32 +230,13 @@ def test_a_retry_of_such_a_version_is_refused_the_same_way(
 
 @pytest.mark.parametrize("listed", ["timers", "default,mail", " engine ,gpu"])
 def test_listing_an_engine_queue_refuses_to_start(tmp_path: Path, listed: str) -> None:
-    environ = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"}
-    environ.update(DJFLOW_VAR_DIR=str(tmp_path), DJFLOW_STEP_QUEUES=listed)
-    done = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = probe_settings(tmp_path, DJFLOW_STEP_QUEUES=listed)
     assert done.returncode != 0
     assert "ImproperlyConfigured" in done.stderr and "DJFLOW_STEP_QUEUES" in done.stderr
 
 
 def test_the_list_is_read_from_the_environment(tmp_path: Path) -> None:
-    environ = {**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"}
-    environ.update(DJFLOW_VAR_DIR=str(tmp_path), DJFLOW_STEP_QUEUES="gpu, io,,gpu")
     probe = "import django; django.setup(); from django.conf import settings; "
     probe += "print(settings.DJFLOW['STEP_QUEUES'])"
-    done = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=BASE_DIR,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "['gpu', 'io']"
+    done = probe_settings(tmp_path, probe, DJFLOW_STEP_QUEUES="gpu, io,,gpu")
+    assert last_line(done) == "['gpu', 'io']"
