@@ -27,6 +27,10 @@ SEARCH_IDEMPOTENCY_KEY = "idempotency_key"
 SEARCH_IN = (SEARCH_ANY, SEARCH_ID, SEARCH_CORRELATION, SEARCH_IDEMPOTENCY_KEY)
 
 
+# How many of a run's actions its resource embeds: the newest (runs.serializers).
+SHOWN_ACTIONS = 50
+
+
 # The filters the runs list takes (GET /runs, the runs page) and so the bulk actions too:
 # keywords of run_list.
 RUN_LIST_FILTERS = ("workflow", "status", "account", "created_after", "created_before")
@@ -94,19 +98,17 @@ def _search(text: str, where: str) -> Q:
 
 
 def run_detail_queryset(user: Any = None, *, bounded: bool = False) -> QuerySet[Run]:
-    """Runs with their actions and the children ``user`` may read (``None``: all): a child of
+    """Runs with the children ``user`` may read (``None``: all): a child of
     a workflow they may not see is not theirs to know of, by id or status (CONTRACT section
-    8), though its output is their step's. The journal is :func:`with_journal`'s.
+    8), though its output is their step's. The journal and the actions are
+    :func:`with_journal`'s.
     ``bounded``: the run's values are left unread, their sizes read instead, for
     ``answers.bound`` to read those that fit an answer."""
     children = _readable_children(user)
     runs = Run.objects.select_related("version", "parent_step_run")
     if bounded:
         runs = answers.sized(runs, RUN_VALUES)
-    return runs.prefetch_related(
-        Prefetch("actions", queryset=RunAction.objects.order_by("created_at", "id")),
-        Prefetch("children", queryset=children),
-    )
+    return runs.prefetch_related(Prefetch("children", queryset=children))
 
 
 def journal_queryset(*, bounded: bool = False) -> QuerySet[StepRun]:
@@ -134,14 +136,19 @@ def journal_queryset(*, bounded: bool = False) -> QuerySet[StepRun]:
 
 def with_journal(run: Run, *, bounded: bool = False) -> Run:
     """``run`` with the newest DJFLOW_ANSWER_STEPS of its attempts, oldest first, as
-    ``run.steps.all()``, and ``run.steps_total``, how many its journal holds: a run's
+    ``run.steps.all()``, its newest SHOWN_ACTIONS actions, and ``run.steps_total``, how
+    many attempts its journal holds: a run's
     resource is bounded in rows as ``answers`` bounds it in bytes (20,000 attempts answered
     about 10 MB of rows; security review, issue 36). The whole journal is
     :func:`journal_page`'s, a page at a time. Reads the run_journal index from its end."""
     steps = _newest(run, journal_queryset(bounded=bounded))
+    # The newest SHOWN_ACTIONS only: a run retried or marked thousands of times is not read
+    # whole to show 50 (RunActionSerializer puts them in order).
+    actions = RunAction.objects.filter(run_id=run.id).order_by("-created_at", "-id")
     run._prefetched_objects_cache = {
         **getattr(run, "_prefetched_objects_cache", {}),
         "steps": _fetched(StepRun.objects.none(), steps),
+        "actions": _fetched(RunAction.objects.none(), list(actions[:SHOWN_ACTIONS])),
     }
     return run
 

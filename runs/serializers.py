@@ -25,7 +25,7 @@ from workflows.templates import encoded_size
 from . import answers
 from .engine import slots, unservable
 from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
-from .selectors import RUN_LIST_FILTERS
+from .selectors import RUN_LIST_FILTERS, SHOWN_ACTIONS
 from .status import RunStatus, StepStatus
 
 MAX_VERSION = 2_147_483_647  # the largest number a version column holds
@@ -580,7 +580,6 @@ class RunListSerializer(serializers.ModelSerializer):
 # ACTION_ENTRY_BYTES as {"bytes": n} (or the whole detail as that, should it still be over):
 # at most about 400 KB of a GET /runs/{id} however many actions the run has or how large a
 # detail an older release recorded (a retry's input changes; security review, issue 36).
-SHOWN_ACTIONS = 50
 ACTION_DETAIL_BYTES = 8192
 ACTION_ENTRY_BYTES = 1024
 
@@ -601,10 +600,12 @@ def shown_detail(detail: Any) -> Any:
 
 
 class NewestActionsSerializer(serializers.ListSerializer):
-    """The newest SHOWN_ACTIONS of the run's actions (prefetched oldest first), in order."""
+    """The newest SHOWN_ACTIONS of the run's actions (prefetched newest first), oldest first."""
 
     def to_representation(self, data: Any) -> list[Any]:
         rows = list(data.all()) if hasattr(data, "all") else list(data)
+        # Prefetched newest first (selectors.run_detail_queryset), or given in any order.
+        rows.sort(key=lambda action: (action.created_at, action.id))
         return super().to_representation(rows[-SHOWN_ACTIONS:])
 
 
