@@ -137,6 +137,8 @@ class NumberField(_InputField, forms.FloatField):
 
 class JsonField(_InputField, forms.CharField):
     widget = forms.Textarea(attrs={"rows": 4, "spellcheck": "false", "class": "json"})
+    # Said beside the label: what to type.
+    hint = "JSON"
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(strip=False, **kwargs)
@@ -243,9 +245,7 @@ def input_fields(schema: Any) -> dict[str, forms.Field]:
         or len(properties) > MAX_FIELDS
         or RESERVED & properties.keys()
     ):
-        field = JsonField(
-            required=False, label="Input (JSON)", help_text="The run's whole input, as JSON."
-        )
+        field = JsonField(required=False, label="Input", help_text="The run's whole input.")
         if mentions_write_only(schema):
             field.widget = _Blank(attrs=field.widget.attrs)
         return {WHOLE: field}
