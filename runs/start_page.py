@@ -63,7 +63,7 @@ def start(request: HttpRequest, workflow_id: str) -> HttpResponse:
     if not form.is_valid():
         # What did not parse stays unsent; the schema's and the pre-flight's word on the
         # rest is shown with it, every problem at once, as the API answers.
-        form.add_problems(start_problems(version, form.input()))
+        form.refused(start_problems(version, form.input()))
         return _page(request, version, form, key=key or uuid.uuid4().hex, status=400)
     try:
         result = services.run_start(
@@ -75,7 +75,7 @@ def start(request: HttpRequest, workflow_id: str) -> HttpResponse:
             plan_now=services.inline_starts.take(),
         )
     except InvalidInput as error:
-        form.add_problems(error.errors)
+        form.refused(error.errors)
         return _page(request, version, form, key=key or uuid.uuid4().hex, status=error.status)
     except EngineError as error:
         return problem(request, error, subject="workflow")

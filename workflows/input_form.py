@@ -30,8 +30,9 @@ Nothing here decides what input is valid: the form only turns text into JSON val
 what the API's parser refuses: ``workflows.forms.json_from_text``); the schema's word comes
 from ``runs.services.run_start``, whose ``FieldError`` paths (``input.ticket``,
 ``input.tags[0]``) :meth:`StartForm.add_problems` puts beside their fields. Secrets are never
-written back into the page: password fields render blank, and a JSON field whose schema marks
-anything inside it ``writeOnly`` renders blank too (its text would show the secret).
+written back into the page: password fields render blank; after a refusal, so does a field
+whose text may hold one (a ``writeOnly`` inside its schema, or anywhere outside
+``properties``: ``$defs``, ``allOf``); and a run's input prefills no field holding a secret.
 """
 
 from __future__ import annotations
@@ -68,14 +69,6 @@ class _Omitted:
 
 
 OMITTED: Final = _Omitted()
-
-
-class _Blank(forms.Textarea):
-    """A text area that never shows a value, for JSON holding secrets: like a password
-    field, what was typed is not sent back in the page."""
-
-    def format_value(self, value: Any) -> None:
-        return None
 
 
 class _InputField:
@@ -220,8 +213,6 @@ def _field(schema: Any, *, name: str, required: bool) -> forms.Field:
         field = BooleanField(**common)
     else:
         field = JsonField(**common)
-        if mentions_write_only(schema):
-            field.widget = _Blank(attrs=field.widget.attrs)
     if secret:
         field.widget = forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"})
         field.secret = True  # type: ignore[attr-defined]
@@ -245,10 +236,7 @@ def input_fields(schema: Any) -> dict[str, forms.Field]:
         or len(properties) > MAX_FIELDS
         or RESERVED & properties.keys()
     ):
-        field = JsonField(required=False, label="Input", help_text="The run's whole input.")
-        if mentions_write_only(schema):
-            field.widget = _Blank(attrs=field.widget.attrs)
-        return {WHOLE: field}
+        return {WHOLE: JsonField(required=False, label="Input", help_text="The run's whole input.")}
     listed = schema.get("required")
     required = [
         n for n in dict.fromkeys(listed if isinstance(listed, list) else []) if n in properties
@@ -275,6 +263,23 @@ class StartForm(forms.Form):
             if isinstance(own, dict) and "default" in own:
                 self.initial[name] = field.show(own["default"])  # type: ignore[attr-defined]
         self.problems: list[FieldError] = []
+        # The fields whose text may hold a secret (a writeOnly inside them, or one the schema
+        # marks from elsewhere: $defs, allOf...: which field it reaches is not worked out).
+        elsewhere = isinstance(schema, dict) and mentions_write_only(
+            {k: v for k, v in schema.items() if k != "properties"}
+        )
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        self.may_hold_secrets = {
+            name
+            for name, field in self.fields.items()
+            if not getattr(field, "secret", False)
+            and (
+                elsewhere
+                or mentions_write_only(
+                    properties.get(name) if properties and not self.whole else schema
+                )
+            )
+        }
 
     def input(self) -> Any:
         """The run input the parsed fields make: the whole field's value, or an object of
@@ -284,6 +289,18 @@ class StartForm(forms.Form):
             value = data.get(WHOLE, OMITTED)
             return None if value is OMITTED else value
         return {n: v for n, v in data.items() if n in self.fields and v is not OMITTED}
+
+    def refused(self, problems: Iterable[FieldError]) -> None:
+        """The form as a refused start shows it again: :meth:`add_problems`, and the fields
+        that may hold a secret blank (what was typed in them is not sent back)."""
+        self.add_problems(problems)
+        if self.may_hold_secrets:
+            self.data = self.data.copy()
+            for name in self.may_hold_secrets:
+                self.data[name] = ""
+                # The bound field (made by the cleaning) keeps its own copy of the help.
+                bound = self[name]
+                bound.help_text = f"{bound.help_text} It holds a secret: type it again.".strip()
 
     def add_problems(self, problems: Iterable[FieldError]) -> None:
         """Each problem beside its field (``input.ticket``, ``input.tags[0]``: the part

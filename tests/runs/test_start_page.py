@@ -426,26 +426,36 @@ def test_run_again_only_for_starters_of_runs_they_may_read(starter, version) -> 
     assert starter.get(f"{URL}?from=not-a-uuid").status_code == 404
 
 
-def test_a_json_field_holding_a_secret_is_never_shown_again(starter) -> None:
+@pytest.mark.parametrize(
+    "auth",
+    [
+        {"type": "object", "properties": {"token": {"type": "string", "writeOnly": True}}},
+        # Marked through a reference: the field's own schema does not say so.
+        {"type": "object", "properties": {"token": {"$ref": "#/$defs/key"}}},
+    ],
+)
+def test_a_json_field_holding_a_secret_is_never_shown_again(starter, auth) -> None:
     schema = {
         "type": "object",
-        "properties": {
-            "auth": {
-                "type": "object",
-                "properties": {"token": {"type": "string", "writeOnly": True}},
-            },
-            "note": {"type": "string", "maxLength": 10},
-        },
+        "$defs": {"key": {"type": "string", "writeOnly": True}},
+        "properties": {"auth": auth, "note": {"type": "string", "maxLength": 10}},
     }
     definition_save(document=_document(schema=schema))
     typed = '{"token": "tok-very-secret-1"}'
     response = starter.post(URL, {"auth": typed, "note": "x" * 20})
     assert response.status_code == 400
-    assert "tok-very-secret-1" not in response.content.decode()
-    starter.post(URL, {"auth": typed})
+    html = response.content.decode()
+    assert "tok-very-secret-1" not in html
+    assert "It holds a secret: type it again." in _block(html, "auth")
+    assert _errors(html, "note") == [f"'{'x' * 20}' is too long"]
+    response = starter.post(URL, {"auth": typed})
+    assert response.status_code == 302
     run = Run.objects.get()
+    assert "tok-very-secret-1" not in str(run.input)
+    # Run again: the field is left blank, never the mask (sent back, it would be the text).
     html = _page(starter, f"{URL}?from={run.id}")
     assert "tok-very-secret-1" not in html and "••••" not in html
+    assert _tag(html, "auth").endswith(">\n</textarea>")
 
 
 def test_the_home_page_lists_the_workflows_one_may_start(starter, version) -> None:
