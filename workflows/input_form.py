@@ -227,16 +227,22 @@ def _label(schema: dict[str, Any], name: str) -> str:
     return title if isinstance(title, str) and title.strip() else name
 
 
+def by_property(schema: Any) -> bool:
+    """Is the form one field per property of ``schema`` (or one JSON field, ``input``)?"""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return (
+        isinstance(properties, dict)
+        and 0 < len(properties) <= MAX_FIELDS
+        # "" would be a control without a name, which a browser never sends.
+        and not (RESERVED | {""}) & properties.keys()
+    )
+
+
 def input_fields(schema: Any) -> dict[str, forms.Field]:
     """The fields for ``schema`` (a version's ``input_schema``, or None), by input name."""
-    properties = schema.get("properties") if isinstance(schema, dict) else None
-    if (
-        not isinstance(properties, dict)
-        or not properties
-        or len(properties) > MAX_FIELDS
-        or RESERVED & properties.keys()
-    ):
+    if not by_property(schema):
         return {WHOLE: JsonField(required=False, label="Input", help_text="The run's whole input.")}
+    properties = schema["properties"]
     listed = schema.get("required")
     required = [
         n for n in dict.fromkeys(listed if isinstance(listed, list) else []) if n in properties
@@ -254,7 +260,7 @@ class StartForm(forms.Form):
         schema's defaults otherwise."""
         super().__init__(data)
         self.fields.update(input_fields(schema))
-        self.whole = WHOLE in self.fields and len(self.fields) == 1
+        self.whole = not by_property(schema)
         for name, field in self.fields.items():
             if input is not OMITTED:
                 self.initial[name] = _prefill(field, input if self.whole else _get(input, name))

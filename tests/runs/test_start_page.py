@@ -194,6 +194,26 @@ def test_a_workflow_without_an_input_schema_has_one_json_field_named_input(start
     assert Run.objects.get().input == {"anything": [1, 2]}
 
 
+def test_a_property_named_input_is_a_field_and_reserved_names_make_one_json_field(
+    starter,
+) -> None:
+    definition_save(
+        document=_document(schema={"type": "object", "properties": {"input": {"type": "string"}}})
+    )
+    assert starter.post(URL, {"input": "hello"}).status_code == 302
+    assert Run.objects.get().input == {"input": "hello"}
+    # A property the page's own fields would shadow: the whole input as one JSON field.
+    schema = {"type": "object", "properties": {"csrfmiddlewaretoken": {"type": "string"}}}
+    definition_save(document=_document(schema=schema))
+    html = _page(starter)
+    assert re.findall(r'data-field="([^"]+)"', html) == ["input"]
+    response = starter.post(URL, {"input": '{"csrfmiddlewaretoken": 5}'})
+    assert response.status_code == 400
+    assert _errors(response.content.decode(), "input") == [
+        "csrfmiddlewaretoken: 5 is not of type 'string'"
+    ]
+
+
 def test_a_version_may_be_pinned_and_an_unknown_one_is_404(starter, version) -> None:
     schema = {"type": "object", "properties": {"subject": {"type": "string"}}}
     definition_save(document=_document(schema=schema))
