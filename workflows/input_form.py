@@ -71,11 +71,27 @@ class _Omitted:
 OMITTED: Final = _Omitted()
 
 
-class _InputField:
-    """Mixed into each field below: blank is :data:`OMITTED`; a secret's parse error names
-    no part of what was typed. ``show`` turns a JSON value into what the widget shows."""
+class InputField(forms.Field):
+    """What each field below has besides Django's: ``show`` turns a JSON value into what
+    its widget shows."""
 
+    # writeOnly: a password field whose text is never sent back, nor named in an error.
     secret = False
+    # In the schema's ``required`` (marked beside the label). Not the field's own
+    # ``required``: a blank field is left out of the input, and the schema's ``required``
+    # (run_start) names it, as the API would.
+    schema_required = False
+    # Said beside the label: what to type.
+    hint = ""
+
+    def show(self, value: Any) -> Any:
+        return value
+
+
+class _InputField(InputField):
+    """Mixed into each field below but the checkbox: blank is :data:`OMITTED`; a secret's
+    parse error names no part of what was typed."""
+
     # Only a string field keeps spaces: "  " is a value there, nothing in a number or JSON.
     spaces_are_values = False
 
@@ -84,17 +100,14 @@ class _InputField:
         if value is None or not (text if self.spaces_are_values else text.strip()):
             return OMITTED
         if not self.secret:
-            return super().clean(value)  # type: ignore[misc]
+            return super().clean(value)
         try:
-            return super().clean(value)  # type: ignore[misc]
+            return super().clean(value)
         except forms.ValidationError:
             raise forms.ValidationError(
                 "Enter a valid value (what was typed is not shown: it is a secret).",
                 code="invalid",
             ) from None
-
-    def show(self, value: Any) -> Any:
-        return value
 
 
 class TextField(_InputField, forms.CharField):
@@ -130,7 +143,6 @@ class NumberField(_InputField, forms.FloatField):
 
 class JsonField(_InputField, forms.CharField):
     widget = forms.Textarea(attrs={"rows": 4, "spellcheck": "false", "class": "json"})
-    # Said beside the label: what to type.
     hint = "JSON"
 
     def __init__(self, **kwargs: Any) -> None:
@@ -168,9 +180,8 @@ class EnumField(_InputField, forms.ChoiceField):
         return next((k for k, v in self.values.items() if _same(v, value)), None)
 
 
-class BooleanField(forms.BooleanField):
-    def show(self, value: Any) -> Any:
-        return value
+class BooleanField(InputField, forms.BooleanField):
+    pass
 
 
 def _json(value: Any) -> str:
@@ -190,7 +201,7 @@ def _type(schema: dict[str, Any]) -> Any:
     return kind
 
 
-def _field(schema: Any, *, name: str, required: bool) -> forms.Field:
+def _field(schema: Any, *, name: str, required: bool) -> InputField:
     """The field for one property's ``schema``."""
     schema = schema if isinstance(schema, dict) else {}
     secret = schema.get("writeOnly") is True
@@ -198,7 +209,7 @@ def _field(schema: Any, *, name: str, required: bool) -> forms.Field:
     common: dict[str, Any] = {"required": False, "label": _label(schema, name)}
     if isinstance(schema.get("description"), str):
         common["help_text"] = schema["description"]
-    field: forms.Field
+    field: InputField
     if isinstance(schema.get("enum"), list) and schema["enum"] and not secret:
         field = EnumField(schema["enum"], **common)
     elif kind == "string":
@@ -215,10 +226,8 @@ def _field(schema: Any, *, name: str, required: bool) -> forms.Field:
         field = JsonField(**common)
     if secret:
         field.widget = forms.PasswordInput(render_value=False, attrs={"autocomplete": "off"})
-        field.secret = True  # type: ignore[attr-defined]
-    # Marked beside the label. Not the field's own ``required``: a blank field is left out of
-    # the input, and the schema's ``required`` (run_start) names it, as the API would.
-    field.schema_required = required  # type: ignore[attr-defined]
+        field.secret = True
+    field.schema_required = required
     return field
 
 
@@ -238,7 +247,7 @@ def by_property(schema: Any) -> bool:
     )
 
 
-def input_fields(schema: Any) -> dict[str, forms.Field]:
+def input_fields(schema: Any) -> dict[str, InputField]:
     """The fields for ``schema`` (a version's ``input_schema``, or None), by input name."""
     if not by_property(schema):
         return {WHOLE: JsonField(required=False, label="Input", help_text="The run's whole input.")}
@@ -259,15 +268,16 @@ class StartForm(forms.Form):
         """``input``: a run's stored input to prefill (Run again), secrets left blank; the
         schema's defaults otherwise."""
         super().__init__(data)
-        self.fields.update(input_fields(schema))
+        fields = input_fields(schema)
+        self.fields.update(fields)
         self.whole = not by_property(schema)
-        for name, field in self.fields.items():
+        for name, field in fields.items():
             if input is not OMITTED:
                 self.initial[name] = _prefill(field, input if self.whole else _get(input, name))
                 continue
             own = schema if self.whole else schema["properties"][name]
             if isinstance(own, dict) and "default" in own:
-                self.initial[name] = field.show(own["default"])  # type: ignore[attr-defined]
+                self.initial[name] = field.show(own["default"])
         self.problems: list[FieldError] = []
         # The fields whose text may hold a secret (a writeOnly inside them, or one the schema
         # marks from elsewhere: $defs, allOf...: which field it reaches is not worked out).
@@ -277,8 +287,8 @@ class StartForm(forms.Form):
         properties = schema.get("properties") if isinstance(schema, dict) else None
         self.may_hold_secrets = {
             name
-            for name, field in self.fields.items()
-            if not getattr(field, "secret", False)
+            for name, field in fields.items()
+            if not field.secret
             and (
                 elsewhere
                 or mentions_write_only(
@@ -301,9 +311,9 @@ class StartForm(forms.Form):
         that may hold a secret blank (what was typed in them is not sent back)."""
         self.add_problems(problems)
         if self.may_hold_secrets:
-            self.data = self.data.copy()
+            # Only shown from here: the cleaning is done.
+            self.data = {**self.data, **dict.fromkeys(self.may_hold_secrets, "")}
             for name in self.may_hold_secrets:
-                self.data[name] = ""
                 # The bound field (made by the cleaning) keeps its own copy of the help.
                 bound = self[name]
                 bound.help_text = f"{bound.help_text} It holds a secret: type it again.".strip()
@@ -318,7 +328,7 @@ class StartForm(forms.Form):
             name, rest = _owner(problem.field, names, whole=self.whole)
             if name is None:
                 self.problems.append(problem)
-            elif name not in self.errors or problem.field is None:
+            elif name not in self.errors:
                 message = f"{rest}: {problem.message}" if rest else problem.message
                 self.add_error(name, forms.ValidationError(message, code="refused"))
 
@@ -342,14 +352,22 @@ def _get(value: Any, name: str) -> Any:
     return value.get(name, OMITTED) if isinstance(value, dict) else OMITTED
 
 
-def _prefill(field: forms.Field, value: Any) -> Any:
+def _prefill(field: InputField, value: Any) -> Any:
     """What a field shows of a run's stored input: nothing for a secret, nor for a value
     holding one (a token shown as •••• and sent back would be the text •••• itself)."""
-    if value is OMITTED or getattr(field, "secret", False) or secrets.shown(value) is not value:
+    if value is OMITTED or field.secret or secrets.shown(value) is not value:
         return None
     if isinstance(field, BooleanField):
         return value is True
-    return field.show(value)  # type: ignore[attr-defined]
+    return field.show(value)
 
 
-__all__ = ["OMITTED", "START_KEY", "WHOLE", "StartForm", "input_fields"]
+__all__ = [
+    "OMITTED",
+    "START_KEY",
+    "WHOLE",
+    "InputField",
+    "StartForm",
+    "by_property",
+    "input_fields",
+]
