@@ -232,6 +232,12 @@ def test_a_version_may_be_pinned_and_an_unknown_one_is_404(starter, version) -> 
         assert "No such workflow" in response.content.decode()
 
 
+def test_nul_or_a_foreign_digit_in_the_query_is_refused_not_a_500(starter) -> None:
+    assert starter.get(f"{URL}?version=1%00").status_code == 400
+    assert starter.get(f"{URL}?from=%00").status_code == 400
+    assert starter.get(f"{URL}?version=%D9%A1").status_code == 404  # an Arabic-Indic 1
+
+
 # --- who may use it ------------------------------------------------------------------------
 
 
