@@ -52,7 +52,9 @@ def start(request: HttpRequest, workflow_id: str) -> HttpResponse:
         version = _version(request, workflow_id)
         source = _source(request, version) if request.method != "POST" else None
     except EngineError as error:
-        return problem(request, error, subject="workflow")
+        # ?from= names a run: its refusal is a run's (inspection.run_for_page names "id").
+        about_run = any(e.field in ("id", "from") for e in error.errors)
+        return problem(request, error, subject="run" if about_run else "workflow")
     schema = version.document.get("input_schema")
     if request.method != "POST":
         form = StartForm(schema, input=source.input if source else OMITTED)

@@ -449,7 +449,9 @@ def test_run_again_only_for_starters_of_runs_they_may_read(starter, version) -> 
     assert other.workflow_id == "other"
     access.grant(access.STARTER, "other", user=Run.objects.get().created_by)
     assert starter.get(f"/workflows/other/start?from={run.id}").status_code == 404
-    assert starter.get(f"{URL}?from=not-a-uuid").status_code == 404
+    missing = starter.get(f"{URL}?from=not-a-uuid")
+    assert missing.status_code == 404
+    assert "No such run" in missing.content.decode()
 
 
 @pytest.mark.parametrize(
