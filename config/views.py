@@ -13,6 +13,7 @@ from django.views.decorators.http import require_http_methods
 from approvals.selectors import inbox_for
 from runs.selectors import run_list
 from workflows import access
+from workflows.selectors import workflow_list
 
 
 def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
@@ -38,21 +39,27 @@ def bad_request(request: HttpRequest, exception: Exception | None = None) -> Htt
 
 
 HOME_RUNS = 20
+# The workflows listed with their start links (by id); the admin lists them all.
+HOME_WORKFLOWS = 50
 
 
 @login_required
 @require_http_methods(["GET", "HEAD"])
 def home(request: HttpRequest) -> HttpResponse:
-    """``/``: where a signed-in person starts. What waits for their decision, the newest runs
-    they may see (workflows.access: the runs of workflows they view or operate, and those they
-    started), and the way
-    to the admin and the API docs. Anonymous visitors are sent to the sign-in page."""
+    """``/``: where a signed-in person starts. What waits for their decision, the workflows
+    they may start with their start pages (CONTRACT section 15), the newest runs they may see
+    (workflows.access: the runs of workflows they view or operate, and those they started),
+    and the way to the admin and the API docs. Anonymous visitors are sent to the sign-in
+    page."""
     user = request.user
     pending, _ = inbox_for(user, history_limit=0)
     sees_all = access.run_filter(user) is None
     runs = run_list(user=user)
+    startable = access.startable_workflows(user, workflow_list().order_by("id"))
     context = {
         "pending": pending,
+        "startable": list(startable[: HOME_WORKFLOWS + 1]),
+        "startable_shown": HOME_WORKFLOWS,
         "runs": list(runs[:HOME_RUNS]),
         "sees_all_runs": sees_all,
         "runs_in_admin": user.is_staff and access.has_any_role(user),

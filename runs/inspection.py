@@ -471,6 +471,9 @@ class Page:
     rerun_input: str | None = None
     # Why the run waits for a concurrency slot of its key (runs.engine.slots), or None.
     queued: str | None = None
+    # "Run again" (CONTRACT section 15): the start form of the run's version, prefilled with
+    # its input, for the workflow's starters.
+    may_start: bool = False
 
 
 # The largest input the retry form offers to edit (a run input may be 1 MiB; the API takes it).
@@ -536,4 +539,5 @@ def page(run: Run, user: Any) -> Page:
         ),
         rerun_input=editable_input(run) if rerun else None,
         queued=queued,
+        may_start=access.may_start(user, run.workflow_id),
     )

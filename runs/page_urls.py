@@ -1,10 +1,11 @@
-"""Pages people click about runs: the runs list and the run inspector (``app_name`` runs:
-``runs:list``, ``runs:inspect``, and the inspector's actions). The API's routes are in
+"""Pages people click about runs: the runs list, the run inspector (``app_name`` runs:
+``runs:list``, ``runs:inspect``, and the inspector's actions) and the start form
+(``runs:start``). The API's routes are in
 ``runs/urls.py``."""
 
-from django.urls import path
+from django.urls import path, re_path
 
-from . import pages, run_list_page
+from . import pages, run_list_page, start_page
 
 app_name = "runs"
 
@@ -14,4 +15,9 @@ urlpatterns = [
     # Before the generic action route, which would take "retry-from-step" as an action.
     path("runs/<uuid:run_id>/retry-from-step/", pages.rerun, name="rerun"),
     path("runs/<uuid:run_id>/<slug:action>/", pages.act, name="act"),
+    # The path of CONTRACT section 15, without a trailing slash; only a workflow id's own
+    # characters (workflows.models.ID_PATTERN, 100 at most) reach the view.
+    re_path(
+        r"^workflows/(?P<workflow_id>[a-z][a-z0-9_]{0,99})/start\Z", start_page.start, name="start"
+    ),
 ]

@@ -42,9 +42,9 @@ BUSY_REFRESH_SECONDS = 10
 BUSY_ATTEMPTS = 1_000
 
 
-def problem(request: HttpRequest, error: EngineError) -> HttpResponse:
-    """A refusal as a page with its status (404 names nothing of the run)."""
-    titles = {404: "No such run", 403: "You may not do that", 409: "Not possible now"}
+def problem(request: HttpRequest, error: EngineError, *, subject: str = "run") -> HttpResponse:
+    """A refusal as a page with its status (404 names nothing of the run or workflow)."""
+    titles = {404: f"No such {subject}", 403: "You may not do that", 409: "Not possible now"}
     context = {
         "title": titles.get(error.status, "Not done"),
         "sentence": "; ".join(e.message for e in error.errors),

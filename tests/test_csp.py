@@ -55,6 +55,7 @@ def pages(db) -> dict[str, str]:
         "inbox": "/approvals/",
         "approval": f"/approvals/{request.id}/",
         "run inspector": f"/runs/{request.run_id}/",
+        "start form": f"/workflows/{request.run.workflow_id}/start",
         "approval link": link_path(approver(request, "ext@example.org")),
         "notifications": "/notifications/",
         "admin": "/admin/",

@@ -204,6 +204,19 @@ def require_start(user: Any, workflow_id: str) -> None:
         )
 
 
+def may_start(user: Any, workflow_id: str) -> bool:
+    return STARTER in roles(user, workflow_id)
+
+
+def startable_workflows(user: Any, workflows: QuerySet[Workflow]) -> QuerySet[Workflow]:
+    """``workflows`` narrowed to those ``user`` may start runs of."""
+    if STARTER in global_roles(user):
+        return workflows
+    if not _person(user):
+        return workflows.none()
+    return workflows.filter(pk__in=_workflows_with(user, {STARTER}).values("pk"))
+
+
 def require_account(user: Any, account: str | None) -> None:
     """Naming a run's ``account`` other than one's own username (CONTRACT section 10: the
     per-account model concurrency) takes the global ``runs.choose_account``: otherwise a

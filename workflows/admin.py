@@ -220,6 +220,12 @@ class WorkflowAdmin(admin.ModelAdmin):
             "roles_url": _workflow_url(workflow_id, "roles"),
             "new_version_url": _workflow_url(workflow_id, "new_version"),
             "diff_url": _workflow_url(workflow_id, "diff"),
+            # The start form (CONTRACT section 15), a page of runs: named, not imported.
+            "start_url": (
+                reverse("runs:start", kwargs={"workflow_id": workflow_id})
+                if access.may_start(request.user, workflow_id)
+                else None
+            ),
             **(extra_context or {}),
         }
         return super().change_view(request, object_id, form_url, extra_context=context)

@@ -415,7 +415,8 @@ _SecretFinder = validators.extend(
 )
 
 
-def _mentions_write_only(schema: Any) -> bool:
+def mentions_write_only(schema: Any) -> bool:
+    """Does ``schema`` mark anything in it ``"writeOnly": true``?"""
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -438,7 +439,7 @@ def write_only_values(schema: Any, instance: Any) -> list[tuple[list[str | int],
     applies, so a secret is found exactly where validation would look. Only meaningful for an
     instance that is valid; a schema without ``writeOnly`` costs one walk of the schema.
     """
-    if not _mentions_write_only(schema):
+    if not mentions_write_only(schema):
         return []
     finder = _SecretFinder(schema, registry=_LOCAL_ONLY, format_checker=_Budgeted())
     found: dict[tuple[str | int, ...], Any] = {}
