@@ -176,6 +176,10 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         if k not in SERVICE_VARS and not k.startswith("CELERY_") and k != "VIRTUAL_ENV"
     }
     env.update(DJFLOW_ADDR=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
+    # The example MCP server is a stdio child each process starts on first use; on this
+    # 2-core machine under other test suites its start has outlasted the pre-flight's 3 s
+    # (a 400 "unreachable" for ticket_tools). The longest wait the setting allows.
+    env["DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS"] = "10"
     env["PATH"] = os.pathsep.join(
         p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(BASE_DIR))
     )
