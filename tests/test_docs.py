@@ -109,13 +109,41 @@ def test_the_configuration_page_is_generated() -> None:
         assert f"| `{name}` |" in tables
 
 
+def _images() -> list[tuple[Path, str]]:
+    """Every image a page of the docs (or the README) shows: (page, target)."""
+    return [
+        (page, target)
+        for page in [BASE_DIR / "README.md", *DOCS.rglob("*.md")]
+        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", page.read_text())
+        if not re.match(r"[a-z]+://", target)
+    ]
+
+
 def test_the_docs_reference_only_images_that_exist() -> None:
-    missing = []
-    for page in DOCS.rglob("*.md"):
-        for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", page.read_text()):
-            if not re.match(r"[a-z]+://", target) and not (page.parent / target).is_file():
-                missing.append(f"{page.relative_to(BASE_DIR)}: {target}")
+    missing = [
+        f"{p.relative_to(BASE_DIR)}: {t}" for p, t in _images() if not (p.parent / t).is_file()
+    ]
     assert missing == []
+    assert len(_images()) >= 4, "the screenshots of the pages are shown"
+
+
+def test_every_screenshot_is_shown() -> None:
+    """docs/img/ holds only pictures a page shows (the browser tests write them:
+    tests/browser.py, docs_screenshot)."""
+    shown = {(page.parent / target).resolve() for page, target in _images()}
+    unshown = sorted(p.name for p in (DOCS / "img").iterdir() if p.resolve() not in shown)
+    assert unshown == []
+
+
+def test_the_screenshots_are_taken_by_the_browser_tests() -> None:
+    """Each picture of docs/img/ is written by a browser test (``docs_screenshot(page,
+    "<name>")``), so ``DJFLOW_DOCS_SCREENSHOTS=1 pytest -m browser`` takes them all afresh."""
+    calls = {
+        name
+        for test in (BASE_DIR / "tests").rglob("test_*.py")
+        for name in re.findall(r'docs_screenshot\(page, "([^"]+)"\)', test.read_text())
+    }
+    assert {p.stem for p in (DOCS / "img").glob("*.png")} <= calls
 
 
 @pytest.mark.slow
