@@ -5,8 +5,9 @@ read with :mod:`ast` (every ``env(...)``, ``env.int(...)``, ``env.list(...)``...
 first argument is a literal name), and the few variables other modules read themselves
 (``os.environ.get("NAME")`` in :data:`ELSEWHERE`). What each means is written once, in
 ``configuration.yml`` beside this file. The page ``reference/configuration.md`` holds the
-marker :data:`MARKER`, which the hook replaces with the tables; ``tests/test_docs.py`` checks
-that every variable read is described and nothing described is unread.
+markers :data:`MARKER` and :data:`END_MARKER`, whose span the hook replaces with the tables;
+``tests/test_docs.py`` checks that every variable read is described and nothing described is
+unread.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ ELSEWHERE = (
     BASE_DIR / "workers" / "management" / "commands" / "standalone.py",
 )
 MARKER = "<!-- configuration: generated from config/settings.py -->"
+# What stands between the two markers is for readers of the page's source (GitHub): the
+# hook replaces it with the tables.
+END_MARKER = "<!-- configuration: end -->"
 # How django-environ reads a value, as the table says it.
 READ_AS = {
     "env": "text",
@@ -149,10 +153,12 @@ def render() -> str:
 
 
 def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
-    """MkDocs' hook: the configuration page gets its tables."""
-    if MARKER in markdown:
-        return markdown.replace(MARKER, render())
-    return markdown
+    """MkDocs' hook: the configuration page gets its tables, in place of what stands
+    between :data:`MARKER` and :data:`END_MARKER`."""
+    if MARKER not in markdown:
+        return markdown
+    before, rest = markdown.split(MARKER, 1)
+    return before + render() + rest.split(END_MARKER, 1)[-1]
 
 
 if __name__ == "__main__":  # python docs/hooks/configuration.py: print the tables
