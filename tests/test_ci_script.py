@@ -104,12 +104,12 @@ def test_the_docs_say_rabbitmq_is_a_broker() -> None:
 
 def test_ci_checks_the_layers_and_the_types_with_the_lint_before_any_test() -> None:
     """The layering contracts (``[tool.importlinter]``) and mypy (``[tool.mypy]``, whose
-    ``files`` say what it checks) fail CI in seconds, before the long test run; the README
-    says so where it says what CI runs."""
+    ``files`` say what it checks) fail CI in seconds, before the long test run; the docs
+    say so where they say what CI runs (docs/how-to/develop.md)."""
     lines = CI_RUN.read_text().splitlines()
     ruff = lines.index(".venv/bin/ruff check .")
     tests = lines.index(".venv/bin/pytest || rc=$?")
     assert ruff < lines.index(".venv/bin/lint-imports") < tests
     assert ruff < lines.index(".venv/bin/mypy") < tests
-    readme = " ".join((BASE_DIR / "README.md").read_text().split())
-    assert "runs ruff, `lint-imports` (the layering contracts of `pyproject.toml`), mypy" in readme
+    develop = " ".join((BASE_DIR / "docs" / "how-to" / "develop.md").read_text().split())
+    assert "runs ruff, `lint-imports` (the layering contracts of `pyproject.toml`), mypy" in develop
