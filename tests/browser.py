@@ -1,6 +1,6 @@
 """Headless Chromium for the tests of pages people click: Debian's ``chromium`` package,
 driven by Playwright (never a browser Playwright downloads itself). Screenshots go to
-``test-artifacts/``."""
+``test-artifacts/``; those the docs show go through :func:`docs_screenshot`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "img"
+# Set, the browser tests write the docs' pictures (docs/img/) afresh:
+# DJFLOW_DOCS_SCREENSHOTS=1 pytest -m browser, then commit what changed.
+DOCS_SCREENSHOTS = "DJFLOW_DOCS_SCREENSHOTS"
 
 
 def chromium_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
@@ -46,3 +50,18 @@ def chromium_page(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             # keys connections by context); close it, or it outlives the test database.
             connections.close_all()
             browser.close()
+
+
+def docs_screenshot(page: Any, name: str) -> Path:
+    """A screenshot of what ``page`` shows, for the docs: ``docs/img/<name>.png`` when
+    ``DJFLOW_DOCS_SCREENSHOTS`` is set, else ``test-artifacts/docs-<name>.png`` (a test run
+    leaves the docs as they are). The viewport only, not the whole page: a picture of what a
+    reader first sees, of a size the repository keeps."""
+    path = (
+        DOCS_IMAGES / f"{name}.png"
+        if os.environ.get(DOCS_SCREENSHOTS)
+        else ARTIFACTS / f"docs-{name}.png"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path))
+    return path

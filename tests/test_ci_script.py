@@ -96,20 +96,20 @@ def test_ci_runs_the_worker_end_to_end_tests_again_on_rabbitmq() -> None:
     assert 'exit "$amqp_rc"' in script and 'exit "$rc"' in script
 
 
-def test_the_readme_says_rabbitmq_is_a_broker() -> None:
-    readme = (BASE_DIR / "README.md").read_text()
-    assert "## Running on RabbitMQ" in readme
-    assert "CELERY_BROKER_URL=amqp://" in readme
+def test_the_docs_say_rabbitmq_is_a_broker() -> None:
+    deploy = (BASE_DIR / "docs" / "how-to" / "deploy.md").read_text()
+    assert "## Running on RabbitMQ" in deploy
+    assert "CELERY_BROKER_URL=amqp://" in deploy
 
 
 def test_ci_checks_the_layers_and_the_types_with_the_lint_before_any_test() -> None:
     """The layering contracts (``[tool.importlinter]``) and mypy (``[tool.mypy]``, whose
-    ``files`` say what it checks) fail CI in seconds, before the long test run; the README
-    says so where it says what CI runs."""
+    ``files`` say what it checks) fail CI in seconds, before the long test run; the docs
+    say so where they say what CI runs (docs/how-to/develop.md)."""
     lines = CI_RUN.read_text().splitlines()
     ruff = lines.index(".venv/bin/ruff check .")
     tests = lines.index(".venv/bin/pytest || rc=$?")
     assert ruff < lines.index(".venv/bin/lint-imports") < tests
     assert ruff < lines.index(".venv/bin/mypy") < tests
-    readme = " ".join((BASE_DIR / "README.md").read_text().split())
-    assert "runs ruff, `lint-imports` (the layering contracts of `pyproject.toml`), mypy" in readme
+    develop = " ".join((BASE_DIR / "docs" / "how-to" / "develop.md").read_text().split())
+    assert "runs ruff, `lint-imports` (the layering contracts of `pyproject.toml`), mypy" in develop

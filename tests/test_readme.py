@@ -1,12 +1,16 @@
-"""The README's shell blocks, pasted as written, on a fresh clone and a fresh database.
+"""The shell and Python blocks of the README and of the docs (docs/**/*.md), pasted as written,
+on a fresh clone and a fresh database.
 
-The README marks each ``sh`` block it promises works here with an HTML comment on the line
+A page marks each ``sh`` block it promises works here with an HTML comment on the line
 before it: ``<!-- readme-test: background -->`` for a command that keeps running (the first
-one, which installs and starts the engine; the test waits for it to say it is up), and
-``<!-- readme-test: run -->`` for a block pasted into a second terminal afterwards (the
-blocks marked ``run`` run in order, in one shell, so a variable one block sets is there for
-the next). An unmarked block must be one of :data:`NOT_RUN_HERE`, each with its reason, so a
-new block forces a decision.
+one, which installs and starts the engine; the test waits for it to say it is up; a page
+that repeats it repeats it exactly), and ``<!-- readme-test: run -->`` for a block pasted
+into a second terminal afterwards (the blocks marked ``run`` run in order, the README's
+first, then the docs' in the order of the site's navigation, in one shell, so a variable one
+block sets is there for the next). An unmarked block must be one of :data:`NOT_RUN_HERE`,
+each with its reason, so a new block forces a decision. Every ``python`` block runs on its
+own, in a fresh interpreter with Django set up (:func:`test_every_python_block_runs`),
+unless it too is one of :data:`NOT_RUN_HERE`.
 
 The clone is the tracked files of this checkout copied to a temporary folder; it gets a new
 ``.venv`` exactly as the README says (about 15 s with pip's cache warm). The port is changed
@@ -21,6 +25,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -30,7 +35,11 @@ import pytest
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 README = BASE_DIR / "README.md"
-BLOCK = re.compile(r"(?:<!-- readme-test: (?P<mark>\w+) -->\n)?```sh\n(?P<body>.*?)```", re.S)
+DOCS = BASE_DIR / "docs"
+BLOCK = re.compile(
+    r"(?:<!-- readme-test: (?P<mark>\w+) -->\n)?^```(?P<lang>sh|python)\n(?P<body>.*?)^```",
+    re.S | re.M,
+)
 # Blocks that cannot run on this machine, by their first line, and why.
 NOT_RUN_HERE = {
     # The test command itself: this test is part of it.
@@ -44,6 +53,16 @@ NOT_RUN_HERE = {
     # The same, for docker-compose.yml's observability profile.
     "python3 -c 'import secrets; t = secrets.token_urlsafe; print(f\""
     "DJFLOW_METRICS_TOKEN={t(32)}\\nGRAFANA_ADMIN_PASSWORD={t(24)}\")' >> .env",
+    # The tutorial's restart of the first terminal with a module of the reader's own, which
+    # this clone does not have.
+    "WORKFLOW_MODULES=myflows.expense .venv/bin/python manage.py standalone",
+    # Serving the docs keeps running; tests/test_docs.py builds the site itself.
+    ".venv/bin/pip install -e '.[docs]' && .venv/bin/mkdocs serve",
+    # docs/scale.md: benchmarks of many minutes on PostgreSQL and Redis (bench/README.md).
+    ".venv/bin/python -m bench.run_all --json sitting.json   # the figures below, issue 17's table",
+    # docs/CONTRACT.md, a verbatim copy of the contract: its example is
+    # workflows/examples/support_ticket.py, which the tests run.
+    "from workflows.sdk import workflow, when, RetryPolicy, StepFailure",
 }
 # A reader's shell has none of these; nor a SECRET_KEY, which the embedded default makes
 # itself (config/secret_key.py), once for the standalone and the children it starts.
@@ -52,16 +71,67 @@ SERVICE_VARS = ("DATABASE_URL", "SENTRY_DSN", "WORKFLOW_MODULES", "DJFLOW_VAR_DI
 pytestmark = pytest.mark.slow
 
 
+def pages() -> list[Path]:
+    """The README, then every page of the docs: those in the site's navigation in its
+    order, then any other."""
+    nav = re.findall(
+        r"^\s*-\s*(?:[^\n]*:\s*)?(\S+\.md)\s*$", (BASE_DIR / "mkdocs.yml").read_text(), re.M
+    )
+    listed = [DOCS / name for name in nav]
+    others = sorted(set(DOCS.rglob("*.md")) - set(listed))
+    return [README, *listed, *others]
+
+
+def blocks(lang: str = "sh") -> list[tuple[Path, str | None, str]]:
+    """Every ``lang`` block of :func:`pages`, in order: (page, mark, body)."""
+    return [
+        (page, m["mark"], m["body"])
+        for page in pages()
+        for m in BLOCK.finditer(page.read_text())
+        if m["lang"] == lang
+    ]
+
+
 def readme_blocks() -> list[tuple[str | None, str]]:
-    return [(m["mark"], m["body"]) for m in BLOCK.finditer(README.read_text())]
+    return [(mark, body) for page, mark, body in blocks() if page == README]
+
+
+def _first_line(body: str) -> str:
+    return body.splitlines()[0].rstrip(" \\")
 
 
 def test_every_block_is_run_or_says_why_not() -> None:
-    blocks = readme_blocks()
-    assert blocks[0][0] == "background", "the README starts with the command that runs it"
-    unmarked = {body.splitlines()[0].rstrip(" \\") for mark, body in blocks if mark is None}
+    readme = readme_blocks()
+    assert readme[0][0] == "background", "the README starts with the command that runs it"
+    unmarked = {_first_line(body) for _, mark, body in blocks() if mark is None}
     assert unmarked <= {line.rstrip(" \\") for line in NOT_RUN_HERE}, unmarked
-    assert {mark for mark, _ in blocks} <= {"background", "run", None}
+    assert {mark for _, mark, _ in blocks()} <= {"background", "run", None}
+    assert {mark for _, mark, _ in blocks("python")} == {None}
+    # A page that shows the first command shows the README's, exactly.
+    assert {body for _, mark, body in blocks() if mark == "background"} == {readme[0][1]}
+    assert len(pages()) > 20, "the docs' pages are found"
+
+
+@pytest.mark.parametrize(
+    "page, body",
+    [
+        pytest.param(page, body, id=f"{page.relative_to(BASE_DIR)}-{i}")
+        for i, (page, _, body) in enumerate(blocks("python"))
+        if _first_line(body) not in NOT_RUN_HERE
+    ],
+)
+def test_every_python_block_runs(page: Path, body: str) -> None:
+    """Each Python block, pasted into a fresh interpreter with Django set up (as a module of
+    the reader's project would be): it runs to its end, its own asserts included."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import django\ndjango.setup()\n" + body],
+        cwd=BASE_DIR,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "config.settings"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{page}:\n{body}\n{done.stdout}{done.stderr}"
 
 
 def _fresh_clone(target: Path) -> None:
@@ -106,12 +176,15 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         if k not in SERVICE_VARS and not k.startswith("CELERY_") and k != "VIRTUAL_ENV"
     }
     env.update(DJFLOW_ADDR=f"127.0.0.1:{port}", PYTHONUNBUFFERED="1")
+    # The example MCP server is a stdio child each process starts on first use; on this
+    # 2-core machine under other test suites its start has outlasted the pre-flight's 3 s
+    # (a 400 "unreachable" for ticket_tools). The longest wait the setting allows.
+    env["DJFLOW_MCP_PREFLIGHT_TIMEOUT_SECONDS"] = "10"
     env["PATH"] = os.pathsep.join(
         p for p in env.get("PATH", "").split(os.pathsep) if not p.startswith(str(BASE_DIR))
     )
-    blocks = readme_blocks()
-    [first] = [body for mark, body in blocks if mark == "background"]
-    pasted = "\n".join(body for mark, body in blocks if mark == "run")
+    [first] = [body for mark, body in readme_blocks() if mark == "background"]
+    pasted = "\n".join(body for _, mark, body in blocks() if mark == "run")
 
     log = tmp_path / "first-terminal.log"
     with log.open("wb") as out:
@@ -158,6 +231,11 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         run = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{run_id}", token)
         assert run["status"] == "completed", run
         assert run["output"] == {"sent": True}
+        # The tutorial's expense: saved, started, approved through the API, completed.
+        expense_id = _started_run(second_terminal.stdout, "expense")
+        expense = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{expense_id}", token)
+        assert expense["status"] == "completed", expense
+        assert expense["output"] == {"approved_by": "admin"}
         # The MCP example: the bundled server, which standalone configured, answered.
         tools_id = _started_run(second_terminal.stdout, "ticket_tools")
         tools = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{tools_id}", token)

@@ -23,7 +23,7 @@ from rest_framework.authtoken.models import Token
 from approvals.models import ApprovalRequest, Decision, Mail
 from runs import services
 from runs.models import Run, StepRun
-from tests.browser import ARTIFACTS, chromium_page
+from tests.browser import ARTIFACTS, chromium_page, docs_screenshot
 from tests.processes import wait_for
 from tests.runs.flows import effects, ensure_effects_table
 
@@ -149,6 +149,7 @@ def test_approve_from_the_emailed_link_in_a_browser(
     assert "Ship release 2.4?" in body.inner_text()
     assert "faster" in body.inner_text()  # the details: the draft step's output
     page.screenshot(path=str(ARTIFACTS / "approval-confirm.png"), full_page=True)
+    docs_screenshot(page, "approval")
     # Opening the page decided nothing.
     assert status_of(run) == "pending_approval"
     assert not Decision.objects.filter(request__run=run).exists()

@@ -15,7 +15,7 @@ import pytest
 from runs import services
 from runs.models import Run
 from tests.approvals.builders import start_approval
-from tests.browser import ARTIFACTS, chromium_page
+from tests.browser import ARTIFACTS, chromium_page, docs_screenshot
 from tests.processes import wait_for
 from tests.runs import inspector_scenes as scenes
 
@@ -80,6 +80,7 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert classify["y"] + classify["height"] < close["y"]
     assert page.locator("#run-actions button").count() == 0  # ended: nothing to do
     shot(page, "finished")
+    docs_screenshot(page, "inspector")
 
     failed = scenes.failed_run(input={"ticket": "T-1"})
     page.goto(f"{live_server.url}/runs/{failed.id}/")
@@ -123,6 +124,7 @@ def test_finished_failed_waiting_and_foreach_runs(page, live_server, django_user
     assert link.get_attribute("href") == f"/approvals/{request.id}/"
     assert node(page, "sign_off").get_attribute("data-status") == "waiting"
     shot(page, "waiting_approval")
+    docs_screenshot(page, "inspector-waiting-approval")
     link.click()
     page.wait_for_url(f"**/approvals/{request.id}/")
     assert page.locator("button.approve").count() == 1

@@ -18,7 +18,7 @@ from django.contrib.auth.models import Permission
 from django.utils import timezone
 
 from runs.status import RunStatus
-from tests.browser import ARTIFACTS, chromium_page
+from tests.browser import ARTIFACTS, chromium_page, docs_screenshot
 from workflows.services import definition_save
 
 from .factories import RunFactory, WorkflowVersionFactory
@@ -85,6 +85,7 @@ def test_filter_the_runs_and_open_one_in_the_inspector(page, live_server, runs) 
     assert page.input_value("#id_workflow") == "nightly_report"
     assert page.is_visible("text=Clear filters")
     page.screenshot(path=str(ARTIFACTS / "runs-list.png"), full_page=True)
+    docs_screenshot(page, "runs-list")
 
     # A bad value is named on the page, not answered with an error page.
     page.fill("#id_cost_min", "-1")

@@ -98,13 +98,12 @@ def test_a_real_worker_runs_the_kind_end_to_end_and_retries_by_its_default(
 
 
 def test_the_readmes_kind_works_pasted_as_written(shout: kinds.Kind) -> None:
-    """The README's "Adding a step kind" block, run as written, registers a kind that
-    documents may use and whose body does what the README says."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### Adding a step kind", 1)[1]
-    [block] = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
+    """The docs' "Add a step kind" block, run as written, registers a kind that documents
+    may use and whose body does what the page says."""
+    page = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "add-a-step-kind.md"
+    [block] = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
     kinds.unregister("shout")
-    exec(compile(block, "README.md", "exec"), {})
+    exec(compile(block, str(page), "exec"), {})
     kind = kinds.get("shout")
     assert kind is not None and kind is not shout
     prepare_document(_document(times=2))
