@@ -698,6 +698,18 @@ class RunSerializer(RunListSerializer):
                     | Q(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
                 )
                 .order_by("id")
+                # What the two reasons say, not the attempt's values (up to 3 MiB of them).
+                .only(
+                    "id",
+                    "run_id",
+                    "step_id",
+                    "status",
+                    "not_before",
+                    "idempotency_key",
+                    "waiting_since",
+                    "waiting_for",
+                    "queue",
+                )
                 .first()
             )
             if older is not None:

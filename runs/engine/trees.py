@@ -37,11 +37,13 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
+from django.db.models import Count, Subquery
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from .. import dispatch
 from ..models import Run, RunTree
-from ..status import RUN_ACTIVE, RUN_TERMINAL
+from ..status import RUN_ACTIVE, RUN_TERMINAL, RunStatus
 from .ending import end_orphans, orphaned
 
 logger = logging.getLogger(__name__)
@@ -140,11 +142,19 @@ def restarted(run: Run) -> None:
     """A root run's retry (a new generation) starts its tree's count afresh: from the runs of
     the tree still active (a previous generation's being ended), not from every run it ever
     started, which would fail the first child start of a tree that once reached the cap.
-    The pace is kept. A child run's retry counts on in its root's tree."""
+    The pace is kept. A child run's retry counts on in its root's tree. Every run not ended
+    counts, paused ones too: a paused leftover is live, and its operator may resume it
+    (security review: counting only the active ones let a retry start past the cap)."""
     if run.root_run_id is not None:
         return
-    active = Run.objects.filter(root_run_id=run.id, status__in=RUN_ACTIVE).count()
-    RunTree.objects.filter(root_run_id=run.id).update(runs=active)
+    live = Run.objects.filter(root_run_id=run.id).exclude(status__in=RUN_TERMINAL)
+    RunTree.objects.filter(root_run_id=run.id).update(runs=Coalesce(Subquery(live_count(live)), 0))
+
+
+def live_count(runs: Any) -> Any:
+    """``runs`` counted, as a subquery (no row when there are none: Coalesce it): the count
+    is taken in the UPDATE's own statement."""
+    return runs.order_by().values("root_run_id").annotate(n=Count("id")).values("n")
 
 
 def _root_ended(root_id: Any) -> bool:
@@ -179,7 +189,8 @@ def resume_orphaned(now: datetime, batch: int) -> int:
     quiet = now - timedelta(seconds=settings.DJFLOW["LOST_MESSAGE_SECONDS"])
     roots = list(
         Run.objects.filter(
-            status__in=RUN_ACTIVE,
+            # Paused leftovers too: the sweep ends them, and nothing else would.
+            status__in=[*RUN_ACTIVE, RunStatus.PAUSED],
             updated_at__lte=quiet,
             root_run__isnull=False,
         )

@@ -26,6 +26,8 @@ from runs.models import Run, RunAction, RunTree, StepRun, Timer, TimerPurpose
 from runs.status import RUN_TERMINAL, RunStatus
 from workflows.services import definition_save
 
+from ..moves import unchecked
+
 GATE = {"id": "gate", "kind": "wait_event", "event": "go", "key": "k"}
 
 
@@ -128,6 +130,21 @@ def test_a_retried_root_counts_its_tree_afresh(db, settings) -> None:
     assert (root.status, root.error["class"]) == (RunStatus.FAILED, "limit")
     assert _tree(root).count() == 24
     assert RunTree.objects.get(root_run=root).runs == 12
+
+
+def test_a_retried_roots_count_keeps_the_runs_of_its_tree_not_ended(db, settings) -> None:
+    """Leftovers the sweep has not ended yet count, paused ones too (a paused run is live and
+    may be resumed): a retry's fresh count never lets the tree pass the cap."""
+    _tunables(settings, MAX_TREE_RUNS=12)
+    _bomb(branches=3)
+    root = services.run_start(workflow="bomb", input={}).run
+    _drive()
+    leftovers = list(_tree(root).values_list("id", flat=True)[:3])
+    with unchecked():
+        Run.objects.filter(id__in=leftovers[:2]).update(status=RunStatus.PAUSED)
+        Run.objects.filter(id=leftovers[2]).update(status=RunStatus.RUNNING)
+    services.run_retry(run_id=root.id)
+    assert RunTree.objects.get(root_run=root).runs == 3
 
 
 def test_a_start_in_a_tree_whose_root_has_ended_is_not_made(db, settings) -> None:
