@@ -61,13 +61,31 @@ class NulRefusalMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         where = _nul_in(request)
+        message = "may not hold NUL characters (%00)"
+        if where is None and _foreign_form_charset(request):
+            # Django decodes a form body in the charset its Content-Type names: a multipart
+            # body in unicode_escape carried a lone surrogate into the database (a 500;
+            # security review). Forms here are UTF-8; anything else is refused.
+            where, message = "Content-Type", "must name no charset but utf-8 for a form body"
         if where is None:
             return self.get_response(request)
-        message = "may not hold NUL characters (%00)"
         if request.path_info.startswith("/api/"):
             return JsonResponse({"errors": [{"field": where, "message": message}]}, status=400)
-        shown = where if where in ("path", "query") else f"query parameter {where!r}"
+        named = ("path", "query", "Content-Type")
+        shown = where if where in named else f"query parameter {where!r}"
         return HttpResponseBadRequest(f"The {shown} {message}.", content_type="text/plain")
+
+
+def _foreign_form_charset(request: HttpRequest) -> bool:
+    """Whether ``request`` is a form body whose Content-Type names a charset not UTF-8."""
+    kind = request.content_type or ""
+    if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        return False
+    charset = (request.content_params or {}).get("charset")
+    return charset is not None and charset.strip().lower().replace("_", "-") not in (
+        "utf-8",
+        "utf8",
+    )
 
 
 def _nul_in(request: HttpRequest) -> str | None:

@@ -105,9 +105,16 @@ def _source(request: HttpRequest, version: WorkflowVersion) -> Run | None:
     run_id = request.GET.get("from")
     if run_id is None:
         return None
-    run = inspection.run_for_page(run_id=run_id, user=request.user)
+    # One answer for a run that does not exist, one the user may not read and one of another
+    # workflow: the same text, as the user typed it, so it tells nothing of which (a
+    # normalised id said the run existed; security review).
+    unknown = NotFound(errors=[FieldError("from", f"unknown run '{echo(run_id)}'")])
+    try:
+        run = inspection.run_for_page(run_id=run_id, user=request.user)
+    except NotFound:
+        raise unknown from None
     if run.workflow_id != version.workflow_id:
-        raise NotFound(errors=[FieldError("from", f"unknown run '{echo(run_id)}'")])
+        raise unknown
     return run
 
 

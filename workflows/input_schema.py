@@ -266,15 +266,15 @@ def _format(
     if format == "regex":
         reason = _regex_problem(checker, instance) if isinstance(instance, str) else None
         if reason is not None:
-            yield ValidationError(f"{_shown(instance)} is not a 'regex': {reason}")
+            yield ValidationError(f"{shown_value(instance)} is not a 'regex': {reason}")
         return
     try:
         checker.check(instance, format)
     except FormatError:
-        yield ValidationError(f"{_shown(instance)} is not a {format!r}")
+        yield ValidationError(f"{shown_value(instance)} is not a {format!r}")
 
 
-def _shown(value: Any) -> str:
+def shown_value(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
@@ -337,6 +337,8 @@ def schema_errors(schema: Any, where: str) -> list[tuple[str, str]]:
         errors.append(
             (_located(where, list(exc.absolute_path)), f"is not a valid JSON Schema: {message}")
         )
+    for path, message in [*cost_problems(schema), *write_only_problems(schema)]:
+        errors.append((_located(where, path), message))
     for path, ref in remote_refs(schema, []):
         shown = json.dumps(ref, ensure_ascii=False)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
@@ -447,3 +449,172 @@ def write_only_values(schema: Any, instance: Any) -> list[tuple[list[str | int],
         if error.validator == _WRITE_ONLY:
             found.setdefault(tuple(error.absolute_path), error.instance)
     return [(list(path), value) for path, value in found.items()]
+
+
+# --- what one check of a value may cost (contract section 9) ----------------------------------
+
+# Keywords whose subschemas apply to the same value as their schema: evaluating a schema
+# evaluates these too, at the same place of the input. (Those that descend into the value's
+# members, properties, items and the like, are paid for by the value's size.)
+_IN_PLACE_LISTS = ("allOf", "anyOf", "oneOf")
+_IN_PLACE_ONE = ("not", "if", "then", "else")
+# The most subschemas one check of a value at one place may evaluate, every $ref followed as
+# often as it is used. Schemas people write stay under a few dozen; a chain of allOf's naming
+# one $ref twice doubles at each link (30 links: 2**30 evaluations a value, hours of a worker;
+# security review of the start page, issue 37).
+MAX_IN_PLACE_EVALUATIONS = 1000
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#``, ``#/a/b`` or ``#anchor``) names in ``root``, or
+    None when it names none (validation reports that)."""
+    from urllib.parse import unquote
+
+    fragment = unquote(ref[1:])
+    if not fragment.startswith("/"):
+        return _anchor(root, fragment) if fragment else root
+    node = root
+    for raw in fragment.split("/")[1:]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _anchor(root: Any, name: str) -> Any:
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if name in (node.get("$anchor"), node.get("$dynamicAnchor")):
+                return node
+            stack.extend(value for key, value in node.items() if key not in _DATA_KEYWORDS)
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
+def _in_place(root: Any, node: Any) -> list[Any]:
+    """The subschemas of ``node`` that apply where it applies (see above)."""
+    if not isinstance(node, dict):
+        return []
+    found: list[Any] = []
+    for key in _IN_PLACE_LISTS:
+        if isinstance(node.get(key), list):
+            found.extend(node[key])
+    found.extend(node[key] for key in _IN_PLACE_ONE if key in node)
+    if isinstance(node.get("dependentSchemas"), dict):
+        found.extend(node["dependentSchemas"].values())
+    for key in _REF_KEYWORDS:
+        ref = node.get(key)
+        if isinstance(ref, str) and ref.startswith("#"):
+            target = _pointer(root, ref)
+            if target is not None:
+                found.append(target)
+    return [child for child in found if isinstance(child, dict)]
+
+
+def _schemas(
+    schema: Any,
+) -> Iterator[tuple[list[str | int], dict[str, Any], frozenset[str]]]:
+    """Every subschema of ``schema`` (objects only), with its path and the keywords it sits
+    under (names of properties and the like left out); iterative."""
+    stack: list[tuple[list[str | int], Any, bool, frozenset[str]]] = [
+        ([], schema, False, frozenset())
+    ]
+    while stack:
+        path, node, named, under = stack.pop()
+        if isinstance(node, list):
+            stack.extend(([*path, index], item, False, under) for index, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if not named:
+            yield path, node, under
+        for key, value in node.items():
+            if named:
+                stack.append(([*path, key], value, False, under))
+            elif key not in _DATA_KEYWORDS:
+                stack.append(([*path, key], value, key in _NAMED_SUBSCHEMAS, under | {key}))
+
+
+# Where a ``writeOnly`` mark cannot be honoured: the value it would mark is found by a
+# keyword that reports no place for it (a secret there would be stored in the clear).
+_NO_SECRETS_UNDER = frozenset(
+    {"contains", "unevaluatedProperties", "unevaluatedItems", "not", "propertyNames"}
+)
+
+
+def write_only_problems(schema: Any) -> list[tuple[list[str | int], str]]:
+    """``writeOnly`` marks under keywords the secret finder cannot follow (see above)."""
+    return [
+        (
+            [*path, _WRITE_ONLY],
+            f"writeOnly is not honoured under {', '.join(sorted(under & _NO_SECRETS_UNDER))}: "
+            "mark the property that holds the secret (under properties, items ...)",
+        )
+        for path, node, under in _schemas(schema)
+        if node.get(_WRITE_ONLY) is True and under & _NO_SECRETS_UNDER
+    ]
+
+
+def cost_problems(schema: Any) -> list[tuple[list[str | int], str]]:
+    """Where checking a value against ``schema`` would never end or cost too much:
+    ``$ref``s that lead back to where they started without descending into the value (a
+    RecursionError at every check), and subschemas whose check at one place evaluates more
+    than MAX_IN_PLACE_EVALUATIONS subschemas. Linear in the schema's size: each subschema's
+    count is computed once (iteratively, so a long chain cannot exhaust the stack)."""
+    cost: dict[int, int] = {}
+    problems: list[tuple[list[str | int], str]] = []
+    for path, start, _ in _schemas(schema):
+        if id(start) in cost:
+            continue
+        # Depth-first, children before parents; ``open_`` holds the nodes being counted.
+        open_: set[int] = set()
+        stack: list[tuple[dict[str, Any], bool]] = [(start, False)]
+        cycle = False
+        while stack and not cycle:
+            node, counted_children = stack.pop()
+            key = id(node)
+            if counted_children:
+                open_.discard(key)
+                total = 1 + sum(cost[id(child)] for child in _in_place(schema, node))
+                cost[key] = min(total, MAX_IN_PLACE_EVALUATIONS + 1)
+                continue
+            if key in cost:
+                continue
+            if key in open_:
+                cycle = True
+                break
+            open_.add(key)
+            stack.append((node, True))
+            for child in _in_place(schema, node):
+                if id(child) in open_:
+                    cycle = True
+                    break
+                if id(child) not in cost:
+                    stack.append((child, False))
+        if cycle:
+            problems.append(
+                (
+                    path,
+                    "its $refs lead back to it without descending into the value: "
+                    "checking a value would never end",
+                )
+            )
+            return problems
+        if cost[id(start)] > MAX_IN_PLACE_EVALUATIONS:
+            problems.append(
+                (
+                    path,
+                    f"checking one value against it evaluates more than "
+                    f"{MAX_IN_PLACE_EVALUATIONS} subschemas (allOf, anyOf, oneOf, $ref ... "
+                    "in place): simplify it",
+                )
+            )
+            return problems
+    return problems

@@ -514,3 +514,34 @@ def test_the_workflows_admin_page_links_to_its_start_page(version) -> None:
     page = _client(vic).get("/admin/workflows/workflow/triage/change/")
     assert page.status_code == 200
     assert "start-link" not in page.content.decode()
+
+
+# --- the security review's findings ------------------------------------------------------------
+
+
+def test_a_long_enum_is_typed_not_chosen_from(starter) -> None:
+    """An enum of 1,400 values in each of 100 fields made a 5 MB page (24 s); past
+    MAX_CHOICES it is a text field, checked by the schema as before."""
+    from workflows.input_form import MAX_CHOICES
+
+    values = [f"v{i}" for i in range(MAX_CHOICES + 1)]
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"enum": values}, "few": {"enum": ["a", "b"]}},
+    }
+    definition_save(document=_document(schema))
+    html = _page(starter)
+    assert not _tag(html, "kind").startswith("<select") and _tag(html, "few").startswith("<select")
+    assert len(html) < 50_000
+
+
+def test_from_says_the_same_of_a_run_unknown_and_one_not_readable(version, starter) -> None:
+    other = _person("olga", "add_run")
+    theirs = _client(other).post(URL, _form())
+    assert theirs.status_code == 302
+    run = Run.objects.get(created_by=other)
+    # Each answer quotes the id as typed: a normalised one said the run existed.
+    for run_id in (str(run.id).upper(), "D2F26A66-0000-4000-8000-000000000000"):
+        response = starter.get(f"{URL}?from={run_id}")
+        assert response.status_code == 404
+        assert f"unknown run &#x27;{run_id}&#x27;" in response.content.decode()
