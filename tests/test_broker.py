@@ -26,6 +26,7 @@ import pytest
 from kombu import Connection
 
 from config.broker import CLAIMED_FOLDER, CORRUPT_FOLDER
+from tests.processes import own_redis_url
 
 OURS = "config.broker:Transport"
 KOMBU = "kombu.transport.filesystem:Transport"
@@ -194,7 +195,7 @@ print(f"{transport.__module__}:{transport.__qualname__}")
     [
         (None, OURS),  # the embedded default
         ("filesystem://", OURS),
-        ("redis://127.0.0.1:6379/8", "kombu.transport.redis:Transport"),
+        (own_redis_url(), "kombu.transport.redis:Transport"),
     ],
 )
 def test_the_file_system_broker_is_config_broker_whether_defaulted_or_named(

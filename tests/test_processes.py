@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -13,7 +15,15 @@ from django_celery_beat.models import PeriodicTask
 
 from config.celery import app
 from tests import celery_probe
-from tests.processes import WaitTimeout, pid_alive, purge_broker, queued_on_redis, wait_for
+from tests.processes import (
+    FALLBACK_REDIS_URL,
+    WaitTimeout,
+    own_redis_url,
+    pid_alive,
+    purge_broker,
+    queued_on_redis,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -30,6 +40,23 @@ def test_wait_for_returns_the_first_truthy_value() -> None:
 def test_wait_for_fails_with_its_message_evaluated_late() -> None:
     with pytest.raises(WaitTimeout, match=r"waiting for the log said no .*last value: 0"):
         wait_for(lambda: 0, timeout=0.1, interval=0.01, message=lambda: "the log said no")
+
+
+def test_tests_reach_redis_through_the_configured_broker_url(settings) -> None:
+    """Tests named Redis databases 8, 3 and 4 of 127.0.0.1:6379 whatever CELERY_BROKER_URL
+    said (issue 37): a suite given a Redis of its own still wrote to the shared one."""
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6383/2"
+    assert own_redis_url() == "redis://127.0.0.1:6383/2"
+    assert own_redis_url(1) == "redis://127.0.0.1:6383/3"
+    settings.CELERY_BROKER_URL = "filesystem://"
+    assert own_redis_url() == FALLBACK_REDIS_URL
+    fixed = re.compile(r"redis://(?:127\.0\.0\.1|localhost):6379/[1-9]")
+    tests = Path(__file__).resolve().parent
+    written = {
+        str(path.relative_to(tests)): fixed.findall(path.read_text())
+        for path in tests.rglob("*.py")
+    }
+    assert {name: found for name, found in written.items() if found} == {}
 
 
 def test_purge_drops_waiting_messages() -> None:
