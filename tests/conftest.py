@@ -6,11 +6,13 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from config import metrics_files
 from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker, xdist_services
 from workflows import heartbeats
@@ -23,6 +25,13 @@ from workflows import heartbeats
 # xdist's --dist loadgroup would keep them in one, but xdist 3.8 names a test's group by
 # setting Node._nodeid, which pytest 9 no longer reads (Node.nodeid comes from Node._id).
 xdist_services(os.environ.get("PYTEST_XDIST_WORKER"))
+
+# pyproject.toml names the tests' var folder (and so their metrics folder) relative to the
+# checkout, where pytest runs; the worker, beat and web processes the tests start get it
+# absolute, so a child started in another folder writes its metric files beside this one's.
+os.environ["DJFLOW_VAR_DIR"] = str(settings.VAR_DIR.resolve())
+if (_metrics := metrics_files.this_host()) is not None:
+    os.environ[metrics_files.ENV] = str(_metrics.resolve())
 
 
 # Modules whose tests take half a minute to a minute and more each on 2 cores (a pip install,
