@@ -70,9 +70,31 @@ def django_db_setup(django_db_setup, django_db_blocker, request) -> Iterator[Non
     with django_db_blocker.unblock():
         moves.install()
     yield
-    if os.environ.get("DJFLOW_MOVES_REPORT"):
-        with django_db_blocker.unblock():
+    with django_db_blocker.unblock():
+        if os.environ.get("DJFLOW_MOVES_REPORT"):
             request.config.stash[_MOVES_NEVER_MADE] = moves.moves_never_made()
+        _end_other_sessions()
+
+
+def _end_other_sessions() -> None:
+    """End every other session on the test database, just before pytest-django drops it.
+    Postgres refuses to drop a database in use, and pytest-django then leaves it behind
+    ("database ... is being accessed by other users"): a connection a test left open (one
+    made in a browser test's thread, a worker process killed after it connected) kept a
+    test database of every such run (issue 37)."""
+    from django.db import DatabaseError, connection
+
+    if connection.vendor != "postgresql":
+        return
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+    except DatabaseError:
+        # Not allowed to (a role without pg_signal_backend): the drop says what is left.
+        pass
 
 
 _MOVES_NEVER_MADE = pytest.StashKey[list[str]]()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import subprocess
 import sys
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from django.db import connection
@@ -57,6 +60,36 @@ def test_tests_reach_redis_through_the_configured_broker_url(settings) -> None:
         for path in tests.rglob("*.py")
     }
     assert {name: found for name, found in written.items() if found} == {}
+
+
+PYTEST = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-q"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)  # DROP DATABASE, below, runs in no transaction
+def test_a_session_that_leaves_a_connection_open_still_drops_its_test_database() -> None:
+    """pytest-django could not drop a test database a connection was still open to, and left
+    it behind (issue 37): the suite's session ends the other sessions on it first."""
+    name = f"djflow_leak_{uuid.uuid4().hex[:8]}"
+    url = urlsplit(os.environ["DATABASE_URL"])._replace(path=f"/{name}").geturl()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["DATABASE_URL"] = url
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [*PYTEST, str(tests / "leaky_session.py")],
+        cwd=tests.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname = %s", [f"test_{name}"])
+        (left,) = cursor.fetchone()
+        if left:
+            cursor.execute(f'DROP DATABASE "test_{name}" WITH (FORCE)')
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert left == 0
 
 
 def test_purge_drops_waiting_messages() -> None:
