@@ -387,7 +387,7 @@ def attempts(run: Run, rows: list[StepRun], *, tracebacks: bool) -> list[Attempt
                 spans=show(step.spans or None),
                 duration=_between(step.started_at, step.finished_at),
                 queued=_between(step.scheduled_at, step.started_at),
-                waits=waits(step.kind),
+                waits=waits_in_engine(step.kind),
             )
         )
     _calls(run, views)
@@ -466,7 +466,7 @@ def _tools(views: list[AttemptView]) -> None:
         )
 
 
-def waits(kind: str) -> bool:
+def waits_in_engine(kind: str) -> bool:
     """Whether a step of ``kind`` waits in the engine rather than runs (``kinds.WAITING_ROLES``):
     from its start to its end an approval waited for people, it never ran."""
     return kinds.role_of(kind) in kinds.WAITING_ROLES
@@ -483,7 +483,7 @@ def timeline_of(run: Run, rows: list[StepRun], total: int, now: datetime) -> tim
             scheduled_at=step.scheduled_at,
             started_at=step.started_at,
             finished_at=step.finished_at,
-            waits=waits(step.kind),
+            waits=waits_in_engine(step.kind),
         )
         for step in rows
     ]
