@@ -114,6 +114,8 @@ def plug_in() -> None:
     hooks.repair("reminders_restored", gates.restore_reminders)
     # The run inspector links a run waiting for approval to its request's page.
     inspection.on_page_links(selectors.run_page_links)
+    # Its audit shows who decided (a run approved said "No one has acted on this run").
+    inspection.on_page_audit(selectors.run_page_audit)
     # Runs deleted by retention take their approvals' decisions with them.
     hooks.on_purge("approval_decisions", purge_decisions)
 

@@ -7,9 +7,10 @@ from typing import Any
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.urls import reverse
 
+from runs.inspection import AuditRow
 from workflows import access
 
-from .models import ApprovalRequest, Approver, Notification
+from .models import ApprovalRequest, Approver, Decision, Notification
 from .status import ApprovalStatus
 
 
@@ -81,4 +82,25 @@ def run_page_links(run: Any, user: Any) -> list[tuple[str, str, str]]:
             reverse("approvals:detail", kwargs={"approval_id": request.id}),
         )
         for request in pending.only("id", "path", "step_id", "quorum")[:RUN_PAGE_LINKS]
+    ]
+
+
+def run_page_audit(run: Any, limit: int) -> list[AuditRow]:
+    """The run inspector's audit lines (``runs.inspection.on_page_audit``): the newest
+    ``limit`` decisions on the run's own requests, who decided which step and how. The
+    request's page keeps the rest (the comment, the address it came from) for its approvers."""
+    decisions = (
+        Decision.objects.filter(request__run_id=run.id)
+        .select_related("request")
+        .only("by", "decision", "channel", "created_at", "request__path", "request__step_id")
+        .order_by("-created_at", "-id")[:limit]
+    )
+    return [
+        AuditRow(
+            decision.created_at,
+            decision.by,
+            f"approval {decision.decision}",
+            f"{decision.request.path}{decision.request.step_id} (via {decision.channel})",
+        )
+        for decision in decisions
     ]

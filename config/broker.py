@@ -201,3 +201,11 @@ class Transport(filesystem.Transport):
     """kombu's file-system transport with :class:`Channel`; same URL, options and folders."""
 
     Channel = Channel
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        # A folder has no host. kombu's virtual transports default to 'localhost', and the
+        # empty host of "filesystem://" made every process on the embedded default log "No
+        # hostname was supplied. Reverting to default 'localhost'" at each connection (issue
+        # 37). The file-system transport never reads the host.
+        return {}

@@ -270,6 +270,10 @@ STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # WhiteNoise warns at every start about a STATIC_ROOT that does not exist.
 STATIC_ROOT.mkdir(exist_ok=True)
+# Files served at the site's root, as browsers ask for them: /favicon.ico (every page and the
+# admin's; it was a 404 on each, issue 37). WhiteNoise serves this folder as it is, in every
+# process that has the middleware (gunicorn, runserver, the tests' live server).
+WHITENOISE_ROOT = Path(__file__).resolve().parent / "static" / "root"
 
 # Sign-ins (the sign-in page and the admin's) go through django-axes first: failed attempts
 # are counted per user name and per client address, in the database (shared by every

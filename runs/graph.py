@@ -233,6 +233,10 @@ PAD = 12  # inside a lane's frame
 LABEL_H = 18  # a lane's label, above its first node
 JOIN = 18  # the line from the lanes' ends to their join
 MARGIN = 16
+# An empty lane (a condition's missing ``else``) is no frame but a line past the steps, from
+# the split to the join, with its label beside it: as Airflow and Prefect draw a skipped
+# branch. (It was an empty box with an arrow into it and a line through it, issue 37.)
+BYPASS_W = 56
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,15 @@ class Line:
         return f"M{head[0]:g},{head[1]:g}" + "".join(f" L{x:g},{y:g}" for x, y in rest)
 
 
+@dataclass(frozen=True)
+class Label:
+    """The name of a lane drawn without a frame (an empty one), beside its line."""
+
+    x: float
+    y: float
+    text: str
+
+
 @dataclass
 class Drawing:
     width: float
@@ -278,6 +291,7 @@ class Drawing:
     frames: list[Frame] = field(default_factory=list)
     lines: list[Line] = field(default_factory=list)
     joins: list[tuple[float, float]] = field(default_factory=list)
+    labels: list[Label] = field(default_factory=list)
 
 
 def _size(nodes: Sequence[Node]) -> tuple[float, float]:
@@ -289,6 +303,8 @@ def _size(nodes: Sequence[Node]) -> tuple[float, float]:
 
 
 def _lane_size(lane: Lane) -> tuple[float, float]:
+    if not lane.steps:
+        return BYPASS_W, LABEL_H + PAD
     w, h = _size(lane.steps)
     return w + 2 * PAD, h + 2 * PAD + LABEL_H
 
@@ -346,6 +362,10 @@ def _place_node(drawing: Drawing, node: Node, x: float, y: float) -> tuple[float
     repeated = node.kind in ("foreach", "loop")
     for lane in node.lanes:
         lw, lh = _lane_size(lane)
+        if not lane.steps:
+            _place_bypass(drawing, lane, centre, lane_x + lw / 2, y + BOX_H, join_y)
+            lane_x += lw + GAP_X
+            continue
         drawing.frames.append(Frame(lane_x, lanes_top, lw, lh, lane.label, repeated))
         inner_w = lw - 2 * PAD
         lane_centre, first, last = _place_sequence(
@@ -377,3 +397,14 @@ def _place_node(drawing: Drawing, node: Node, x: float, y: float) -> tuple[float
         lane_x += lw + GAP_X
     drawing.joins.append((centre, join_y))
     return y, join_y
+
+
+def _place_bypass(
+    drawing: Drawing, lane: Lane, centre: float, x: float, top: float, join_y: float
+) -> None:
+    """An empty lane: one line from the container's box straight down to the join, no arrow
+    (nothing runs there), its label beside it."""
+    split_y, merge_y = top + GAP_Y / 2, join_y - JOIN / 2
+    points = ((centre, top), (centre, split_y), (x, split_y), (x, merge_y), (centre, merge_y))
+    drawing.lines.append(Line((*points, (centre, join_y)), arrow=False))
+    drawing.labels.append(Label(x + 4, split_y + LABEL_H, lane.label))

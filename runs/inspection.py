@@ -24,7 +24,7 @@ from django.db.models import Q, QuerySet
 from django.urls import reverse
 from django.utils import timezone
 
-from workflows import access, secrets
+from workflows import access, kinds, secrets
 from workflows.errors import FieldError, NotFound, echo
 
 from . import answers, graph, timeline
@@ -60,6 +60,47 @@ _links: list[Callable[[Run, Any], list[tuple[str, str, str]]]] = []
 def on_page_links(source: Callable[[Run, Any], list[tuple[str, str, str]]]) -> None:
     if source not in _links:
         _links.append(source)
+
+
+@dataclass(frozen=True)
+class AuditRow:
+    """One line of the page's audit: an operator's action, or what an app above runs records
+    of the run (an approval's decision)."""
+
+    created_at: datetime
+    who: str
+    what: str
+    # What it said, as JSON with secrets masked ("" when nothing).
+    detail: str
+
+
+# Hooks of apps above runs, like ``_links``: each gives, for a run, the newest ``limit`` lines
+# of its audit that the app records (approvals: who decided which request). Without them a
+# run approved by someone said "No one has acted on this run" (issue 37).
+_audits: list[Callable[[Run, int], list[AuditRow]]] = []
+
+
+def on_page_audit(source: Callable[[Run, int], list[AuditRow]]) -> None:
+    if source not in _audits:
+        _audits.append(source)
+
+
+def audit(run: Run) -> list[AuditRow]:
+    """The run's audit, newest first, at most :data:`ACTION_ROWS` lines."""
+    actions = RunAction.objects.filter(run=run).order_by("-created_at", "-id")[:ACTION_ROWS]
+    rows = [
+        AuditRow(
+            action.created_at,
+            action.actor_name or "the system",
+            action.action,
+            show(action.detail, 500).text if action.detail else "",
+        )
+        for action in actions
+    ]
+    for source in _audits:
+        rows.extend(source(run, ACTION_ROWS))
+    rows.sort(key=lambda row: row.created_at, reverse=True)
+    return rows[:ACTION_ROWS]
 
 
 def run_for_page(*, run_id: Any, user: Any) -> Run:
@@ -303,6 +344,8 @@ class AttemptView:
     queued: str
     calls: list[Call] = field(default_factory=list)
     tools: list[Tool] = field(default_factory=list)
+    # A step that waits in the engine (an approval, an event, a sleep): its time was waited.
+    waits: bool = False
 
 
 def _attempt_rows(run: Run, limit: int) -> list[StepRun]:
@@ -344,6 +387,7 @@ def attempts(run: Run, rows: list[StepRun], *, tracebacks: bool) -> list[Attempt
                 spans=show(step.spans or None),
                 duration=_between(step.started_at, step.finished_at),
                 queued=_between(step.scheduled_at, step.started_at),
+                waits=waits_in_engine(step.kind),
             )
         )
     _calls(run, views)
@@ -422,6 +466,12 @@ def _tools(views: list[AttemptView]) -> None:
         )
 
 
+def waits_in_engine(kind: str) -> bool:
+    """Whether a step of ``kind`` waits in the engine rather than runs (``kinds.WAITING_ROLES``):
+    from its start to its end an approval waited for people, it never ran."""
+    return kinds.role_of(kind) in kinds.WAITING_ROLES
+
+
 def timeline_of(run: Run, rows: list[StepRun], total: int, now: datetime) -> timeline.Chart:
     bars = [
         timeline.Attempt(
@@ -433,6 +483,7 @@ def timeline_of(run: Run, rows: list[StepRun], total: int, now: datetime) -> tim
             scheduled_at=step.scheduled_at,
             started_at=step.started_at,
             finished_at=step.finished_at,
+            waits=waits_in_engine(step.kind),
         )
         for step in rows
     ]
@@ -452,8 +503,8 @@ class Page:
     chart: timeline.Chart
     attempts: list[AttemptView]
     total_attempts: int
-    # The audit, newest first: (the action, what it said, as JSON with secrets masked).
-    actions: list[tuple[RunAction, str]]
+    # The audit, newest first (:func:`audit`).
+    actions: list[AuditRow]
     children: list[Run]
     links: list[tuple[str, str, str]]
     input: Shown
@@ -512,12 +563,7 @@ def page(run: Run, user: Any) -> Page:
         chart=timeline_of(run, rows, total, now),
         attempts=attempts(run, detailed, tracebacks=tracebacks),
         total_attempts=total,
-        actions=[
-            (action, show(action.detail, 500).text if action.detail else "")
-            for action in RunAction.objects.filter(run=run).order_by("-created_at", "-id")[
-                :ACTION_ROWS
-            ]
-        ],
+        actions=audit(run),
         children=list(children.only("id", "workflow", "status", "body")[:ACTION_ROWS]),
         links=[link for source in _links for link in source(run, user)],
         input=show(run.input),

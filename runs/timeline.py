@@ -65,6 +65,9 @@ class Attempt:
     scheduled_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # A step that waits in the engine (an approval, an event, a sleep): its time from start to
+    # end was spent waiting, not running, and its bar says so whatever its status.
+    waits: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def chart(
         if begun is not None:
             wait = bar(attempt.scheduled_at, begun, "queued")
             # An engine step (a wait, a sleep, an approval) is "started" when it begins to wait.
-            run = bar(begun, attempt.finished_at or now, _doing(attempt.status))
+            run = bar(begun, attempt.finished_at or now, _doing(attempt))
         else:
             # Never started (still queued, or cancelled in the queue): all of it was waiting.
             wait = bar(attempt.scheduled_at, attempt.finished_at or now, "queued")
@@ -175,8 +178,11 @@ def chart(
     )
 
 
-def _doing(status: str) -> str:
-    return "waiting" if status == "waiting" else "ran"
+def _doing(attempt: Attempt) -> str:
+    if attempt.status == "waiting":
+        return "waiting"
+    # An approval's row has ended (succeeded) once someone decided: it waited, it never ran.
+    return "waited" if attempt.waits else "ran"
 
 
 def _ticks(span_ms: float) -> list[Tick]:

@@ -6,11 +6,13 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Permission
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from config import metrics_files
 from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker, xdist_services
 from workflows import heartbeats
@@ -23,6 +25,13 @@ from workflows import heartbeats
 # xdist's --dist loadgroup would keep them in one, but xdist 3.8 names a test's group by
 # setting Node._nodeid, which pytest 9 no longer reads (Node.nodeid comes from Node._id).
 xdist_services(os.environ.get("PYTEST_XDIST_WORKER"))
+
+# pyproject.toml names the tests' var folder (and so their metrics folder) relative to the
+# checkout, where pytest runs; the worker, beat and web processes the tests start get it
+# absolute, so a child started in another folder writes its metric files beside this one's.
+os.environ["DJFLOW_VAR_DIR"] = str(settings.VAR_DIR.resolve())
+if (_metrics := metrics_files.this_host()) is not None:
+    os.environ[metrics_files.ENV] = str(_metrics.resolve())
 
 
 # Modules whose tests take half a minute to a minute and more each on 2 cores (a pip install,
@@ -61,9 +70,31 @@ def django_db_setup(django_db_setup, django_db_blocker, request) -> Iterator[Non
     with django_db_blocker.unblock():
         moves.install()
     yield
-    if os.environ.get("DJFLOW_MOVES_REPORT"):
-        with django_db_blocker.unblock():
+    with django_db_blocker.unblock():
+        if os.environ.get("DJFLOW_MOVES_REPORT"):
             request.config.stash[_MOVES_NEVER_MADE] = moves.moves_never_made()
+        _end_other_sessions()
+
+
+def _end_other_sessions() -> None:
+    """End every other session on the test database, just before pytest-django drops it.
+    Postgres refuses to drop a database in use, and pytest-django then leaves it behind
+    ("database ... is being accessed by other users"): a connection a test left open (one
+    made in a browser test's thread, a worker process killed after it connected) kept a
+    test database of every such run (issue 37)."""
+    from django.db import DatabaseError, connection
+
+    if connection.vendor != "postgresql":
+        return
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+    except DatabaseError:
+        # Not allowed to (a role without pg_signal_backend): the drop says what is left.
+        pass
 
 
 _MOVES_NEVER_MADE = pytest.StashKey[list[str]]()

@@ -126,6 +126,23 @@ def xdist_services(worker: str | None) -> None:
     settings.DJFLOW = {**settings.DJFLOW, "MODEL_SLOTS_REDIS_URL": _shifted_redis_db(slots, shift)}
 
 
+# The Redis a test reaches when the suite's broker is not Redis (the embedded default).
+FALLBACK_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def own_redis_url(shift: int = 0) -> str:
+    """A Redis database of this test process: the configured broker's (CELERY_BROKER_URL, as
+    :func:`xdist_services` left it), ``shift`` databases on. Tests named databases 8, 3 and 4
+    of 127.0.0.1:6379 whatever the environment said, so a suite given a Redis of its own
+    still wrote to the machine's shared one, and two xdist workers met in it (issue 37)."""
+    from django.conf import settings
+
+    url = settings.CELERY_BROKER_URL
+    if urlsplit(url).scheme not in ("redis", "rediss"):
+        url = FALLBACK_REDIS_URL
+    return _shifted_redis_db(url, shift)
+
+
 def _shifted_redis_db(url: str, shift: int) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss"):

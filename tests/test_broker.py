@@ -26,6 +26,7 @@ import pytest
 from kombu import Connection
 
 from config.broker import CLAIMED_FOLDER, CORRUPT_FOLDER
+from tests.processes import own_redis_url
 
 OURS = "config.broker:Transport"
 KOMBU = "kombu.transport.filesystem:Transport"
@@ -194,7 +195,7 @@ print(f"{transport.__module__}:{transport.__qualname__}")
     [
         (None, OURS),  # the embedded default
         ("filesystem://", OURS),
-        ("redis://127.0.0.1:6379/8", "kombu.transport.redis:Transport"),
+        (own_redis_url(), "kombu.transport.redis:Transport"),
     ],
 )
 def test_the_file_system_broker_is_config_broker_whether_defaulted_or_named(
@@ -214,3 +215,19 @@ def test_the_file_system_broker_is_config_broker_whether_defaulted_or_named(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == transport
+
+
+def test_a_connection_to_the_file_system_broker_logs_no_missing_hostname(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every process on the embedded default logged "No hostname was supplied" (issue 37): a
+    folder has no host, and kombu's default one is not asked for."""
+    with (
+        caplog.at_level(logging.WARNING, logger="kombu.connection"),
+        _connection(tmp_path, OURS) as connection,
+    ):
+        connection.default_channel._put(QUEUE, {"body": "x"})
+        assert connection.info()["hostname"] is None
+        # Celery clones its connection for each pool and producer: each clone asked too.
+        connection.clone().release()
+    assert [r.getMessage() for r in caplog.records if "hostname" in r.getMessage()] == []

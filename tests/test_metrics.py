@@ -96,6 +96,20 @@ def test_without_a_token_only_the_embedded_default_answers_and_only_to_this_mach
     assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 403
 
 
+def test_the_tests_count_into_a_metrics_folder_of_their_own() -> None:
+    """The suite's metric files went to the checkout's var/metrics, where a standalone started
+    from the same checkout reads its /metrics (issue 37): the tests have var/tests."""
+    from django.conf import settings
+
+    checkout_var = (settings.BASE_DIR / "var").resolve()
+    folder = metrics_files.this_host()
+    assert folder is not None and folder.is_absolute()
+    assert folder.is_relative_to(settings.DJFLOW_METRICS_DIR.resolve())
+    assert not folder.is_relative_to(checkout_var / "metrics")
+    # The processes the tests start find the same folders from any working directory.
+    assert Path(os.environ["DJFLOW_VAR_DIR"]).is_absolute()
+
+
 def test_a_short_token_refuses_to_start(tmp_path) -> None:
     env = {**os.environ, "DJFLOW_METRICS_TOKEN": "short", "DJFLOW_VAR_DIR": str(tmp_path)}
     done = subprocess.run(

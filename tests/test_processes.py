@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import subprocess
 import sys
 import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from django.db import connection
@@ -13,7 +18,15 @@ from django_celery_beat.models import PeriodicTask
 
 from config.celery import app
 from tests import celery_probe
-from tests.processes import WaitTimeout, pid_alive, purge_broker, queued_on_redis, wait_for
+from tests.processes import (
+    FALLBACK_REDIS_URL,
+    WaitTimeout,
+    own_redis_url,
+    pid_alive,
+    purge_broker,
+    queued_on_redis,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
@@ -30,6 +43,53 @@ def test_wait_for_returns_the_first_truthy_value() -> None:
 def test_wait_for_fails_with_its_message_evaluated_late() -> None:
     with pytest.raises(WaitTimeout, match=r"waiting for the log said no .*last value: 0"):
         wait_for(lambda: 0, timeout=0.1, interval=0.01, message=lambda: "the log said no")
+
+
+def test_tests_reach_redis_through_the_configured_broker_url(settings) -> None:
+    """Tests named Redis databases 8, 3 and 4 of 127.0.0.1:6379 whatever CELERY_BROKER_URL
+    said (issue 37): a suite given a Redis of its own still wrote to the shared one."""
+    settings.CELERY_BROKER_URL = "redis://127.0.0.1:6383/2"
+    assert own_redis_url() == "redis://127.0.0.1:6383/2"
+    assert own_redis_url(1) == "redis://127.0.0.1:6383/3"
+    settings.CELERY_BROKER_URL = "filesystem://"
+    assert own_redis_url() == FALLBACK_REDIS_URL
+    fixed = re.compile(r"redis://(?:127\.0\.0\.1|localhost):6379/[1-9]")
+    tests = Path(__file__).resolve().parent
+    written = {
+        str(path.relative_to(tests)): fixed.findall(path.read_text())
+        for path in tests.rglob("*.py")
+    }
+    assert {name: found for name, found in written.items() if found} == {}
+
+
+PYTEST = [sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-q"]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)  # DROP DATABASE, below, runs in no transaction
+def test_a_session_that_leaves_a_connection_open_still_drops_its_test_database() -> None:
+    """pytest-django could not drop a test database a connection was still open to, and left
+    it behind (issue 37): the suite's session ends the other sessions on it first."""
+    name = f"djflow_leak_{uuid.uuid4().hex[:8]}"
+    url = urlsplit(os.environ["DATABASE_URL"])._replace(path=f"/{name}").geturl()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env["DATABASE_URL"] = url
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [*PYTEST, str(tests / "leaky_session.py")],
+        cwd=tests.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_database WHERE datname = %s", [f"test_{name}"])
+        (left,) = cursor.fetchone()
+        if left:
+            cursor.execute(f'DROP DATABASE "test_{name}" WITH (FORCE)')
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert left == 0
 
 
 def test_purge_drops_waiting_messages() -> None:

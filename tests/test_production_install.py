@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests import image_files
-from tests.processes import database_url, wait_for
+from tests.processes import database_url, own_redis_url, wait_for
 from tests.test_settings import CONFIG_VARS
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -130,8 +130,9 @@ def production_env(transactional_db: None, tmp_path: Path) -> dict[str, str]:
     return _clean_env(
         DJANGO_SETTINGS_MODULE="config.settings",
         DATABASE_URL=database_url(connection.settings_dict),
-        CELERY_BROKER_URL="redis://127.0.0.1:6379/3",
-        CELERY_RESULT_BACKEND="redis://127.0.0.1:6379/4",
+        # The suite's Redis, as configured (no worker of another test runs meanwhile).
+        CELERY_BROKER_URL=own_redis_url(),
+        CELERY_RESULT_BACKEND=own_redis_url(1),
         SECRET_KEY=secrets.token_urlsafe(50),
         SITE_URL="https://flows.example.com",
         ALLOWED_HOSTS="flows.example.com,127.0.0.1",

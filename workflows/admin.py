@@ -27,7 +27,7 @@ from config.admin_mixins import ReadOnlyMixin
 from . import access, heartbeats, kb_admin, selectors  # noqa: F401 (kb_admin registers)
 from .diff import diff_line_kind, document_diff, reading_order
 from .errors import EngineError, FieldError
-from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm
+from .forms import DocumentForm, RecipeForm, RecipePreviewForm, RoleForm, listed_at
 from .models import Recipe, WorkerHeartbeat, Workflow, WorkflowVersion
 from .preflight import start_problems, start_warnings
 from .recipes import Rendered, RenderTooLarge, render
@@ -73,7 +73,7 @@ def _listed(css_class: str, problems: list[FieldError]) -> str:
         format_html_join(
             "",
             "<li><code>{}</code>: {}</li>",
-            ((p.field or "(run)", p.message) for p in problems),
+            ((listed_at(p) or "(run)", p.message) for p in problems),
         ),
     )
 

@@ -9,6 +9,7 @@ each ``{field, message}`` listed above the editor.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -68,6 +69,24 @@ def json_from_text(text: str) -> Any:
             ]
         )
     return value
+
+
+# A message that quotes the last name of its own field (workflows.validation's).
+_NAMED = re.compile(r"\b(?:unknown|required) field '([^']+)'")
+
+
+def listed_at(error: FieldError) -> str:
+    """Where an admin page lists ``error``: its field, less the last name when the message
+    quotes that name already. "steps[0].colour unknown field 'colour'" and "steps[0].approvers
+    required field 'approvers' is missing" said the name twice (issue 37); at ``steps[0]``
+    each says it once. The API's ``{field, message}`` stay as they are."""
+    field = error.field or ""
+    named = _NAMED.search(error.message)
+    if named is None:
+        return field
+    if field == named.group(1):
+        return ""
+    return field.removesuffix(f".{named.group(1)}")
 
 
 def _too_deep() -> forms.ValidationError:
@@ -155,6 +174,11 @@ class DocumentForm(forms.Form):
             ]
             raise forms.ValidationError("The document is for another workflow.", code="wrong_id")
         return document
+
+    @property
+    def listed_errors(self) -> list[tuple[str, str]]:
+        """The rejected save's errors as the page lists them: (where, message)."""
+        return [(listed_at(error), error.message) for error in self.document_errors]
 
     def add_document_errors(self, errors: Iterable[FieldError]) -> None:
         """Record a rejected save: keep the text, list each error above the editor."""

@@ -199,3 +199,40 @@ def test_on_failure_steps_are_drawn_last_and_coloured_by_their_rows() -> None:
     assert len(graph.layout(nodes).boxes) == 4
     # A document without one draws none.
     assert [n.step_id for n in graph.outline({"steps": [{"id": "a", "kind": "task"}]})] == ["a"]
+
+
+def test_a_condition_without_else_draws_a_line_past_its_steps_not_an_empty_box() -> None:
+    """Issue 37: an arrow into an empty ``else`` box and a line through it. The missing branch
+    is a line from the split to the join, labelled, with no frame and no arrow."""
+    document = {
+        "steps": [
+            {
+                "id": "check",
+                "kind": "condition",
+                "if": {"path": "input.x", "op": "exists"},
+                "then": [{"id": "yes", "kind": "task"}],
+            },
+            {"id": "after", "kind": "task"},
+        ]
+    }
+    drawing = graph.layout(graph.outline(document))
+    assert [frame.label for frame in drawing.frames] == ["then"]
+    assert [label.text for label in drawing.labels] == ["else"]
+    box = {b.node.step_id: b for b in drawing.boxes}
+    check, yes, after = box["check"], box["yes"], box["after"]
+    [join] = drawing.joins
+    right_of_then = yes.x + yes.w
+    bypass = [
+        line
+        for line in drawing.lines
+        if line.points[-1] == join and line.points[2][0] > right_of_then
+    ]
+    assert len(bypass) == 1 and not bypass[0].arrow
+    # It leaves the condition's box and comes back to the join, right of the then lane.
+    assert bypass[0].points[0] == (check.cx, check.y + check.h)
+    # Every arrow ends on a box's top: none points into nothing.
+    tops = {(b.cx, b.y) for b in drawing.boxes}
+    assert all(line.points[-1] in tops for line in drawing.lines if line.arrow)
+    assert after.y > join[1]
+    for b in drawing.boxes:
+        assert b.x + b.w <= drawing.width

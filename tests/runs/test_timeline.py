@@ -98,3 +98,19 @@ def test_ticks_are_round_and_durations_read_well() -> None:
 def test_no_attempts_is_an_empty_chart() -> None:
     chart = timeline.chart([], now=T0)
     assert chart.rows == [] and chart.start is None
+
+
+def test_an_approval_waited_it_never_ran() -> None:
+    """Issue 37: an approval decided after a minute was drawn "ran 1 min 00 s"."""
+    chart = timeline.chart(
+        [
+            attempt(1, 0, 0, 60_000, status="succeeded", instance="a", waits=True),
+            attempt(1, 0, 0, None, status="waiting", instance="b", waits=True),
+            attempt(1, 0, 10, 500, status="succeeded", instance="c"),
+        ],
+        now=at(60_000),
+    )
+    decided, open_, task = (row.run for row in chart.rows)
+    assert decided is not None and decided.title == "waited 1 min 00 s"
+    assert open_ is not None and open_.title.startswith("waiting")
+    assert task is not None and task.title == "ran 490 ms"

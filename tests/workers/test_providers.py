@@ -690,6 +690,29 @@ def test_a_span_is_priced_by_its_provider_and_model() -> None:
     assert local.cost_usd is None and local.as_dict()["priced"] is False
 
 
+def test_the_examples_made_up_model_call_is_the_stand_ins_and_costs_nothing() -> None:
+    """support_ticket's draft calls no model but recorded its made-up usage on
+    claude-sonnet-4 by anthropic: a load test of the example showed $1.50 of spend that no
+    provider charged (issue 37). Its span is the offline stand-in's, priced at 0."""
+    from contextlib import contextmanager
+
+    from workflows.examples import support_ticket
+
+    spans: list[Span] = []
+
+    class Context:
+        @contextmanager
+        def span(self, name: str, kind: str = "internal", **attributes: Any) -> Any:
+            spans.append(Span(name, kind, attributes))
+            yield spans[-1]
+
+    assert support_ticket.draft(Context(), {"kind": "bug"}, None) == "an answer to a bug"
+    [span] = spans
+    assert (span.provider, span.model) == ("standin", "echo")
+    assert span.usage == {"input_tokens": 812, "output_tokens": 37}
+    assert span.cost_usd == 0 and span.as_dict()["priced"] is True
+
+
 @pytest.mark.parametrize(
     ("headers", "expected"),
     [

@@ -21,10 +21,12 @@ import redis
 from celery.signals import worker_ready
 from prometheus_client import REGISTRY
 
+from tests.processes import own_redis_url
 from workers import slots as slots_module
 from workers.slots import KEY_PREFIX, AccountSlots, SlotsBusy, slots
 
-REDIS_URL = "redis://127.0.0.1:6379/8"
+# The suite's own Redis (tests.processes.own_redis_url): the keys' prefix keeps them apart.
+REDIS_URL = own_redis_url()
 FORK = multiprocessing.get_context("fork")
 # Short slots so that lapsing and refreshing show within seconds.
 TTL, REFRESH = 2.0, 0.5

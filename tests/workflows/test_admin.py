@@ -15,7 +15,8 @@ from django.utils.html import escape
 
 from workflows import heartbeats
 from workflows.diff import reading_order
-from workflows.errors import InvalidDocument
+from workflows.errors import FieldError, InvalidDocument
+from workflows.forms import listed_at
 from workflows.models import Workflow, WorkflowVersion
 from workflows.services import definition_save
 
@@ -209,7 +210,8 @@ def test_invalid_document_lists_every_field_error_and_saves_nothing(admin_client
         html.index('id="document-errors"') : html.index("</ul>", html.index("document-errors"))
     ]
     for error in errors:
-        assert f'<code class="djflow-field">{escape(error["field"])}</code>' in listed
+        where = listed_at(FieldError(error["field"], error["message"]))
+        assert f'<code class="djflow-field">{escape(where)}</code>' in listed
         assert escape(error["message"]) in listed
     # The unknown field is named at the step, and the bad id at its field.
     assert any(
@@ -222,6 +224,34 @@ def test_invalid_document_lists_every_field_error_and_saves_nothing(admin_client
     assert escape(text) in html
     assert not Workflow.objects.exists()
     assert not WorkflowVersion.objects.exists()
+
+
+def test_an_error_names_its_field_once(admin_client, simple_v1):
+    """Errors such as "steps[0].colour unknown field 'colour'" and "steps[0].approvers
+    required field 'approvers' is missing" said the field's name twice (issue 37): each is
+    listed at the step, its message whole."""
+    document = {
+        **SIMPLE,
+        "steps": [{"id": "a", "kind": "task", "colour": "red"}, {"id": "b", "kind": "approval"}],
+    }
+    response = post_document(admin_client, url("new_version", "simple"), document)
+
+    html = response.content.decode()
+    listed = re.findall(
+        r'<code class="djflow-field">([^<]*)</code> <span class="djflow-message">([^<]*)</span>',
+        html,
+    )
+    assert any(
+        where == "steps[0]" and message.startswith(escape("unknown field 'colour'"))
+        for where, message in listed
+    )
+    assert ("steps[1]", escape("required field 'approvers' is missing")) in listed
+    for where, message in listed:
+        name = where.rsplit(".", 1)[-1]
+        assert not (name and f"'{name}'" in message), (where, message)
+    # The API's own field stays the full path.
+    fields = [e.field for e in response.context["form"].document_errors]
+    assert "steps[0].colour" in fields and "steps[1].approvers" in fields
 
 
 @pytest.mark.parametrize(
