@@ -22,9 +22,10 @@ from hypothesis.internal.conjecture import providers
 from hypothesis.internal.constants_ast import Constants
 
 # Hypothesis (6.170) mixes literals of every module the process has imported into its draws,
-# parsing their source: the CLI's own modules made CPython's AST constructor fail ("recursion
-# depth mismatch", a Hypothesis error in the coverage phase), and the draws would depend on
-# what was imported. None of them: the same draws in every run.
+# parsing their source (ast.parse, which failed once here with "AST constructor recursion
+# depth mismatch"), so the draws depend on what was imported. None of them: the same draws
+# in every run, as the in-process fuzz this replaced did (a private function of the pinned
+# version).
 providers._get_local_constants = Constants  # type: ignore[assignment]
 
 # Steps of the seeded workflow (tests/workflows/documents.support_ticket), what a retry's

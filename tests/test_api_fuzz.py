@@ -12,10 +12,10 @@ fields, undeclared methods), random fuzzing and stateful sequences that follow t
 OpenAPI links (a run ``POST /runs`` made, read, cancelled, paused, resumed, retried). The
 narrowings are in tests/schemathesis.toml and tests/fuzz_hooks.py, each with its reason.
 
-``FUZZ_EXAMPLES`` random cases per operation bound the run: 37 operations, 2,560 cases in all
-phases, 75 s on 2 cores beside other test runs (2026-12-07); the in-process fuzz this replaced
-ran 4 checks of the 14, without the coverage phase, through the WSGI handler (no gunicorn,
-so no 414), and found none of the 20 disagreements of issue 37.
+``FUZZ_EXAMPLES`` random cases per operation bound the run: 37 operations, 5,113 cases in all
+phases, 78 s (92 s with gunicorn's start) on 2 cores beside other test runs (2026-12-07). The
+in-process fuzz this replaced ran 4 checks of the 14 through the WSGI handler (no gunicorn, so
+no 414), and saw none of the 20 disagreements of issue 37.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from .processes import (
 from .workflows.documents import support_ticket
 
 # Random cases per operation in the fuzzing phase; the examples and coverage phases add
-# theirs (most of the 2,560), the stateful phase its sequences over the document's links.
-FUZZ_EXAMPLES = 25
+# theirs (about 1,500), the stateful phase its sequences over the document's links.
+FUZZ_EXAMPLES = 100
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 CONFIG = BASE_DIR / "tests" / "schemathesis.toml"
 
@@ -153,8 +153,13 @@ def test_schemathesis_with_every_check_finds_nothing(server: str, token: str, tm
             "--max-examples",
             str(FUZZ_EXAMPLES),
             "--generation-deterministic",
+            # One thread: Hypothesis parses lambdas' source while drawing, and with two
+            # threads CPython 3.11.7's ast.parse failed now and then with "SystemError: AST
+            # constructor recursion depth mismatch" (threaded use, as in
+            # https://github.com/python/cpython/issues/106905), an error of the run, not of
+            # the API.
             "--workers",
-            "2",
+            "1",
             "--request-timeout",
             "30",
         ],
