@@ -12,8 +12,8 @@ fields, undeclared methods), random fuzzing and stateful sequences that follow t
 OpenAPI links (a run ``POST /runs`` made, read, cancelled, paused, resumed, retried). The
 narrowings are in tests/schemathesis.toml and tests/fuzz_hooks.py, each with its reason.
 
-``FUZZ_EXAMPLES`` random cases per operation bound the run: 37 operations, 5,113 cases in all
-phases, 78 s (92 s with gunicorn's start) on 2 cores beside other test runs (2026-12-07). The
+``FUZZ_EXAMPLES`` random cases per operation bound the run: 37 operations, 5,728 cases in all
+phases, 2 minutes on 2 cores beside another test run (2026-12-07). The
 in-process fuzz this replaced ran 4 checks of the 14 through the WSGI handler (no gunicorn, so
 no 414), and saw none of the 20 disagreements of issue 37.
 """
@@ -40,6 +40,7 @@ from rest_framework.authtoken.models import Token
 
 from config.wsgi import application
 from runs.services import run_start
+from workflows import knowledge
 from workflows.services import definition_save, recipe_save
 
 from .processes import (
@@ -76,7 +77,7 @@ def _status(url: str) -> int:
 
 
 @pytest.fixture
-def token(transactional_db, user) -> str:
+def token(transactional_db, user, monkeypatch) -> str:
     """Rows committed where gunicorn reads them: a workflow, a run, a recipe, and a user who
     may author, start, operate and read every workflow and save recipes."""
     # Without its input_schema: a start's input is checked against the workflow's own
@@ -84,8 +85,13 @@ def token(transactional_db, user) -> str:
     # can state; any input then starts a run, as the document's `input` (any JSON) says.
     document = {k: v for k, v in support_ticket().items() if k not in ("version", "input_schema")}
     definition_save(document=document)
-    run_start(workflow="support_ticket", input={"ticket": "Q: where is my parcel?"})
+    run = run_start(workflow="support_ticket", input={"ticket": "Q: where is my parcel?"}).run
     recipe_save(document={"name": "triage", "prompt": "Sort: ${input}"})
+    # A knowledge base to list and search (tests/schemathesis.toml names it).
+    knowledge.kb_write(kb="answers", key="crash", title="Export crashes", content="Update.")
+    # The operations on one attempt of the run read it (tests/schemathesis.toml).
+    monkeypatch.setenv("DJFLOW_FUZZ_RUN", str(run.id))
+    monkeypatch.setenv("DJFLOW_FUZZ_STEP_RUN", str(run.steps.order_by("id").first().id))
     user.user_permissions.add(
         *Permission.objects.filter(codename__in=["add_recipe", "change_recipe"])
     )
