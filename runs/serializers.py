@@ -203,7 +203,9 @@ class RunListQuerySerializer(QuerySerializer):
         required=False, help_text="runs created at or after this instant (ISO 8601)"
     )
     created_before = serializers.DateTimeField(
-        required=False, help_text="runs created before this instant (ISO 8601)"
+        required=False,
+        help_text="runs created before this instant (ISO 8601); with created_after, later than "
+        "it (a swapped range matches no run: a 400 naming created_before)",
     )
 
     FILTERS = RUN_LIST_FILTERS
