@@ -77,8 +77,7 @@ class ApprovalListView(APIView):
         ),
         parameters=[
             ApprovalListQuerySerializer,
-            OpenApiParameter("cursor", str),
-            OpenApiParameter("limit", int),
+            *ApprovalPagination.schema_parameters(),
         ],
         responses={200: ApprovalSerializer(many=True), 400: ERRORS, 401: ERRORS},
     )

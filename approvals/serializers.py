@@ -9,7 +9,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from runs.serializers import StrictBodySerializer, StrictCharField
+from runs.serializers import QuerySerializer, StrictBodySerializer, StrictCharField
 
 from .models import COMMENT_MAX, ApprovalRequest, Decision
 from .status import ApprovalStatus
@@ -54,7 +54,7 @@ class DecideSerializer(StrictBodySerializer):
     body_name = "a decision"
 
 
-class ApprovalListQuerySerializer(serializers.Serializer):
+class ApprovalListQuerySerializer(QuerySerializer):
     """The filter of ``GET /approvals``."""
 
     status = serializers.ChoiceField(choices=ApprovalStatus.choices, required=False)

@@ -38,7 +38,6 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -201,7 +200,7 @@ def running_gunicorn(workers: int, cache_url: str | None = None) -> Iterator[str
     """The project's gunicorn on the bench services (``CACHE_URL``, where the API's throttle
     counts, as given: the deployment's default, the database, when None); yields its base
     URL."""
-    from tests.processes import service_env, wait_for
+    from tests.processes import gunicorn_argv, service_env, wait_for
 
     port = _free_port()
     env = service_env(
@@ -216,23 +215,11 @@ def running_gunicorn(workers: int, cache_url: str | None = None) -> Iterator[str
         },
     )
     root = Path(__file__).resolve().parent.parent
-    gunicorn = Path(sys.executable).parent / "gunicorn"
     with tempfile.TemporaryDirectory(prefix="djflow-bench-web-") as workdir:
         log = Path(workdir) / "gunicorn.log"
         with log.open("wb") as out:
             web = subprocess.Popen(
-                [
-                    str(gunicorn),
-                    "-c",
-                    "python:config.gunicorn",
-                    "config.wsgi:application",
-                    "--bind",
-                    f"127.0.0.1:{port}",
-                    "--workers",
-                    str(workers),
-                    "--log-level",
-                    "warning",
-                ],
+                [*gunicorn_argv(port, workers), "--log-level", "warning"],
                 cwd=root,
                 env=env,
                 stdout=out,

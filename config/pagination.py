@@ -6,6 +6,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import OpenApiParameter
 from rest_framework.exceptions import NotFound
 from rest_framework.pagination import CursorPagination
 from rest_framework.response import Response
@@ -20,6 +21,23 @@ class ContractCursorPagination(CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 500
     cursor_query_param = "cursor"
+
+    @classmethod
+    def schema_parameters(cls) -> list[OpenApiParameter]:
+        """``cursor`` and ``limit`` as the OpenAPI document states them: ``limit`` within the
+        bounds :meth:`get_page_size` keeps (a client generated from the schema sends no 0)."""
+        return [
+            OpenApiParameter(
+                cls.cursor_query_param,
+                str,
+                description="the `next` of the previous page; the first page without it",
+            ),
+            OpenApiParameter(
+                cls.page_size_query_param,
+                {"type": "integer", "minimum": 1, "maximum": cls.max_page_size},
+                description=f"rows a page, 1 to {cls.max_page_size} ({cls.page_size} by default)",
+            ),
+        ]
 
     def get_page_size(self, request: Any) -> int:
         """``?limit=`` is a whole number from 1 to ``max_page_size``; anything else is a 400

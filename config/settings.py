@@ -387,6 +387,12 @@ SPECTACULAR_SETTINGS = {
         "RunStatusEnum": "runs.status.RunStatus",
         "StepStatusEnum": "runs.status.StepStatus",
     },
+    # drf-spectacular's own, then the statuses every operation may answer (413, 414, 429, ...)
+    # and the links from a created resource's id to the operations on it (config/openapi.py).
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "config.openapi.every_operation_answers",
+    ],
 }
 
 # --- Celery -------------------------------------------------------------------------------

@@ -15,14 +15,16 @@ from django.conf import settings
 from django.core.validators import RegexValidator
 from django.db.models import Q
 from django.urls import reverse
+from drf_spectacular.extensions import OpenApiSerializerExtension
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from config.openapi import MERGED_LATER
 from workflows import secrets
 from workflows.templates import encoded_size
 
-from . import answers
+from . import answers, bulk
 from .engine import slots, unservable
 from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
 from .selectors import RUN_LIST_FILTERS, SHOWN_ACTIONS
@@ -52,11 +54,26 @@ class StrictCharField(serializers.CharField):
         return super().to_internal_value(data)
 
 
+class StrictBooleanField(serializers.BooleanField):
+    """A JSON boolean, not "true", 1 or "yes"."""
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
 class StrictBodySerializer(serializers.Serializer):
     """A request body that must be a JSON object with no field but the declared ones; each
     unknown field is named ("is not a field of <body_name>")."""
 
     body_name = "this request"
+
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        """What the OpenAPI document adds to the fields' schema (:class:`StrictBodySchema`):
+        ``properties`` replacing some, ``oneOf`` or ``anyOf`` over them."""
+        return {}
 
     def run_validation(self, data: Any = serializers.empty) -> Any:
         # Before DRF's own checks, which answer a null body without naming anything.
@@ -69,6 +86,23 @@ class StrictBodySerializer(serializers.Serializer):
                 {name: [f"is not a field of {self.body_name}"] for name in unknown}
             )
         return super().run_validation(data)
+
+
+class StrictBodySchema(OpenApiSerializerExtension):
+    """What the OpenAPI document says of every :class:`StrictBodySerializer`: no property but
+    the declared ones (``additionalProperties: false``), as the serializer refuses any other;
+    a client generated from the schema then sends none. A subclass's ``body_schema()`` adds to
+    it (``oneOf``, ``anyOf``: what its ``validate`` requires of its fields together), merged
+    by ``config.openapi`` after drf-spectacular has named the enums (which would otherwise
+    fold a one-value enum of a ``oneOf`` into the field's own)."""
+
+    target_class = "runs.serializers.StrictBodySerializer"
+    match_subclasses = True
+
+    def map_serializer(self, auto_schema: Any, direction: Any) -> dict[str, Any]:
+        schema = auto_schema._map_serializer(self.target, direction, bypass_extensions=True)
+        more = self.target.body_schema()
+        return {**schema, **({MERGED_LATER: more} if more else {}), "additionalProperties": False}
 
 
 class RunStartSerializer(StrictBodySerializer):
@@ -139,21 +173,39 @@ class EventDeliverySerializer(serializers.Serializer):
     matched = serializers.IntegerField(help_text="how many waits the event resumed")
 
 
-class RunListQuerySerializer(serializers.Serializer):
+class QuerySerializer(serializers.Serializer):
+    """Query parameters: an empty one (``?workflow=``) is a 400 naming it, as the OpenAPI
+    document's ``minLength: 1`` (or enum) says; DRF would read it as left out, and a client
+    that meant a value would get every row."""
+
+    def run_validation(self, data: Any = serializers.empty) -> Any:
+        if isinstance(data, Mapping):
+            empty = [name for name in self.fields if data.get(name) == ""]
+            if empty:
+                raise serializers.ValidationError(
+                    {name: ["must not be empty; leave the parameter out"] for name in empty}
+                )
+        return super().run_validation(data)
+
+
+class RunListQuerySerializer(QuerySerializer):
     """The filters of ``GET /runs``, and of the bulk actions (``POST /runs/cancel``,
     ``/runs/retry``), which act on the runs the list would show: the keywords of
     ``selectors.run_list``."""
 
-    workflow = serializers.CharField(max_length=100, required=False, trim_whitespace=False)
+    # Strict: the bulk actions read them from JSON, where 0 is not the text "0".
+    workflow = StrictCharField(max_length=100, required=False, trim_whitespace=False)
     status = serializers.ChoiceField(choices=RunStatus.choices, required=False)
-    account = serializers.CharField(
+    account = StrictCharField(
         max_length=150, required=False, trim_whitespace=False, help_text="the run's account"
     )
     created_after = serializers.DateTimeField(
         required=False, help_text="runs created at or after this instant (ISO 8601)"
     )
     created_before = serializers.DateTimeField(
-        required=False, help_text="runs created before this instant (ISO 8601)"
+        required=False,
+        help_text="runs created before this instant (ISO 8601); with created_after, later than "
+        "it (a swapped range matches no run: a 400 naming created_before)",
     )
 
     FILTERS = RUN_LIST_FILTERS
@@ -171,11 +223,30 @@ class BulkRunsSerializer(StrictBodySerializer, RunListQuerySerializer):
     """The body of ``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters (at
     least one: the service refuses a body that names none) and ``dry_run``."""
 
-    dry_run = serializers.BooleanField(
+    dry_run = StrictBooleanField(
         default=False, help_text="answer how many runs would be affected, and do nothing"
     )
 
     body_name = "a bulk action"
+    # The statuses the action applies to (runs.bulk.APPLIES_TO, which refuses the others
+    # with a 400 naming status); every status in the shared serializer.
+    statuses: tuple[str, ...] = tuple(RunStatus.values)
+
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        # runs.bulk refuses a body that names no filter: "every run" is never meant.
+        return {
+            "anyOf": [{"required": [name]} for name in cls.FILTERS],
+            "properties": {"status": {"type": "string", "enum": list(cls.statuses)}},
+        }
+
+
+class BulkCancelSerializer(BulkRunsSerializer):
+    statuses = tuple(str(s) for s in bulk.APPLIES_TO[bulk.CANCEL])
+
+
+class BulkRetrySerializer(BulkRunsSerializer):
+    statuses = tuple(str(s) for s in bulk.APPLIES_TO[bulk.RETRY])
 
 
 class BulkActionSerializer(serializers.ModelSerializer):
@@ -749,6 +820,22 @@ class StepResolveSerializer(StrictBodySerializer):
 
     body_name = "a resolution"
 
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        # What validate() below requires: an output only with outcome succeeded.
+        return {
+            "oneOf": [
+                {"properties": {"outcome": {"type": "string", "enum": ["succeeded"]}}},
+                {
+                    "properties": {
+                        "outcome": {"type": "string", "enum": ["failed"]},
+                        # Null or absent: nothing, and null (OpenAPI 3.0 has no type null).
+                        "output": {"nullable": True, "not": {}},
+                    }
+                },
+            ]
+        }
+
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if data["outcome"] == "failed" and data.get("output") is not None:
             raise serializers.ValidationError(
@@ -758,15 +845,6 @@ class StepResolveSerializer(StrictBodySerializer):
 
 
 # --- retry and trace ------------------------------------------------------------------------
-
-
-class StrictBooleanField(serializers.BooleanField):
-    """A JSON boolean, not "true", 1 or "yes"."""
-
-    def to_internal_value(self, data: Any) -> bool:
-        if not isinstance(data, bool):
-            self.fail("invalid", input=data)
-        return data
 
 
 class RunRetrySerializer(StrictBodySerializer):
@@ -792,6 +870,11 @@ class RunRetrySerializer(StrictBodySerializer):
     )
 
     body_name = "a retry"
+
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        # runs.services.run_retry refuses an input that is not an object (400 naming input).
+        return {"properties": {"input": {"type": "object"}}}
 
 
 class InputChangeSerializer(serializers.Serializer):

@@ -27,7 +27,9 @@ from . import answers, bulk, selectors, services, trace
 from .models import Run
 from .serializers import (
     BulkActionSerializer,
+    BulkCancelSerializer,
     BulkResultSerializer,
+    BulkRetrySerializer,
     BulkRunsSerializer,
     EventDeliverySerializer,
     EventSerializer,
@@ -67,8 +69,7 @@ class RunListView(APIView):
         ),
         parameters=[
             RunListQuerySerializer,
-            OpenApiParameter("cursor", str),
-            OpenApiParameter("limit", int),
+            *RunPagination.schema_parameters(),
         ],
         responses={200: RunListSerializer(many=True), 400: ERRORS, 401: ERRORS},
     )
@@ -327,7 +328,7 @@ class RunRetryView(APIView):
         examples=[
             OpenApiExample(
                 "from_step",
-                value={"from_step": "answer", "input": {"ticket": "Q: and now?"}, "dry_run": True},
+                value={"from_step": "draft", "input": {"ticket": "Q: and now?"}, "dry_run": True},
                 request_only=True,
             )
         ],
@@ -427,7 +428,7 @@ class RunStepsView(APIView):
 
     @extend_schema(
         operation_id="runs_steps",
-        parameters=[RUN_ID, OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        parameters=[RUN_ID, *JournalPagination.schema_parameters()],
         description="The run's whole journal, every attempt of every step, oldest first,"
         " cursor-paginated (`limit` 1 to 1,000, 50 by default): what `GET /runs/{id}` embeds"
         " the newest DJFLOW_ANSWER_STEPS of. A value that does not fit the page's answer is"
@@ -496,6 +497,13 @@ class BulkActionView(APIView):
     """``POST /runs/cancel`` and ``POST /runs/retry``: the list's filters in the body."""
 
     action: str
+    body: type[BulkRunsSerializer]
+
+    @property
+    def allowed_methods(self) -> list[str]:
+        # GET (and HEAD) read a run of this name (below), never this route's resource: the
+        # Allow header of OPTIONS and of a 405 lists POST, as the OpenAPI document does.
+        return [m for m in super().allowed_methods if m not in ("GET", "HEAD")]
 
     @extend_schema(exclude=True)
     def get(self, request: Request) -> Response:
@@ -505,7 +513,7 @@ class BulkActionView(APIView):
         return Response(_render(request, selectors.run_get(run_id=name, user=request.user)))
 
     def post(self, request: Request) -> Response:
-        body = BulkRunsSerializer(data=request.data)
+        body = self.body(data=request.data)
         body.is_valid(raise_exception=True)
         filters = dict(body.validated_data)
         dry_run = filters.pop("dry_run")
@@ -534,10 +542,10 @@ _BULK_FILTERS = (
 )
 
 
-def _bulk_schema(name: str, description: str) -> Any:
+def _bulk_schema(name: str, body: type[BulkRunsSerializer], description: str) -> Any:
     return extend_schema(
         operation_id=f"runs_bulk_{name}",
-        request=BulkRunsSerializer,
+        request=body,
         examples=[
             OpenApiExample(
                 name,
@@ -556,9 +564,11 @@ def _bulk_schema(name: str, description: str) -> Any:
 
 class BulkCancelView(BulkActionView):
     action = bulk.CANCEL
+    body = BulkCancelSerializer
 
     @_bulk_schema(
         "cancel",
+        BulkCancelSerializer,
         "Cancel every matching run that has not ended (its children too), as"
         " `POST /runs/{id}/cancel` does one. A `status` that has ended is a 400.",
     )
@@ -568,9 +578,11 @@ class BulkCancelView(BulkActionView):
 
 class BulkRetryView(BulkActionView):
     action = bulk.RETRY
+    body = BulkRetrySerializer
 
     @_bulk_schema(
         "retry",
+        BulkRetrySerializer,
         "Retry every matching failed top-level run from its failed step, as"
         " `POST /runs/{id}/retry` with no body does one (a failed child run is retried with"
         " its parent). A `status` other than failed is a 400.",

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from runs.serializers import MAX_VERSION, StrictBodySerializer, StrictCharField, StrictIntegerField
+from runs.serializers import (
+    MAX_VERSION,
+    QuerySerializer,
+    StrictBodySerializer,
+    StrictBooleanField,
+    StrictCharField,
+    StrictIntegerField,
+)
 
 from . import services
 from .clock import CATCH_UP
@@ -41,7 +49,8 @@ class ScheduleCreateSerializer(StrictBodySerializer):
         allow_null=True,
         help_text="the interval in milliseconds; at least DJFLOW_SCHEDULE_MIN_INTERVAL_MS",
     )
-    enabled = serializers.BooleanField(default=True)
+    # A JSON boolean: DRF's BooleanField took 0, "no" and "off" as false.
+    enabled = StrictBooleanField(default=True)
     catch_up = serializers.ChoiceField(
         choices=CATCH_UP,
         required=False,
@@ -49,6 +58,23 @@ class ScheduleCreateSerializer(StrictBodySerializer):
         help_text="slots missed while beat was down: one start for all (one) or none (skip);"
         " DJFLOW_SCHEDULE_CATCH_UP when omitted",
     )
+
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        # schedules.services: exactly one of cron and every_ms (a null one is not given),
+        # every_ms within [DJFLOW_SCHEDULE_MIN_INTERVAL_MS, a year].
+        every = {
+            "type": "integer",
+            "minimum": int(settings.DJFLOW["SCHEDULE_MIN_INTERVAL_MS"]),
+            "maximum": services.MAX_EVERY_MS,
+        }
+        return {
+            "properties": {"every_ms": {**every, "nullable": True}},
+            "oneOf": [
+                {"required": ["cron"], "properties": {"cron": {"type": "string"}}},
+                {"required": ["every_ms"], "properties": {"every_ms": every}},
+            ],
+        }
 
 
 class ScheduleSerializer(serializers.ModelSerializer[Schedule]):
@@ -102,5 +128,5 @@ class ScheduleSerializer(serializers.ModelSerializer[Schedule]):
         return schedule.owner.get_username() if schedule.owner is not None else None
 
 
-class ScheduleListQuerySerializer(serializers.Serializer[Any]):
+class ScheduleListQuerySerializer(QuerySerializer):
     workflow = StrictCharField(max_length=100, required=False)

@@ -35,8 +35,7 @@ class ScheduleListView(APIView):
         ),
         parameters=[
             ScheduleListQuerySerializer,
-            OpenApiParameter("cursor", str),
-            OpenApiParameter("limit", int),
+            *SchedulePagination.schema_parameters(),
         ],
         responses={200: ScheduleSerializer(many=True), 400: ERRORS, 401: ERRORS},
     )

@@ -381,6 +381,22 @@ class CeleryProcess:
             return ""
 
 
+def gunicorn_argv(port: int, workers: int = 2) -> list[str]:
+    """gunicorn as deployed (``config.gunicorn``'s hooks) on a loopback ``port``."""
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        "python:config.gunicorn",
+        "config.wsgi:application",
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--workers",
+        str(workers),
+    ]
+
+
 def worker_process(
     *,
     env: Mapping[str, str],

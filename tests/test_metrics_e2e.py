@@ -5,7 +5,6 @@ up over real HTTP."""
 from __future__ import annotations
 
 import socket
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from config import metrics_files
 from runs import services
 from runs.models import Run
-from tests.processes import CeleryProcess, wait_for
+from tests.processes import CeleryProcess, gunicorn_argv, wait_for
 from tests.scrape import samples
 
 pytestmark = [pytest.mark.slow]
@@ -52,18 +51,7 @@ def test_counts_by_workflow_and_status_scraped_from_gunicorn_while_worker_childr
     port = _free_port()
     web = CeleryProcess(
         kind="web",
-        argv=[
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-c",
-            "python:config.gunicorn",
-            "config.wsgi:application",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--workers",
-            "2",
-        ],
+        argv=gunicorn_argv(port, workers=2),
         env=celery_processes.env(env=extra),
         log_path=tmp_path / "gunicorn.log",
     )

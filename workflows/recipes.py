@@ -95,6 +95,25 @@ INLINE_FIELDS: Final = (
 OVERRIDABLE_FIELDS: Final = ("model", "temperature", "max_tokens")
 FIELDS: Final = ("name", "version", "description", *INLINE_FIELDS)
 _TEXT_FIELDS: Final = ("system", "prompt")
+# The body of POST /recipes in the OpenAPI document: the fields above and no others (the save
+# refuses an unknown one), with the bounds the save checks.
+BODY_SCHEMA: Final = {
+    "type": "object",
+    "required": ["name", "prompt"],
+    "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z][a-z0-9_]*$", "maxLength": MAX_NAME_LENGTH},
+        "version": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION},
+        "description": {"type": "string", "maxLength": MAX_DESCRIPTION_LENGTH},
+        "system": {"type": "string", "minLength": 1, "description": "a template, at most 100 KB"},
+        "prompt": {"type": "string", "minLength": 1, "description": "a template, at most 100 KB"},
+        "model": {"type": "string", "maxLength": MAX_MODEL_LENGTH, "example": "openai:gpt-4o-mini"},
+        "output": {"type": "string", "enum": list(OUTPUTS)},
+        "output_schema": {"type": "object", "description": "a JSON Schema of a json output"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS_LIMIT},
+    },
+}
 
 
 @dataclass(frozen=True)

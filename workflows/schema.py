@@ -91,3 +91,44 @@ def with_registered_kinds(
 
 def step_kinds() -> list[str]:
     return list(load_schema()["$defs"]["step"]["properties"]["kind"]["enum"])
+
+
+def document_body_schema() -> dict[str, Any]:
+    """The body of ``POST /definitions`` in the OpenAPI document (OpenAPI 3.0's subset of
+    JSON Schema): the published schema's top level, its required fields and no others
+    (``additionalProperties: false``, as the save refuses an unknown field). A field whose
+    schema uses what OpenAPI 3.0 lacks (``$ref`` into ``$defs``, a list of types) is stated
+    loosely: its whole shape is in ``/api/v1/definition.schema.json``, which the save checks."""
+    published = load_schema()
+    defs = published["$defs"]
+    properties: dict[str, Any] = {}
+    for name, field in published["properties"].items():
+        if field.get("$ref", "").startswith("#/$defs/"):
+            field = {**defs[field["$ref"].rsplit("/", 1)[1]], **_without(field, "$ref")}
+        properties[name] = _openapi_field(field)
+    return {
+        "type": "object",
+        "description": "A workflow document: /api/v1/definition.schema.json has its whole shape.",
+        "required": list(published["required"]),
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+def _openapi_field(field: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" not in json.dumps(field) and isinstance(field.get("type", ""), str):
+        return field
+    if field.get("type") == "array":
+        # Steps: objects whose shape is each kind's ($defs/step in the published schema).
+        bounds = {k: v for k, v in field.items() if k in ("minItems", "maxItems", "description")}
+        return {"type": "array", "items": {"type": "object"}, **bounds}
+    if isinstance(field.get("type"), list):
+        loose = _without(field, "type")
+        return {"anyOf": [{"type": kind} for kind in field["type"]], **loose}
+    return {
+        k: v for k, v in field.items() if k == "description" or (k == "type" and isinstance(v, str))
+    }
+
+
+def _without(field: Mapping[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in field.items() if k != key}

@@ -19,6 +19,7 @@ from .errors import Conflict, FieldError, Forbidden, InvalidDocument, echo
 from .kb_names import is_template
 from .models import Recipe, Workflow, WorkflowVersion
 from .queues import queue_errors
+from .recipes import MAX_VERSION as MAX_VERSION_NUMBER
 from .recipes import prepare_recipe
 from .validation import ApprovalRules, every_step, prepare_document
 
@@ -274,7 +275,7 @@ def _save_locked(
         if same is not None:
             return SaveResult(same, created=False)
         latest = versions.order_by("-number").values_list("number", flat=True).first()
-        number = (latest or 0) + 1
+        number = _next_version(latest, f"workflow '{workflow_id}'")
 
     stored = {**document, "version": number}
     # Keep the document's own key order: id and version first reads best in the API.
@@ -542,7 +543,7 @@ def _recipe_save_once(
                 )
             ]
         )
-    number = requested if requested is not None else (latest or 0) + 1
+    number = requested if requested is not None else _next_version(latest, f"recipe '{name}'")
     stored = {"name": name, "version": number, **document}
     recipe = Recipe.objects.create(
         name=name,
@@ -553,6 +554,22 @@ def _recipe_save_once(
         created_by=user if user is not None and user.is_authenticated else None,
     )
     return recipe, True
+
+
+def _next_version(latest: int | None, what: str) -> int:
+    """The number after ``latest``; past the largest a version column holds (a client saved
+    version 2147483647 itself) a 409 naming ``version``, not the database's 500."""
+    if latest is not None and latest >= MAX_VERSION_NUMBER:
+        raise Conflict(
+            errors=[
+                FieldError(
+                    "version",
+                    f"{what} has version {latest}, the largest there is: no next version can be "
+                    "numbered; save under another name",
+                )
+            ]
+        )
+    return (latest or 0) + 1
 
 
 def _lock_recipe_name(name: str) -> None:

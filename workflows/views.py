@@ -13,13 +13,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from config.openapi import ERROR_BODY
 from config.pagination import ContractCursorPagination, NewestFirstPagination
 
-from . import access, kb_search, selectors, services
+from . import access, kb_search, recipes, selectors, services
 from .errors import FieldError, InvalidInput, NotFound, echo
 from .kb_search import MAX_TOP_K
 from .models import KnowledgeBase, WorkflowVersion
-from .schema import load_schema
+from .schema import document_body_schema, load_schema
 from .selectors import SHOWN_RECIPE_VERSIONS
 from .serializers import (
     KnowledgeBaseSerializer,
@@ -36,19 +37,7 @@ from .serializers import (
 )
 
 ERRORS = OpenApiResponse(
-    response={
-        "type": "object",
-        "properties": {
-            "errors": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {"field": {"type": "string"}, "message": {"type": "string"}},
-                    "required": ["message"],
-                },
-            }
-        },
-    },
+    response=ERROR_BODY,
     description="Every problem, each naming its field where it has one.",
 )
 
@@ -62,7 +51,7 @@ class DefinitionListView(APIView):
 
     @extend_schema(
         operation_id="definitions_list",
-        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        parameters=[*DefinitionPagination.schema_parameters()],
         responses={200: WorkflowListSerializer(many=True), 400: ERRORS, 401: ERRORS},
     )
     def get(self, request: Request) -> Response:
@@ -74,7 +63,7 @@ class DefinitionListView(APIView):
 
     @extend_schema(
         operation_id="definitions_save",
-        request=OpenApiTypes.OBJECT,
+        request={"application/json": document_body_schema()},
         description=(
             "Save a workflow document (see /api/v1/definition.schema.json). The same body again"
             " answers 200 with the existing version; a different body for an existing version"
@@ -160,7 +149,7 @@ class RecipeListView(APIView):
         operation_id="recipes_list",
         description="The newest version of every recipe, by name. Needs workflows.view_recipe,"
         " add_recipe or change_recipe.",
-        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        parameters=[*RecipePagination.schema_parameters()],
         responses={200: RecipeSummarySerializer(many=True), 400: ERRORS, 401: ERRORS, 403: ERRORS},
     )
     def get(self, request: Request) -> Response:
@@ -172,7 +161,7 @@ class RecipeListView(APIView):
 
     @extend_schema(
         operation_id="recipes_save",
-        request=OpenApiTypes.OBJECT,
+        request={"application/json": recipes.BODY_SCHEMA},
         description=(
             "Save a recipe {name, version?, description?, system?, prompt, model?, output?,"
             " output_schema?, temperature?, max_tokens?}. The same body again answers 200 with"
@@ -245,7 +234,7 @@ class KnowledgeBaseListView(APIView):
     @extend_schema(
         operation_id="kbs_list",
         description="The knowledge bases the caller may read, by name, cursor-paginated.",
-        parameters=[OpenApiParameter("cursor", str), OpenApiParameter("limit", int)],
+        parameters=[*KnowledgeBasePagination.schema_parameters()],
         responses={200: KnowledgeBaseSerializer(many=True), 400: ERRORS, 401: ERRORS},
     )
     def get(self, request: Request) -> Response:
@@ -263,15 +252,14 @@ class KnowledgeDocumentListView(APIView):
         description=(
             "Without `q`: the current version of each document, newest first, cursor-paginated;"
             " with `key`: every version of that document, newest first. With `q`: the best"
-            f" `limit` (default {DEFAULT_SEARCH_LIMIT}, at most {MAX_TOP_K}) current documents,"
-            " best first, each with its `score` (`next` is null). Postgres full-text search, or"
-            " SQLite FTS5 on the embedded default."
+            f" `limit` (default {DEFAULT_SEARCH_LIMIT}; at most {MAX_TOP_K} are answered)"
+            " current documents, best first, each with its `score` (`next` is null). Postgres"
+            " full-text search, or SQLite FTS5 on the embedded default."
         ),
         parameters=[
             KB_PATH,
             KnowledgeDocumentQuerySerializer,
-            OpenApiParameter("cursor", str),
-            OpenApiParameter("limit", int),
+            *NewestFirstPagination.schema_parameters(),
         ],
         responses={
             200: KnowledgeDocumentSerializer(many=True),
@@ -300,7 +288,7 @@ class KnowledgeDocumentListView(APIView):
             raise InvalidInput(
                 errors=[FieldError("cursor", "a search (q) answers one page: it takes no cursor")]
             )
-        limit = _search_limit(request.query_params.get("limit"))
+        limit = _search_limit(request)
         hits = kb_search.search(kb, q, limit)
         rows = selectors.kb_documents(kb=kb).in_bulk([hit.id for hit in hits])
         scores = {hit.id: hit.score for hit in hits}
@@ -309,17 +297,14 @@ class KnowledgeDocumentListView(APIView):
         return Response({"results": data, "next": None})
 
 
-def _search_limit(raw: str | None) -> int:
-    if raw is None:
+def _search_limit(request: Request) -> int:
+    """The best ``limit`` a search answers, at most ``MAX_TOP_K``: ``limit`` has the bounds
+    of the list's (1 to 500, as the OpenAPI document states it for both), and a search
+    asked for more answers its best ``MAX_TOP_K``, never a 400 for a page size the list
+    takes."""
+    if request.query_params.get("limit") is None:
         return DEFAULT_SEARCH_LIMIT
-    number = _digits(raw, most=MAX_TOP_K)
-    if number is not None and number >= 1:
-        return number
-    raise InvalidInput(
-        errors=[
-            FieldError("limit", f"must be a whole number from 1 to {MAX_TOP_K}, not {raw[:40]!r}")
-        ]
-    )
+    return min(NewestFirstPagination().get_page_size(request), MAX_TOP_K)
 
 
 def _digits(text: str, *, most: int) -> int | None:
