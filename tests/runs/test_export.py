@@ -12,6 +12,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
@@ -261,3 +262,16 @@ def test_a_large_run_exports_in_bounded_memory(capsys: Any) -> None:
     # Ten times the journal, about the same memory: one batch at a time, never the whole.
     assert large_peak < 2 * small_peak + 1_048_576
     assert large_peak < large_bytes / 4
+
+
+def test_the_openapi_document_describes_the_export(api: APIClient) -> None:
+    run = RunFactory(status=RunStatus.COMPLETED)
+    StepRunFactory(run=run)
+    schema = api.get("/api/v1/schema/?format=json").json()
+    operation = schema["paths"]["/api/v1/runs/{run_id}/export"]["get"]
+    assert operation["operationId"] == "runs_export"
+    answer = operation["responses"]["200"]["content"]["application/json"]["schema"]
+    assert set(operation["responses"]) == {"200", "401", "404"}
+    # OpenAPI 3.0's nullable is JSON Schema's type list.
+    answer["properties"]["server_version"] = {"type": ["string", "null"]}
+    jsonschema.validate(_exported(api, run), answer)
