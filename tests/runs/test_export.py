@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.db import connection
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -275,3 +277,36 @@ def test_the_openapi_document_describes_the_export(api: APIClient) -> None:
     # OpenAPI 3.0's nullable is JSON Schema's type list.
     answer["properties"]["server_version"] = {"type": ["string", "null"]}
     jsonschema.validate(_exported(api, run), answer)
+
+
+def _write_later(run: Run) -> None:
+    try:
+        StepRunFactory(run=run, step_id="later")
+    finally:
+        connection.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_export_outside_a_transaction_reads_one_snapshot() -> None:
+    """Outside any transaction (the command, a streamed answer) the export opens its own,
+    REPEATABLE READ: an attempt written while it is half-way is not in it."""
+    run = RunFactory(status=RunStatus.RUNNING)
+    StepRunFactory(run=run, step_id="first")
+    chunks = export.run_export(run_id=run.id).chunks()
+    head = next(chunks) + next(chunks)  # the run's row is read: the snapshot is taken
+    # Committed meanwhile by another connection (a thread has its own).
+    writer = threading.Thread(target=_write_later, args=(run,))
+    writer.start()
+    writer.join()
+    body = json.loads(head + "".join(chunks))
+    assert [s["step_id"] for s in body["run"]["steps"]] == ["first"]
+    again = json.loads("".join(export.run_export(run_id=run.id).chunks()))
+    assert [s["step_id"] for s in again["run"]["steps"]] == ["first", "later"]
+
+
+def test_a_batch_holds_at_most_batch_bytes_of_values(monkeypatch: Any) -> None:
+    run = _big_run(9)  # each attempt about 2 KiB of values
+    monkeypatch.setattr(export, "BATCH_BYTES", 5_000)
+    assert [len(batch) for batch in export._batches(run.id)] == [2, 2, 2, 2, 1]
+    monkeypatch.setattr(export, "BATCH_BYTES", 100)  # one attempt over it still goes alone
+    assert [len(batch) for batch in export._batches(run.id)] == [1] * 9
