@@ -42,7 +42,8 @@ FORMAT_VERSION = 1
 # A batch of attempts read in one go: at most this many, and no more attempts than fit in
 # BATCH_BYTES of their values (input, output, error; at least one attempt, which may hold
 # up to 3 MiB). Measured (tests/runs/test_export.py, 3,000 attempts of 1 KiB values and a
-# model call each, 12 MB of JSON): peak traced memory 2.3 MB, about what 300 attempts take.
+# model call each, 12 MB of JSON): peak traced memory 2.3 to 3.1 MB, as for 300 attempts;
+# the pieces themselves take 0.7 s.
 BATCH_ATTEMPTS = 100
 BATCH_BYTES = 4 * 1_048_576
 
@@ -99,8 +100,9 @@ class Export:
             self._versions.append(run.version_id)
         masked: Callable[[Any], Any] = secrets.shown if run.secrets else _same
         yield _json(masked(_run_fields(run)))[:-1] + ',"steps":['
-        first = True
+        separator = ""
         for batch in _batches(run.id):
+            rows = []
             for step, model_calls, tool_calls in batch:
                 for call in model_calls:
                     if call.recipe and call.recipe_version is not None:
@@ -108,8 +110,10 @@ class Export:
                 row = _step_fields(
                     step, model_calls, tool_calls, tracebacks=self._sees_tracebacks(run.workflow_id)
                 )
-                yield ("" if first else ",") + _json(masked(row))
-                first = False
+                rows.append(_json(masked(row)))
+            # One piece a batch: a write to the client per batch, not per attempt.
+            yield separator + ",".join(rows)
+            separator = ","
         yield '],"children":['
         readable = access.run_filter(self.user)
         children = Run.objects.filter(parent_run_id=run.id)

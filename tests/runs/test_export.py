@@ -263,7 +263,8 @@ def test_a_large_run_exports_in_bounded_memory(capsys: Any) -> None:
     assert large_bytes > 9 * small_bytes > 9 * 3 * 1024 * 300
     # Ten times the journal, about the same memory: one batch at a time, never the whole.
     assert large_peak < 2 * small_peak + 1_048_576
-    assert large_peak < large_bytes / 4
+    # Holding the document whole would take more than its bytes.
+    assert large_peak < large_bytes / 2
 
 
 def test_the_openapi_document_describes_the_export(api: APIClient) -> None:
