@@ -20,6 +20,7 @@ urlpatterns = [
     ),
     path("runs/<str:run_id>/trace", views.RunTraceView.as_view(), name="run-trace"),
     path("runs/<str:run_id>/steps", views.RunStepsView.as_view(), name="run-steps"),
+    path("runs/<str:run_id>/export", views.RunExportView.as_view(), name="run-export"),
     # The whole of a value an answer left out (runs.answers): input, output or error.
     path(
         "runs/<str:run_id>/steps/<str:step_run_id>/<str:field>",

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiExample,
@@ -23,7 +24,7 @@ from workflows import access, secrets
 from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
-from . import answers, bulk, selectors, services, trace
+from . import answers, bulk, export, selectors, services, trace
 from .models import Run
 from .serializers import (
     BulkActionSerializer,
@@ -446,6 +447,50 @@ class RunStepsView(APIView):
         )
         data = StepRunSerializer(page, many=True, context={"tracebacks": tracebacks}).data
         return paginator.get_paginated_response(secrets.shown(data) if run.secrets else data)
+
+
+EXPORT_ANSWER = {
+    "type": "object",
+    "description": "the run export, format djflow-run-export (docs/reference/run-export.md)",
+    "properties": {
+        "format": {"type": "string", "enum": [export.FORMAT]},
+        "format_version": {"type": "integer", "enum": [export.FORMAT_VERSION]},
+        "server_version": {"type": "string", "nullable": True},
+        "exported_at": {"type": "string", "format": "date-time"},
+        "run": {"type": "object", "description": "the run, its attempts and its children"},
+        "documents": {"type": "array", "items": {"type": "object"}},
+        "recipes": {"type": "array", "items": {"type": "object"}},
+    },
+    "required": [
+        "format",
+        "format_version",
+        "server_version",
+        "exported_at",
+        "run",
+        "documents",
+        "recipes",
+    ],
+}
+
+
+class RunExportView(APIView):
+    @extend_schema(
+        operation_id="runs_export",
+        parameters=[RUN_ID],
+        description="The run as one self-contained JSON file (format `djflow-run-export`,"
+        " `format_version` 1): the run, its children recursively (those the caller may"
+        " read), every attempt of each with its model calls' prompts and replies and its"
+        " tool calls' arguments and results, the document versions and the recipes used."
+        " What `manage.py run_replay` reads. Secrets show as ••••; tracebacks for the"
+        " workflow's operators only. Streamed, never read whole into memory. Whoever may"
+        " read the run; 404 otherwise.",
+        responses={200: EXPORT_ANSWER, 401: ERRORS, 404: ERRORS},
+    )
+    def get(self, request: Request, run_id: str) -> StreamingHttpResponse:
+        found = export.run_export(run_id=run_id, user=request.user)
+        response = StreamingHttpResponse(found.chunks(), content_type="application/json")
+        response["Content-Disposition"] = f'attachment; filename="run-{found.run_id}.json"'
+        return response
 
 
 class RunTraceView(APIView):
