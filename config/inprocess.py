@@ -434,6 +434,27 @@ def _on_commit() -> Iterator[None]:
         yield
 
 
+def _handler_or_unstubbed(lookup: Callable[..., Any]) -> Callable[..., Any]:
+    """The registry's lookup, but a step whose handler is neither registered nor stubbed
+    fails with class ``unstubbed`` naming it: no other worker will ever serve it here."""
+
+    def found(workflow_id: str, step_id: str, handler_name: str | None = None) -> Any:
+        handler = lookup(workflow_id, step_id, handler_name)
+        if handler is not None:
+            return handler
+        key = registry.step_handler(workflow_id, step_id, handler_name)
+
+        def unstubbed(ctx: Any, given: Any, prior: Any = None) -> Any:
+            raise KindFailure(
+                f"handler '{key}': none registered and none stubbed (djflow.stub('{key}', ...))",
+                UNSTUBBED,
+            )
+
+        return unstubbed
+
+    return found
+
+
 @contextlib.contextmanager
 def installed(settings: Any) -> Iterator[Djflow]:
     """The fixture's life: the transport, the clock and the stubs in, then all out again."""
@@ -456,6 +477,7 @@ def installed(settings: Any) -> Iterator[Djflow]:
             djflow = Djflow(traveller)
             for name in SENDERS:
                 patch.setattr(importlib.import_module(name), "current_app", djflow.transport)
+            patch.setattr(registry, "lookup", _handler_or_unstubbed(registry.lookup))
             patch.setattr(providers, "call", djflow._model_call)
             patch.setattr(providers, "unconfigured", lambda name: None)
             patch.setattr(mcp_tool, "call", djflow._tool_call)

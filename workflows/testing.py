@@ -23,6 +23,16 @@ from typing import Any
 import pytest
 
 
+def load(manager: pytest.PytestPluginManager) -> None:
+    """Load this plugin under its entry point's name ``djflow``, unless it is loaded: for a
+    session whose djflow install predates the entry point (an editable install is not made
+    again when an entry point changes). Loading it under a second name would be refused."""
+    import sys
+
+    if not manager.has_plugin("djflow"):
+        manager.register(sys.modules[__name__], "djflow")
+
+
 @pytest.fixture
 def djflow(db: None, settings: Any) -> Iterator[Any]:
     """The engine in this process: ``define``, ``start``, ``advance``, ``approve``,

@@ -2,11 +2,13 @@
 workflows in this process on the test database, with no broker, no beat and no network, on
 a virtual clock; every call returns with the engine idle.
 
-The plugin is loaded here as an author's session loads it: by its module, ``workflows.testing``
-(the ``pytest11`` entry point names it; the test below reads the entry point)."""
+The plugin is loaded as an author's session loads it, under its entry point's name ``djflow``
+(tests/conftest.py registers it when the install predates the entry point; a test below reads
+the entry point)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import tomllib
@@ -16,8 +18,6 @@ from typing import Any
 import pytest
 
 from workflows.sdk import RetryPolicy, StepFailure, workflow
-
-pytest_plugins = ["workflows.testing"]
 
 DAY = 86_400
 BASE = Path(__file__).resolve().parents[2]
@@ -278,6 +278,14 @@ def test_an_unstubbed_model_call_fails_its_step_with_class_unstubbed(djflow) -> 
     assert "model 'openai:gpt-4o-mini'" in error["message"]
 
 
+def test_a_handler_neither_registered_nor_stubbed_fails_with_class_unstubbed(djflow) -> None:
+    lonely = {"id": "tp_lonely", "steps": [{"id": "orphan", "kind": "task", "handler": "nowhere"}]}
+    run = djflow.start(lonely)
+    error = run.step("orphan")["error"]
+    assert (run.status, error["class"]) == ("failed", "unstubbed")
+    assert "handler 'nowhere'" in error["message"]
+
+
 tooled = workflow("tp_tooled")
 tooled.mcp_tool("lookup", server="crm", tool="find_customer", arguments={"email": "${input.email}"})
 tooled.http("fetch", method="GET", url="https://api.example.com/orders/${input.order}")
@@ -353,3 +361,49 @@ def test_loading_the_plugin_imports_no_app_above_workflows() -> None:
     )
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert shown.stdout.strip() == "[]"
+
+
+# The plugin as its entry point loads it, in a session of the project's settings that does
+# not load tests/conftest.py.
+LOAD_PLUGIN = """
+from workflows import testing
+
+
+def pytest_configure(config):
+    testing.load(config.pluginmanager)
+"""
+
+
+def _database_url(*, suffix: str) -> str:
+    from django.conf import settings
+
+    db = settings.DATABASES["default"]
+    name = db["NAME"].removeprefix("test_")
+    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"postgres://{db['USER']}{password}@{db['HOST']}:{db['PORT']}/{name}{suffix}"
+
+
+def test_the_docs_example_passes_under_pytest(tmp_path, db) -> None:
+    """docs/how-to/testing.md's example, as an author's test module, in a pytest session of
+    its own (tests/test_readme.py only runs the block's definitions)."""
+    import re
+    import subprocess
+    import sys
+
+    page = (BASE / "docs" / "how-to" / "testing.md").read_text()
+    [example] = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    module = tmp_path / "test_support_doc.py"
+    module.write_text(example)
+    (tmp_path / "conftest.py").write_text(LOAD_PLUGIN)
+    session = ["--rootdir", str(BASE), "-n", "0", "-q", "-p", "no:cacheprovider"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(BASE / "pyproject.toml"), *session, str(module)],
+        cwd=BASE,
+        # A test database of its own: this session's is in use.
+        env={**os.environ, "DATABASE_URL": _database_url(suffix="_docs")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
