@@ -23,20 +23,15 @@ import pytest
 PROJECT = Path(__file__).resolve().parent.parent
 CASE = """
 import pytest
-from workflows.sdk import workflow
 
-DAY = 86_400
-support = workflow("bench_support", limits={"run_timeout_ms": 60 * DAY * 1000})
-support.task("classify")
-support.sleep("cool_off", ms=30 * DAY * 1000)
-support.recipe("draft", prompt="Answer ${input.question}", model="openai:gpt-4o-mini")
-support.approval("review", approvers={"emails": ["lead@example.com"]})
-support.output({"draft": "${steps.draft.output}", "tier": "${steps.classify.output.tier}"})
+# The support workflow of the plugin's tests: a stubbed task, a 30-day sleep, a recipe and an
+# approval.
+from tests.workflows.test_testing_plugin import DAY, support
 
 
 @pytest.mark.parametrize("round", range(REPEAT))
 def test_support(djflow, round):
-    djflow.stub("bench_support.classify", returns={"tier": "gold"})
+    djflow.stub("tp_support.classify", returns={"tier": "gold"})
     djflow.model(reply="We will refund you.")
     run = djflow.start(support, input={"question": "refund?"})
     djflow.advance(30 * DAY)

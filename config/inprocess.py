@@ -12,8 +12,9 @@ execution are the engine's own:
   send (``runs.dispatch``, ``approvals.outbox``, ``runs.bulk``, ``workflows.knowledge``).
   Each is given a :class:`Transport` that keeps the messages, and :meth:`Djflow.settle` runs
   them here, in order, through the tasks' own functions (ids in, as a worker would);
-- time: ``time_machine`` holds the clock still; :meth:`Djflow.advance` moves it and fires
-  the timers then due with the beat's own ``fire_due``.
+- time: ``time_machine`` holds the clock still; :meth:`Djflow.advance` moves it to each
+  instant a timer or a schedule falls due, in turn, and fires them with the beat's own
+  ``fire_due`` and ``schedule_fire``.
 
 Invariant: every public call returns with the engine idle, no message left and no timer due.
 """
@@ -48,6 +49,8 @@ from runs.models import Run as RunRow
 from runs.models import Timer
 from runs.serializers import StepRunSerializer
 from runs.tracing import current_attempt
+from schedules.models import Schedule
+from schedules.services import schedule_fire
 from workers import providers
 from workers.kinds import http, mcp_tool
 from workers.mcp import pool as mcp_pool
@@ -234,12 +237,7 @@ class Djflow:
         retry's back-off that falls due sets the next one, which may fall due before the
         end)."""
         end = timezone.now() + timedelta(seconds=seconds)
-        with self._settling():
-            pass
-        while True:
-            due = self._next_due(end)
-            if due is None:
-                break
+        while (due := _next_due(end)) is not None:
             if due > timezone.now():
                 self._clock.move_to(due)
             with self._settling():
@@ -247,15 +245,6 @@ class Djflow:
         self._clock.move_to(end)
         with self._settling():
             pass
-
-    @staticmethod
-    def _next_due(until: datetime) -> datetime | None:
-        return (
-            Timer.objects.filter(fired_at__isnull=True, fire_at__lte=until)
-            .order_by("fire_at")
-            .values_list("fire_at", flat=True)
-            .first()
-        )
 
     def approve(self, run: Run, step_id: str, *, by: Any, comment: str | None = None) -> None:
         self._decide(run, step_id, "approved", by, comment)
@@ -396,11 +385,33 @@ class Djflow:
                     _run(message)
                 continue
             with _on_commit():
-                fired = timers.fire_due(budget_seconds=60.0)
+                fired = timers.fire_due(budget_seconds=60.0) + _fire_schedules()
             if not fired and not self.transport.sent:
                 break
         for run in self._runs:
             run.refresh()
+
+
+def _next_due(until: datetime) -> datetime | None:
+    """The first instant up to ``until`` at which a timer or a schedule falls due."""
+    instants = [
+        Timer.objects.filter(fired_at__isnull=True, fire_at__lte=until)
+        .order_by("fire_at")
+        .values_list("fire_at", flat=True)
+        .first(),
+        _schedules_due(until).order_by("next_run_at").values_list("next_run_at", flat=True).first(),
+    ]
+    return min((instant for instant in instants if instant is not None), default=None)
+
+
+def _schedules_due(until: datetime) -> Any:
+    return Schedule.objects.filter(task__enabled=True, next_run_at__lte=until)
+
+
+def _fire_schedules() -> int:
+    """Fire the schedules due now, as beat's ``schedules.fire`` message would."""
+    due = list(_schedules_due(timezone.now()).values_list("pk", flat=True))
+    return sum(schedule_fire(schedule_id=schedule_id) is not None for schedule_id in due)
 
 
 def _run(message: _Message) -> None:

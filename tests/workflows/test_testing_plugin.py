@@ -179,6 +179,23 @@ def test_retries_wait_their_back_off_on_the_virtual_clock(djflow) -> None:
     assert [a["attempt"] for a in run.steps if a["step_id"] == "call"] == [1, 2, 3]
 
 
+hourly = workflow("tp_hourly")
+hourly.task("tick")
+
+
+def test_a_schedule_falls_due_as_the_clock_moves(djflow, admin_user) -> None:
+    from runs.models import Run as RunRow
+    from schedules.services import schedule_create
+
+    djflow.define(hourly)
+    djflow.stub("tp_hourly.tick", returns="ticked")
+    schedule_create(workflow="tp_hourly", every_ms=3_600_000, user=admin_user)
+    djflow.advance(3 * 3600 + 1)
+    runs = RunRow.objects.filter(workflow_id="tp_hourly")
+    assert runs.count() == 3
+    assert set(runs.values_list("status", flat=True)) == {"completed"}
+
+
 # --- shapes -----------------------------------------------------------------------------------
 
 shapes = workflow("tp_shapes", limits={"run_timeout_ms": 2 * DAY * 1000})
