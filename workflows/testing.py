@@ -29,8 +29,10 @@ def load(manager: pytest.PytestPluginManager) -> None:
     again when an entry point changes). Loading it under a second name would be refused."""
     import sys
 
-    if not manager.has_plugin("djflow"):
-        manager.register(sys.modules[__name__], "djflow")
+    this = sys.modules[__name__]
+    # is_registered: loaded by its module's name (``-p workflows.testing``) counts too.
+    if not manager.has_plugin("djflow") and not manager.is_registered(this):
+        manager.register(this, "djflow")
 
 
 @pytest.fixture

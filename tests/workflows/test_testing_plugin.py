@@ -424,3 +424,16 @@ def test_the_docs_example_passes_under_pytest(tmp_path, db) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
+
+
+def test_approvers_named_as_users_decide_as_themselves(djflow, django_user_model) -> None:
+    ann = django_user_model.objects.create_user(username="ann", email="ann@example.com")
+    bob = django_user_model.objects.create_user(username="bob", email="bob@example.com")
+    board = workflow("tp_board")
+    board.approval("vote", approvers={"users": ["ann", "bob"]}, quorum=2)
+    run = djflow.start(board)
+    djflow.approve(run, "vote", by=ann)
+    assert run.status == "pending_approval"
+    djflow.reject(run, "vote", by="bob@example.com", comment="no")
+    assert (run.status, run.step("vote")["error"]["class"]) == ("failed", "rejected")
+    assert bob.username in run.step("vote")["error"]["message"]
