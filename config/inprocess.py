@@ -27,13 +27,14 @@ import importlib
 import json
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
+import httpx2
 import time_machine
 from celery import current_app as celery_app
 from celery.exceptions import Retry
@@ -357,7 +358,14 @@ class Djflow:
 
     def _http_call(self, ctx: Any, given: Any, prior: Any = None) -> Any:
         naming = f"http {given.get('method', 'GET')} {given.get('url')}"
-        return self._http.answer(naming, given)
+        answer = self._http.answer(naming, given)
+        if isinstance(answer, Mapping) and isinstance(answer.get("status"), int):
+            # A stubbed 4xx or 5xx fails the step as the server's would (retryable or not,
+            # its Retry-After honoured): the kind's own judgement of the answer.
+            headers = answer.get("headers") or {}
+            response = httpx2.Response(answer["status"], headers=headers)
+            http._raise_for_status(http._Request.from_input(given), response)
+        return answer
 
     # --- the loop ------------------------------------------------------------------------
 

@@ -319,6 +319,15 @@ def test_tool_and_http_stubs_answer_their_steps(djflow) -> None:
     assert asked[0]["arguments"] == {"email": "ann@example.com"}
 
 
+def test_a_stubbed_http_error_fails_the_step_as_the_servers_would(djflow) -> None:
+    djflow.tool(reply={"name": "Ann"})
+    djflow.http(reply={"status": 404, "headers": {}, "body": "gone"})
+    run = djflow.start(tooled, input={"email": "ann@example.com", "order": "7"})
+    error = run.step("fetch")["error"]
+    assert (run.status, error["class"]) == ("failed", "fatal")
+    assert error["message"] == "http: GET https://api.example.com/orders/7 answered 404 Not Found"
+
+
 def test_unstubbed_tool_and_http_calls_fail_with_class_unstubbed(djflow) -> None:
     run = djflow.start(tooled, input={"email": "ann@example.com", "order": "7"})
     error = run.step("lookup")["error"]
@@ -364,8 +373,14 @@ def test_no_network_is_touched(djflow, no_network, mailoutbox) -> None:
 def test_the_plugin_is_registered_through_the_pytest11_entry_point() -> None:
     project = tomllib.loads((BASE / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {"djflow": "workflows.testing"}
-    testing = {req.split("==")[0] for req in project["optional-dependencies"]["testing"]}
-    assert testing == {"pytest", "pytest-django", "time-machine"}
+    extras = project["optional-dependencies"]
+    assert {req.split("==")[0] for req in extras["testing"]} == {
+        "pytest",
+        "pytest-django",
+        "time-machine",
+    }
+    # Pinned as the project's own tests pin them: one version of each to keep working.
+    assert set(extras["testing"]) <= set(extras["test"])
 
 
 def test_loading_the_plugin_imports_no_app_above_workflows() -> None:
