@@ -395,17 +395,6 @@ def test_loading_the_plugin_imports_no_app_above_workflows() -> None:
     assert shown.stdout.strip() == "[]"
 
 
-# The plugin as its entry point loads it, in a session of the project's settings that does
-# not load tests/conftest.py.
-LOAD_PLUGIN = """
-from workflows import testing
-
-
-def pytest_configure(config):
-    testing.load(config.pluginmanager)
-"""
-
-
 def _database_url(*, suffix: str) -> str:
     from django.conf import settings
 
@@ -415,9 +404,11 @@ def _database_url(*, suffix: str) -> str:
     return f"postgres://{db['USER']}{password}@{db['HOST']}:{db['PORT']}/{name}{suffix}"
 
 
-def test_the_docs_example_passes_under_pytest(tmp_path, db) -> None:
+def test_the_docs_example_passes_with_the_plugin_its_entry_point_loads(tmp_path, db) -> None:
     """docs/how-to/testing.md's example, as an author's test module, in a pytest session of
-    its own (tests/test_readme.py only runs the block's definitions)."""
+    its own that names no plugin (tests/test_readme.py only runs the block's definitions):
+    the ``pytest11`` entry point, in the metadata setuptools makes of this checkout, loads
+    the fixture."""
     import re
     import subprocess
     import sys
@@ -426,13 +417,25 @@ def test_the_docs_example_passes_under_pytest(tmp_path, db) -> None:
     [example] = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
     module = tmp_path / "test_support_doc.py"
     module.write_text(example)
-    (tmp_path / "conftest.py").write_text(LOAD_PLUGIN)
+    meta = tmp_path / "meta"
+    meta.mkdir()
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(meta)],
+        cwd=BASE,
+        capture_output=True,
+        check=True,
+    )
+    assert "djflow = workflows.testing" in next(meta.glob("*/entry_points.txt")).read_text()
     session = ["--rootdir", str(BASE), "-n", "0", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-c", str(BASE / "pyproject.toml"), *session, str(module)],
         cwd=BASE,
         # A test database of its own: this session's is in use.
-        env={**os.environ, "DATABASE_URL": _database_url(suffix="_docs")},
+        env={
+            **os.environ,
+            "DATABASE_URL": _database_url(suffix="_docs"),
+            "PYTHONPATH": os.pathsep.join([str(BASE), str(meta)]),
+        },
         capture_output=True,
         text=True,
         timeout=300,
