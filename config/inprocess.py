@@ -60,11 +60,12 @@ from workflows.failures import KindFailure, StepFailure
 from workflows.services import definition_save
 
 # Modules that send Celery messages through ``current_app``: the transport replaces it in
-# each (tests/workflows/test_testing_plugin.py proves no message reaches a broker).
+# each (tests/workflows/test_testing_plugin.py's socket guard proves no connection is made).
 SENDERS = ("runs.dispatch", "approvals.outbox", "runs.bulk", "workflows.knowledge")
-# Not run here: the clock is fired by advance(), and a run-end webhook would reach the
-# network (the socket guard's test proves nothing does).
+# Where the tasks those messages name are declared (a worker's autodiscovery imports them).
 TASK_MODULES = ("runs.tasks", "workers.tasks", "approvals.tasks", "schedules.tasks")
+# Not run here: the clock is fired by advance(), and a run-end webhook would reach the
+# network.
 SKIPPED = frozenset({"runs.wake_timers", "workers.deliver_notification"})
 # A guard against a workflow that never stops doing work at one instant (a loop without
 # a bound the document would refuse anyway): the call fails instead of hanging the test.
