@@ -15,7 +15,7 @@ from rest_framework.test import APIClient
 from config import metrics_files
 from tests import moves
 from tests.processes import CeleryProcess, CeleryProcesses, purge_broker, xdist_services
-from workflows import heartbeats
+from workflows import heartbeats, testing
 
 # With pytest-xdist (the README's `pytest` runs `-n 2`), each test process gets Redis
 # databases of its own for the broker and the results, as pytest-django gives it a test
@@ -47,6 +47,11 @@ LONGEST_FIRST = (
     "tests/test_standalone_soak.py",
     "tests/test_standalone.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The ``djflow`` fixture's plugin, as its ``pytest11`` entry point loads it."""
+    testing.load(config.pluginmanager)
 
 
 # tryfirst: before pytest-django's own reordering (database tests, then transactional ones,

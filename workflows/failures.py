@@ -15,8 +15,10 @@ __all__ = ["ERROR_CLASSES", "KIND_ERROR_CLASSES", "Deferred", "KindFailure", "St
 ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
 # Classes only the built-in kinds raise (KindFailure): a model reply that is not the JSON
 # asked for (``invalid_output``, never retried), and a run limit the step ran into (``limit``:
-# the run fails, whatever the step's on_error says).
-KIND_ERROR_CLASSES = ("invalid_output", "limit")
+# the run fails, whatever the step's on_error says), and a model, tool or http call in a test
+# that no stub of the ``djflow`` fixture answers (``unstubbed``, never retried: a test never
+# reaches the network; workflows.testing).
+KIND_ERROR_CLASSES = ("invalid_output", "limit", "unstubbed")
 # The contract's bound on every *_ms field, as workflows.schema.MAX_DURATION_MS (not imported
 # from there: that would load jsonschema into every process that imports a handler).
 MAX_DURATION_MS = 315_360_000_000  # 3650 days

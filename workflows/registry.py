@@ -155,3 +155,12 @@ def restore(state: Snapshot) -> None:
         _handlers.update(state.handlers)
         _builders.clear()
         _builders.update(state.builders)
+
+
+def override(name: str, fn: Handler) -> None:
+    """Put ``fn`` under ``name`` whatever holds it: the ``djflow`` fixture's stubs
+    (``workflows.testing``), undone by :func:`restore` at the end of the test."""
+    if not callable(fn):
+        raise TypeError(f"the handler for '{name}' must be callable, got {fn!r}")
+    with _lock:
+        _handlers[name] = fn
