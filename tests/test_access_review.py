@@ -336,7 +336,7 @@ def test_a_workflows_readers_read_its_versions_and_journal_in_the_admin(
         {"action": "cancel_runs", "_selected_action": [str(run.id)]},
     )
     page = client.get(reverse("admin:runs_run_change", args=[run.id])).content.decode()
-    assert "the journal" in page and "field-step_id" in page
+    assert "the journal" in page and "field-step" in page and "field-attempt" in page
     assert "Operator actions" in page and "operator_user" in page
     workflow = client.get(reverse("admin:workflows_workflow_change", args=["billing"]))
     assert "diff with previous" in workflow.content.decode()
