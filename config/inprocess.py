@@ -475,6 +475,12 @@ def _handler_or_unstubbed(lookup: Callable[..., Any]) -> Callable[..., Any]:
     return found
 
 
+def _no_embeddings(name: str, texts: Any, **options: Any) -> Any:
+    """``providers.embed`` under the fixture: never a request (none is configured here)."""
+    message = f"embeddings with {name} are not stubbed: the djflow fixture searches full-text"
+    raise providers.ModelError(message, error_class="unstubbed")  # type: ignore[arg-type]
+
+
 @contextlib.contextmanager
 def installed(settings: Any) -> Iterator[Djflow]:
     """The fixture's life: the transport, the clock and the stubs in, then all out again."""
@@ -488,6 +494,10 @@ def installed(settings: Any) -> Iterator[Djflow]:
         "START_CHECKS_WORKERS": False,
         # No wake-ups between ticks: advance() fires each timer at its instant.
         "TIMER_RESOLUTION_MS": 0,
+        # No embeddings model: knowledge bases are searched full-text, as on a deployment
+        # without one, and no document or query is sent to a provider (a test never reaches
+        # the network; section 16).
+        "EMBEDDINGS_MODEL": "",
     }
     saved = registry.snapshot()
     patch = MonkeyPatch()
@@ -499,6 +509,7 @@ def installed(settings: Any) -> Iterator[Djflow]:
                 patch.setattr(importlib.import_module(name), "current_app", djflow.transport)
             patch.setattr(registry, "lookup", _handler_or_unstubbed(registry.lookup))
             patch.setattr(providers, "call", djflow._model_call)
+            patch.setattr(providers, "embed", _no_embeddings)
             patch.setattr(providers, "unconfigured", lambda name: None)
             patch.setattr(mcp_tool, "call", djflow._tool_call)
             # The start's check asks the server for its tools: every server and tool is

@@ -455,3 +455,44 @@ def test_approvers_named_as_users_decide_as_themselves(djflow, django_user_model
     djflow.reject(run, "vote", by="bob@example.com", comment="no")
     assert (run.status, run.step("vote")["error"]["class"]) == ("failed", "rejected")
     assert bob.username in run.step("vote")["error"]["message"]
+
+
+@pytest.fixture
+def embeddings_configured(settings) -> None:
+    """The author's settings name an embeddings model (one asked over the network), set
+    before the fixture is: as a project's settings module would."""
+    settings.DJFLOW = {**settings.DJFLOW, "EMBEDDINGS_MODEL": "openai:text-embedding-3-small"}
+
+
+def test_knowledge_bases_are_searched_full_text_and_never_embedded(
+    embeddings_configured, djflow, no_network
+) -> None:
+    """A deployment with an embeddings model still sends nothing under the fixture: a
+    write_kb's document is not embedded and a recipe's context is found full-text."""
+    djflow.define(
+        {
+            "id": "tp_kb",
+            "steps": [
+                {
+                    "id": "keep",
+                    "kind": "write_kb",
+                    "kb": "tp-answers",
+                    "key": "T-1",
+                    "title": "Export crashes",
+                    "content": "Clear the export cache, then export again.",
+                },
+                {
+                    "id": "answer",
+                    "kind": "recipe",
+                    "prompt": "Answer with ${context}",
+                    "model": "openai:gpt-4o-mini",
+                    "context": {"kb": "tp-answers", "query": "export cache"},
+                },
+            ],
+        }
+    )
+    djflow.model(reply=lambda call: "seen" if "export cache" in str(call) else "blind")
+    run = djflow.start("tp_kb", input={})
+    assert run.status == "completed", run.error
+    assert run.output == "seen"
+    assert no_network == []
