@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
 
 from runs.models import Run, StepRun
 from runs.status import RunStatus, StepStatus
+from workflows import access
 
+from ..approvals.builders import make_user
 from ..moves import unchecked
 from .factories import RunFactory
 
@@ -135,3 +139,24 @@ def test_the_reason_names_an_attempt_in_doubt_among_those_not_shown(api, user, s
     body = api.get(f"/api/v1/runs/{run.id}").json()
     assert ids[0] not in [step["id"] for step in body["steps"]]
     assert f"step run {ids[0]}" in body["reason"] and "charge-7" in body["reason"]
+
+
+def test_the_journal_answers_each_role_as_the_run_does(user) -> None:
+    """A viewer of the workflow reads the journal without tracebacks; a starter reads the runs
+    they started only (another's is a 404, as GET /runs/{id} answers)."""
+    run = RunFactory(status=RunStatus.RUNNING, created_by=user)
+    error = {"class": "fatal", "message": "boom", "traceback": "Traceback (most recent ...)"}
+    _journal(run, 2, status=StepStatus.FAILED, output=None, error=error)
+
+    def client(name: str, role: str) -> APIClient:
+        person = make_user(name)
+        access.grant(role, run.workflow_id, user=person)
+        api = APIClient()
+        api.credentials(HTTP_AUTHORIZATION=f"Token {Token.objects.create(user=person).key}")
+        return api
+
+    url = f"/api/v1/runs/{run.id}/steps"
+    viewed = client("vera", access.VIEWER).get(url)
+    assert viewed.status_code == 200
+    assert "traceback" not in viewed.json()["results"][0]["error"]
+    assert client("stan", access.STARTER).get(url).status_code == 404
