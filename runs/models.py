@@ -116,6 +116,16 @@ class Run(models.Model):
     # run-deadline timer fires then.
     deadline_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # A fork (POST /runs/{id}/fork, CONTRACT section 16): the run it was forked from, and the
+    # top-level step it began at ("" for a fork from the start). The journal rows of the steps
+    # before it are copies of the source's (runs.forks), never run here.
+    forked_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="forks"
+    )
+    fork_step = models.CharField(max_length=100, blank=True, default="", db_default="")
+    # Recipe versions this run's recipe steps use whatever their step pins ({name: version}):
+    # a fork's ``recipes``. Read with the claim (workers.claims), applied by the worker.
+    recipe_pins = models.JSONField(default=dict, blank=True, db_default={})
 
     class Meta:
         ordering = ["-created_at", "-id"]

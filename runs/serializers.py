@@ -580,6 +580,16 @@ class RunListSerializer(serializers.ModelSerializer):
         "for people who may read the run; absolute, on SITE_URL"
     )
     truncated = serializers.SerializerMethodField()
+    forked_from = serializers.SerializerMethodField(
+        help_text="null, or the run this one was forked from (POST /runs/{id}/fork) and the "
+        "top-level step it began at (null for a fork from the start)"
+    )
+    recipe_pins = serializers.DictField(
+        child=serializers.IntegerField(),
+        read_only=True,
+        help_text="recipe versions by name that this run's recipe steps use whatever the step "
+        "pins (a fork's recipes); {} for none",
+    )
 
     class Meta:
         model = Run
@@ -604,10 +614,28 @@ class RunListSerializer(serializers.ModelSerializer):
             "started_at",
             "finished_at",
             "deadline_at",
+            "forked_from",
+            "recipe_pins",
             "inspect_url",
             "truncated",
         ]
         read_only_fields = fields
+
+    @extend_schema_field(
+        {
+            "type": "object",
+            "nullable": True,
+            "properties": {
+                "run": {"type": "string", "format": "uuid"},
+                "step": {"type": "string", "nullable": True},
+            },
+            "required": ["run", "step"],
+        }
+    )
+    def get_forked_from(self, run: Run) -> dict[str, Any] | None:
+        if run.forked_from_id is None:
+            return None
+        return {"run": str(run.forked_from_id), "step": run.fork_step or None}
 
     def to_representation(self, run: Run) -> dict[str, Any]:
         data: dict[str, Any] = super().to_representation(run)
@@ -875,6 +903,76 @@ class RunRetrySerializer(StrictBodySerializer):
     def body_schema(cls) -> dict[str, Any]:
         # runs.services.run_retry refuses an input that is not an object (400 naming input).
         return {"properties": {"input": {"type": "object"}}}
+
+
+class RunForkSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/fork``; every field optional, unknown fields refused."""
+
+    from_step = StrictCharField(
+        max_length=100,
+        required=False,
+        trim_whitespace=False,
+        help_text="begin at this top-level step (a step inside a condition, parallel, foreach "
+        "or loop: its enclosing top-level step); the steps before it that settled keep the "
+        "source run's outputs and do not run. Without it the fork runs every step",
+    )
+    document = serializers.JSONField(
+        required=False,
+        help_text="a saved version number of the run's workflow to run (the run's own by "
+        "default); a document not saved is tried offline with manage.py run_replay --document",
+    )
+    recipes = serializers.JSONField(
+        required=False,
+        help_text='recipe versions by name ({"draft_reply": 3}): every recipe step of the fork '
+        "naming that recipe uses that saved version, whatever version it pins",
+    )
+    input = serializers.JSONField(
+        required=False,
+        help_text="the fork's input (an object), checked against the version's input_schema; "
+        "without it the source run's. A writeOnly field left out or sent as •••• keeps the "
+        "source's value (for an author of the workflow or the source's starter)",
+    )
+    dry_run = StrictBooleanField(
+        required=False,
+        default=False,
+        help_text="answer what the fork would reuse and run, and start nothing",
+    )
+
+    body_name = "a fork"
+
+    @classmethod
+    def body_schema(cls) -> dict[str, Any]:
+        return {
+            "properties": {
+                "document": {"type": "integer", "minimum": 1},
+                "recipes": {
+                    "type": "object",
+                    "additionalProperties": {"type": "integer", "minimum": 1},
+                },
+                "input": {"type": "object"},
+            }
+        }
+
+
+class ForkPreviewSerializer(serializers.Serializer):
+    """What a dry run of a fork answers (``runs.forks.ForkPreview``)."""
+
+    dry_run = serializers.BooleanField(help_text="always true")
+    source = serializers.UUIDField(help_text="the run it forks")
+    version = serializers.IntegerField(help_text="the version of the workflow it would run")
+    from_step = serializers.CharField(
+        allow_null=True, help_text="the top-level step it would begin at"
+    )
+    reused = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="top-level steps whose outputs it would take from the source run",
+    )
+    rerun = serializers.ListField(
+        child=serializers.CharField(), help_text="top-level steps it would run"
+    )
+    recipes = serializers.DictField(
+        child=serializers.IntegerField(), help_text="the recipe versions it would pin"
+    )
 
 
 class InputChangeSerializer(serializers.Serializer):

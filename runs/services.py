@@ -23,7 +23,7 @@ from workflows.preflight import start_problems, start_waits
 from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size, encoded_size
 
-from . import dispatch, retries, tracing, vault
+from . import dispatch, forks, retries, tracing, vault
 from .engine import delivery, journal, slots, trees, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
@@ -91,6 +91,7 @@ def run_start(
     priority: int | None = None,
     user: AbstractBaseUser | None = None,
     plan_now: bool = True,
+    fork: forks.Seed | None = None,
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
 
@@ -115,6 +116,10 @@ def run_start(
     ``pending`` and one ``runs.advance`` message sent on commit: a worker plans the first
     step, and the client waits for one insert, not for the planner. Should that message be
     lost, the reconciler advances the pending run (``reconcile.advance_stuck``).
+
+    ``fork`` (``runs.forks``) makes the run a fork: its fields are set, its input keeps the
+    source's secret tokens, and its journal is given the source's kept rows before the
+    first plan.
 
     ``priority`` (0 to 9, default 5) rides on the run's messages as the broker's priority
     and orders the runs waiting for a slot of one concurrency key. A workflow whose
@@ -150,7 +155,9 @@ def run_start(
     plan_now = plan_now or bool(waits)
     # Secrets are stored as tokens, their plaintext encrypted on the run (workflows.secrets);
     # this request holds them until it ends, so its logs and error reports mask them.
-    stored_input, registry = vault.seal_input(pinned.document.get("input_schema"), input)
+    stored_input, registry = vault.seal_input(
+        pinned.document.get("input_schema"), input, inherited=fork.inherited if fork else None
+    )
     secrets.expose(secrets.plaintexts(registry))
     # Planned in the request, the run and its first step commit together. Handed to a worker,
     # the run is one INSERT, which needs no transaction of its own (two round trips fewer);
@@ -181,7 +188,10 @@ def run_start(
                 priority=priority,
                 concurrency_key=key,
                 created_by=person,
+                **(fork.fields() if fork is not None else {}),
             )
+            if fork is not None:
+                fork.copy_into(run)
             # With a concurrency key and no free slot, the run waits pending: a run of its
             # key that ends admits it.
             if key is None or _admitted(run, key):

@@ -13,6 +13,7 @@ urlpatterns = [
     path("runs/<str:run_id>/pause", views.RunPauseView.as_view(), name="run-pause"),
     path("runs/<str:run_id>/resume", views.RunResumeView.as_view(), name="run-resume"),
     path("runs/<str:run_id>/retry", views.RunRetryView.as_view(), name="run-retry"),
+    path("runs/<str:run_id>/fork", views.RunForkView.as_view(), name="run-fork"),
     path(
         "runs/<str:run_id>/steps/<str:step_run_id>/resolve",
         views.StepResolveView.as_view(),

@@ -24,7 +24,7 @@ from workflows import access, secrets
 from workflows.errors import FieldError, InvalidInput
 from workflows.views import ERRORS
 
-from . import answers, bulk, export, selectors, services, trace
+from . import answers, bulk, export, forks, selectors, services, trace
 from .models import Run
 from .serializers import (
     BulkActionSerializer,
@@ -34,8 +34,10 @@ from .serializers import (
     BulkRunsSerializer,
     EventDeliverySerializer,
     EventSerializer,
+    ForkPreviewSerializer,
     ModelCallDetailSerializer,
     RetryPreviewSerializer,
+    RunForkSerializer,
     RunListQuerySerializer,
     RunListSerializer,
     RunRetrySerializer,
@@ -363,6 +365,45 @@ class RunRetryView(APIView):
         if isinstance(result, services.RetryPreview):
             return Response({"dry_run": True, **dataclasses.asdict(result)})
         return Response(_render(request, selectors.run_get(run_id=result.id, user=request.user)))
+
+
+class RunForkView(APIView):
+    @extend_schema(
+        operation_id="runs_fork",
+        parameters=[RUN_ID],
+        request=RunForkSerializer,
+        examples=[
+            OpenApiExample(
+                "from_step",
+                value={"from_step": "draft", "recipes": {"draft_reply": 3}},
+                request_only=True,
+            )
+        ],
+        description=(
+            "Start a new run from an ended top-level run (`forked_from` names it): as `POST"
+            " /runs` starts one (the caller must read the run and start its workflow), on the"
+            " run's version unless `document` names another saved version, on the run's input"
+            " unless `input` gives one. With `from_step` the top-level steps before it that"
+            " settled are taken from the run, outputs included, and do not run again;"
+            " `recipes` pins saved recipe versions by name for every recipe step. 201 with the"
+            " new run; `dry_run` answers 200 with what would be reused and run, and starts"
+            " nothing. A run that has not ended, or a child run, is a 409; a bad field a 400"
+            " naming it. To compare the fork with its source: /runs/{a}/compare/{b}."
+        ),
+        responses={
+            201: RunSerializer,
+            200: ForkPreviewSerializer,
+            **dict.fromkeys((400, 401, 403, 404, 409), ERRORS),
+        },
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        body = RunForkSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        result = forks.run_fork(run_id=run_id, user=request.user, **body.validated_data)
+        if isinstance(result, forks.ForkPreview):
+            return Response({"dry_run": True, **dataclasses.asdict(result)})
+        run = selectors.run_get(run_id=result.id, user=request.user)
+        return Response(_render(request, run), status=status.HTTP_201_CREATED)
 
 
 class StepResolveView(APIView):

@@ -54,6 +54,8 @@ class Claimed:
     # (runs.tracing derives the parent step span's id from them).
     generation: int = 1
     root_run_id: Any = None
+    # The run's recipe versions by name, over what its recipe steps pin (a fork's).
+    recipe_pins: Any = None
 
 
 def lease_until(now: datetime, deadline: datetime) -> datetime:
@@ -83,7 +85,7 @@ UPDATE {step_run} AS s
  WHERE s.id = %(id)s AND s.status = %(source)s AND r.id = s.run_id
 RETURNING s.id, s.run_id, s.step_id, s.attempt, s.input, s.timeout_ms, s.idempotency_key,
           s.queue, s.refusals, s.celery_task_id, r.workflow_id, r.version_id, s.deadline_at,
-          s.path, r.secrets, s.kind, r.account, s.generation, r.root_run_id
+          s.path, r.secrets, s.kind, r.account, s.generation, r.root_run_id, r.recipe_pins
 """
 
 
@@ -128,6 +130,7 @@ def claimed_from(step_run: StepRun, run: Run) -> Claimed:
         account=run.account,
         generation=step_run.generation,
         root_run_id=run.root_run_id,
+        recipe_pins=run.recipe_pins,
     )
 
 
@@ -183,6 +186,7 @@ def _claim_postgres(
         account=row[16],
         generation=row[17],
         root_run_id=row[18],
+        recipe_pins=from_json(row[19]),
     )
 
 
@@ -211,6 +215,7 @@ def _claim_portable(
             "run__version_id",
             "run__secrets",
             "run__account",
+            "run__recipe_pins",
         )
         .first()
     )
@@ -250,4 +255,5 @@ def _claim_portable(
         account=row.run.account,
         generation=row.generation,
         root_run_id=row.run.root_run_id,
+        recipe_pins=row.run.recipe_pins,
     )

@@ -595,6 +595,9 @@ def _execute_one(
     claim, deadline = row.claim, row.deadline_at
 
     step = journal.steps_of(row.version_id)[row.step_id]
+    if row.recipe_pins and step.get("recipe") in row.recipe_pins:
+        # A fork's recipe versions (runs.forks) win over the version the step pins.
+        step = {**step, "recipe_version": row.recipe_pins[step["recipe"]]}
     kind = kinds.get(row.kind)
     # The kind's body: for task and agent, the handler this worker's WORKFLOW_MODULES
     # registered. A worker without it (or without the kind) hands the attempt back.
