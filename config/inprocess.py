@@ -26,6 +26,7 @@ import functools
 import importlib
 import json
 import math
+from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -368,6 +369,11 @@ class Djflow:
             http._raise_for_status(http._Request.from_input(given), response)
         return answer
 
+    def lookup_with(self, lookup: Callable[..., Any]) -> Callable[..., Any]:
+        """The registry's lookup under the fixture: a stub or a registered handler, else a
+        body that fails with class ``unstubbed``."""
+        return _handler_or_unstubbed(lookup)
+
     # --- the loop ------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -481,43 +487,66 @@ def _no_embeddings(name: str, texts: Any, **options: Any) -> Any:
     raise providers.ModelError(message, error_class="unstubbed")  # type: ignore[arg-type]
 
 
-@contextlib.contextmanager
-def installed(settings: Any) -> Iterator[Djflow]:
-    """The fixture's life: the transport, the clock and the stubs in, then all out again."""
-    from _pytest.monkeypatch import MonkeyPatch
+# The settings the engine runs under in process (the fixture's and the replay's).
+OVERRIDES = {
+    # The chord is only a notification (DESIGN rule 5); plain messages run here.
+    "FAN_OUT_CHORDS": False,
+    # No worker process heartbeats here: the handlers are this process's.
+    "START_CHECKS_WORKERS": False,
+    # No wake-ups between ticks: advance() fires each timer at its instant.
+    "TIMER_RESOLUTION_MS": 0,
+    # No embeddings model: knowledge bases are searched full-text, as on a deployment
+    # without one, and no document or query is sent to a provider (a test never reaches
+    # the network; section 16).
+    "EMBEDDINGS_MODEL": "",
+}
 
-    settings.DJFLOW = {
-        **settings.DJFLOW,
-        # The chord is only a notification (DESIGN rule 5); plain messages run here.
-        "FAN_OUT_CHORDS": False,
-        # No worker process heartbeats here: the handlers are this process's.
-        "START_CHECKS_WORKERS": False,
-        # No wake-ups between ticks: advance() fires each timer at its instant.
-        "TIMER_RESOLUTION_MS": 0,
-        # No embeddings model: knowledge bases are searched full-text, as on a deployment
-        # without one, and no document or query is sent to a provider (a test never reaches
-        # the network; section 16).
-        "EMBEDDINGS_MODEL": "",
-    }
-    saved = registry.snapshot()
-    patch = MonkeyPatch()
-    start = timezone.now().replace(microsecond=0)
-    try:
-        with time_machine.travel(start, tick=False) as traveller:
-            djflow = Djflow(traveller)
-            for name in SENDERS:
-                patch.setattr(importlib.import_module(name), "current_app", djflow.transport)
-            patch.setattr(registry, "lookup", _handler_or_unstubbed(registry.lookup))
-            patch.setattr(providers, "call", djflow._model_call)
-            patch.setattr(providers, "embed", _no_embeddings)
-            patch.setattr(providers, "unconfigured", lambda name: None)
-            patch.setattr(mcp_tool, "call", djflow._tool_call)
-            # The start's check asks the server for its tools: every server and tool is
-            # there for a test (an unanswered call fails at run time, class unstubbed).
-            patch.setattr(mcp_pool, "servers", lambda: _EVERY)
-            patch.setattr(mcp_tool, "_tools_for_start", lambda server, scope: _EVERY)
-            patch.setattr(http, "call", djflow._http_call)
-            yield djflow
-    finally:
-        patch.undo()
-        registry.restore(saved)
+
+@contextlib.contextmanager
+def installed(
+    settings: Any = None,
+    *,
+    engine: Callable[[Any], Djflow] | None = None,
+    start: datetime | None = None,
+) -> Iterator[Djflow]:
+    """The fixture's life: the transport, the clock and the stubs in, then all out again.
+
+    ``settings`` is pytest-django's fixture (it restores them); without it (``manage.py
+    run_replay``) Django's own ``override_settings`` does, and mail stays in memory.
+    ``engine`` makes the object that answers the calls (a :class:`Djflow` by default);
+    ``start`` is the virtual clock's first instant (now by default)."""
+    from django.conf import settings as django_settings
+    from django.test import override_settings
+
+    with contextlib.ExitStack() as stack:
+        if settings is not None:
+            settings.DJFLOW = {**settings.DJFLOW, **OVERRIDES}
+        else:
+            stack.enter_context(
+                override_settings(
+                    DJFLOW={**django_settings.DJFLOW, **OVERRIDES},
+                    EMAIL_BACKEND="django.core.mail.backends.locmem.EmailBackend",
+                )
+            )
+        saved = registry.snapshot()
+        stack.callback(registry.restore, saved)
+        first = (start or timezone.now()).replace(microsecond=0)
+        traveller = stack.enter_context(time_machine.travel(first, tick=False))
+        djflow = (engine or Djflow)(traveller)
+
+        def patch(target: Any, name: str, value: Any) -> None:
+            stack.enter_context(mock.patch.object(target, name, value))
+
+        for name in SENDERS:
+            patch(importlib.import_module(name), "current_app", djflow.transport)
+        patch(registry, "lookup", djflow.lookup_with(registry.lookup))
+        patch(providers, "call", djflow._model_call)
+        patch(providers, "embed", _no_embeddings)
+        patch(providers, "unconfigured", lambda name: None)
+        patch(mcp_tool, "call", djflow._tool_call)
+        # The start's check asks the server for its tools: every server and tool is there
+        # for a test (an unanswered call fails at run time, class unstubbed).
+        patch(mcp_pool, "servers", lambda: _EVERY)
+        patch(mcp_tool, "_tools_for_start", lambda server, scope: _EVERY)
+        patch(http, "call", djflow._http_call)
+        yield djflow
