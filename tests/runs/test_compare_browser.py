@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser import ARTIFACTS, chromium_page
+from tests.browser import ARTIFACTS, chromium_page, docs_screenshot
 from tests.runs.test_compare import OTHER_SECRET, SECRET, classify, document
 from tests.runs.test_inspector_browser import sign_in
 
@@ -39,6 +39,7 @@ def test_compare_two_runs_from_the_inspector(page, live_server, django_user_mode
     page.click("#compare-submit")
     page.wait_for_selector("table.compare")
     assert page.url == f"{live_server.url}/runs/{a.id}/compare/{b.id}/"
+    docs_screenshot(page, "compare")
 
     draft = page.locator('tbody.step[data-step="draft"]')
     assert draft.get_attribute("data-change") == "changed"
