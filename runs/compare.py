@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import F
+from django.db.models import Count, F, QuerySet, Window
+from django.db.models.functions import RowNumber
 from django.urls import reverse
 
 from workflows import access, secrets
@@ -304,8 +305,8 @@ class Comparison:
         """The comparison as JSON-able data: money as decimal strings, values as the masked
         JSON (null when too large to read here, with ``"read": false``), diffs as text."""
         return {
-            "a": {"id": str(self.a.id), "status": self.status_a, "cost_usd": str(self.cost_a)},
-            "b": {"id": str(self.b.id), "status": self.status_b, "cost_usd": str(self.cost_b)},
+            "a": _run_json(self.a, self.status_a, self.cost_a),
+            "b": _run_json(self.b, self.status_b, self.cost_b),
             "output": {
                 "a": _value_json(self.output_a),
                 "b": _value_json(self.output_b),
@@ -320,6 +321,16 @@ class Comparison:
             "steps": [_step_json(step) for step in self.steps],
             "steps_left_out": self.steps_left_out,
         }
+
+
+def _run_json(run: Run, status: str, cost: Decimal) -> dict[str, Any]:
+    return {
+        "id": str(run.id),
+        "workflow": run.workflow_id,
+        "version": run.version.number,
+        "status": status,
+        "cost_usd": str(cost),
+    }
 
 
 def _money(value: Decimal | None) -> str | None:
@@ -527,13 +538,8 @@ def compare(a: Run, b: Run, *, user: Any, limits: tuple[int, int] | None = LIMIT
     ordered = [attempts[i] for i in ids]
     # Runs first: their outputs are the comparison's headline.
     answers.bound([run_a, run_b], ordered, limits=limits or (2**62, 2**62))
-    calls = _calls_by_attempt(ids)
-    tools = _tools_by_attempt(ids)
-    budget = [CALLS_WITH_TEXT, CALLS_WITH_TEXT]
-    steps = [
-        _step(key, found_a.get(key), found_b.get(key), attempts, calls, tools, budget)
-        for key in shown
-    ]
+    calls = _Calls.read(ids, [(found_a.get(key), found_b.get(key)) for key in shown])
+    steps = [_step(key, found_a.get(key), found_b.get(key), attempts, calls) for key in shown]
     out_a, out_b = _run_value(run_a), _run_value(run_b)
     changed, output_diff = _compared(out_a, out_b, True)
     return Comparison(
@@ -557,25 +563,21 @@ def _step(
     one: _Instance | None,
     two: _Instance | None,
     attempts: Mapping[int, StepRun],
-    calls: Mapping[int, list[ModelCall]],
-    tools: Mapping[int, list[ToolCall]],
-    budget: list[int],
+    calls: _Calls,
 ) -> StepDiff:
     """One step instance of both runs (``one`` in a, ``two`` in b, at least one of them)."""
     step_a = attempts[one.id] if one else None
     step_b = attempts[two.id] if two else None
     out_a, out_b = _step_value(step_a, "output"), _step_value(step_b, "output")
     changed, output_diff = _compared(out_a, out_b, one is not None and two is not None)
-    call_diffs, left_out = _call_diffs(
-        calls.get(one.id, []) if one else [], calls.get(two.id, []) if two else [], budget
-    )
+    id_a, id_b = one.id if one else None, two.id if two else None
     latest = two or one
     return StepDiff(
         step_id=key[1],
         path=key[0],
         kind=latest.kind if latest else "",
-        attempt_a=one.id if one else None,
-        attempt_b=two.id if two else None,
+        attempt_a=id_a,
+        attempt_b=id_b,
         status_a=one.status if one else None,
         status_b=two.status if two else None,
         attempts_a=one.attempts if one else 0,
@@ -588,11 +590,11 @@ def _step(
         error_b=_error(step_b),
         cost_a=one.cost if one else None,
         cost_b=two.cost if two else None,
-        calls=call_diffs,
-        calls_left_out=left_out,
-        tools=_tool_diffs(
-            tools.get(one.id, []) if one else [], tools.get(two.id, []) if two else [], budget
+        calls=calls.model_diffs(id_a, id_b),
+        calls_left_out=max(
+            0, *(calls.counts.get(i, 0) - CALLS_PER_STEP for i in (id_a, id_b) if i)
         ),
+        tools=calls.tool_diffs(id_a, id_b),
     )
 
 
@@ -636,20 +638,15 @@ def _error(step: StepRun | None) -> str:
     return f"{error.get('class', 'error')}: {error.get('message', '')}"[:VALUE_CHARS]
 
 
-def _calls_by_attempt(ids: Sequence[int]) -> dict[int, list[ModelCall]]:
-    found: dict[int, list[ModelCall]] = {}
-    for call in ModelCall.objects.filter(step_run_id__in=ids).order_by("step_run_id", "id"):
-        found.setdefault(call.step_run_id, []).append(call)
-    return found
-
-
-def _tools_by_attempt(ids: Sequence[int]) -> dict[int, list[ToolCall]]:
-    found: dict[int, list[ToolCall]] = {}
-    rows = ToolCall.objects.filter(step_run_id__in=ids).annotate(
-        arguments_size=F("arguments__size"), result_size=F("result__size")
+def _first_calls(rows: QuerySet[Any], ids: Sequence[int]) -> dict[int, list[Any]]:
+    """The first :data:`CALLS_PER_STEP` calls of each attempt, oldest first: an agent's
+    attempt may make thousands, and only these are compared."""
+    numbered = rows.filter(step_run_id__in=ids).annotate(
+        number=Window(RowNumber(), partition_by=[F("step_run_id")], order_by=F("id").asc())
     )
-    for tool in rows.order_by("step_run_id", "id"):
-        found.setdefault(tool.step_run_id, []).append(tool)
+    found: dict[int, list[Any]] = {}
+    for call in numbered.filter(number__lte=CALLS_PER_STEP).order_by("step_run_id", "id"):
+        found.setdefault(call.step_run_id, []).append(call)
     return found
 
 
@@ -658,37 +655,115 @@ def _bodies(digests: Iterable[str | None]) -> dict[str, Any]:
     return dict(Content.objects.filter(digest__in=wanted).values_list("digest", "body"))
 
 
-def _call_diffs(
-    before: list[ModelCall], after: list[ModelCall], budget: list[int]
-) -> tuple[list[CallDiff], int]:
-    """The calls of two attempts paired by position, the first :data:`CALLS_PER_STEP`; the
-    texts of as many pairs as ``budget[0]`` has left (spent here). Returns the pairs and how
-    many were left out."""
-    count = max(len(before), len(after))
-    listed = min(count, CALLS_PER_STEP)
-    with_text = min(listed, budget[0])
-    budget[0] -= with_text
-    texts: dict[str, str] = {}
-    pairs = [
+Pair = tuple[Any, Any]
+
+
+def _paired(before: Sequence[Any], after: Sequence[Any]) -> list[Pair]:
+    """Calls of two attempts by position: the n-th of one with the n-th of the other."""
+    return [
         (before[i] if i < len(before) else None, after[i] if i < len(after) else None)
-        for i in range(listed)
+        for i in range(max(len(before), len(after)))
     ]
-    read = [call for pair in pairs[:with_text] for call in pair if call is not None]
-    for digest, body in _bodies(d for c in read for d in (c.prompt_id, c.reply_id)).items():
-        texts[digest] = conversation(body)
-    diffs = []
-    for index, (one, two) in enumerate(pairs):
-        has_text = index < with_text
-        side_a, side_b = _call_side(one, texts, has_text), _call_side(two, texts, has_text)
-        diffs.append(
-            CallDiff(
-                position=index + 1,
-                a=side_a,
-                b=side_b,
-                **_texts_compared(one, two, texts, has_text),
-            )
+
+
+@dataclass
+class _Calls:
+    """The model and tool calls of the attempts compared, read in a fixed number of
+    statements: the first :data:`CALLS_PER_STEP` of each attempt, how many each made, and the
+    texts of the first :data:`CALLS_WITH_TEXT` pairs of each sort, in the page's order."""
+
+    model: dict[int, list[ModelCall]]
+    tools: dict[int, list[ToolCall]]
+    counts: dict[int, int]
+    # Prompts and replies by digest, as text with secrets masked (those read).
+    texts: dict[str, str]
+    # Tool arguments and results by digest (those read).
+    bodies: dict[str, Any]
+    # The attempts (a's id, b's id) whose first n pairs of model (tool) calls were read.
+    model_read: dict[tuple[int | None, int | None], int]
+    tools_read: dict[tuple[int | None, int | None], int]
+
+    @classmethod
+    def read(cls, ids: Sequence[int], instances: Sequence[tuple[Any, Any]]) -> _Calls:
+        model = _first_calls(ModelCall.objects.all(), ids)
+        tools = _first_calls(
+            ToolCall.objects.annotate(
+                arguments_size=F("arguments__size"), result_size=F("result__size")
+            ),
+            ids,
         )
-    return diffs, count - listed
+        counts = dict(
+            ModelCall.objects.filter(step_run_id__in=ids)
+            .values("step_run_id")
+            .annotate(calls=Count("id"))
+            .values_list("step_run_id", "calls")
+        )
+        model_read: dict[tuple[int | None, int | None], int] = {}
+        tools_read: dict[tuple[int | None, int | None], int] = {}
+        texts_left, tools_left = CALLS_WITH_TEXT, CALLS_WITH_TEXT
+        prompts: list[str | None] = []
+        contents: list[str | None] = []
+        for one, two in instances:
+            pair = (one.id if one else None, two.id if two else None)
+            calls = _paired(model.get(pair[0] or 0, []), model.get(pair[1] or 0, []))
+            model_read[pair] = min(len(calls), texts_left)
+            texts_left -= model_read[pair]
+            for call in (c for duo in calls[: model_read[pair]] for c in duo if c is not None):
+                prompts.extend((call.prompt_id, call.reply_id))
+            used = _paired(tools.get(pair[0] or 0, []), tools.get(pair[1] or 0, []))
+            tools_read[pair] = min(len(used), tools_left)
+            tools_left -= tools_read[pair]
+            for tool in (t for duo in used[: tools_read[pair]] for t in duo if t is not None):
+                # A value past VALUE_BYTES is shown as its size, not read.
+                if tool.arguments_size <= VALUE_BYTES:
+                    contents.append(tool.arguments_id)
+                if tool.result_id is not None and tool.result_size <= VALUE_BYTES:
+                    contents.append(tool.result_id)
+        texts = {digest: conversation(body) for digest, body in _bodies(prompts).items()}
+        return cls(model, tools, counts, texts, _bodies(contents), model_read, tools_read)
+
+    def model_diffs(self, id_a: int | None, id_b: int | None) -> list[CallDiff]:
+        pairs = _paired(self.model.get(id_a or 0, []), self.model.get(id_b or 0, []))
+        read = self.model_read.get((id_a, id_b), 0)
+        diffs = []
+        for index, (one, two) in enumerate(pairs):
+            has_text = index < read
+            diffs.append(
+                CallDiff(
+                    position=index + 1,
+                    a=_call_side(one, self.texts, has_text),
+                    b=_call_side(two, self.texts, has_text),
+                    **_texts_compared(one, two, self.texts, has_text),
+                )
+            )
+        return diffs
+
+    def tool_diffs(self, id_a: int | None, id_b: int | None) -> list[ToolDiff]:
+        pairs = _paired(self.tools.get(id_a or 0, []), self.tools.get(id_b or 0, []))
+        diffs = []
+        for index, (one, two) in enumerate(pairs[: self.tools_read.get((id_a, id_b), 0)]):
+            side_a, side_b = _tool_side(one, self.bodies), _tool_side(two, self.bodies)
+            both = side_a is not None and side_b is not None
+            arguments = _compared(
+                side_a.arguments if side_a else NO_VALUE,
+                side_b.arguments if side_b else NO_VALUE,
+                both,
+            )
+            result = _compared(
+                side_a.result if side_a else NO_VALUE, side_b.result if side_b else NO_VALUE, both
+            )
+            diffs.append(
+                ToolDiff(
+                    position=index + 1,
+                    a=side_a,
+                    b=side_b,
+                    arguments_changed=arguments[0],
+                    result_changed=result[0],
+                    arguments_diff=arguments[1],
+                    result_diff=result[1],
+                )
+            )
+        return diffs
 
 
 def _texts_compared(
@@ -731,51 +806,6 @@ def _call_side(call: ModelCall | None, texts: Mapping[str, str], has_text: bool)
         prompt=prompt,
         reply=reply,
     )
-
-
-def _tool_diffs(before: list[ToolCall], after: list[ToolCall], budget: list[int]) -> list[ToolDiff]:
-    """The tool calls of two attempts paired by position, as many as ``budget[1]`` has left
-    (spent here); a value over :data:`VALUE_BYTES` is not read."""
-    count = min(max(len(before), len(after)), CALLS_PER_STEP, budget[1])
-    budget[1] -= count
-    pairs = [
-        (before[i] if i < len(before) else None, after[i] if i < len(after) else None)
-        for i in range(count)
-    ]
-    digests = [
-        digest
-        for pair in pairs
-        for tool in pair
-        if tool is not None
-        for digest, size in (
-            (tool.arguments_id, tool.arguments_size),  # type: ignore[attr-defined]
-            (tool.result_id, tool.result_size),  # type: ignore[attr-defined]
-        )
-        if digest is not None and size <= VALUE_BYTES
-    ]
-    bodies = _bodies(digests)
-    diffs = []
-    for index, (one, two) in enumerate(pairs):
-        side_a, side_b = _tool_side(one, bodies), _tool_side(two, bodies)
-        both = side_a is not None and side_b is not None
-        arguments = _compared(
-            side_a.arguments if side_a else NO_VALUE, side_b.arguments if side_b else NO_VALUE, both
-        )
-        result = _compared(
-            side_a.result if side_a else NO_VALUE, side_b.result if side_b else NO_VALUE, both
-        )
-        diffs.append(
-            ToolDiff(
-                position=index + 1,
-                a=side_a,
-                b=side_b,
-                arguments_changed=arguments[0],
-                result_changed=result[0],
-                arguments_diff=arguments[1],
-                result_diff=result[1],
-            )
-        )
-    return diffs
 
 
 def _tool_side(tool: ToolCall | None, bodies: Mapping[str, Any]) -> ToolSide | None:

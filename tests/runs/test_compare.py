@@ -11,15 +11,19 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client, TestCase
+from django.test.utils import CaptureQueriesContext
 
 from runs import compare as compare_module
 from runs.compare import ADDED, CHANGED, REMOVED, SAME, compare, document_order, text_diff
+from runs.engine import calls
 from runs.models import Run
 from runs.services import run_retry
 from tests.conftest import team_permissions
 from workflows import access
 from workflows.errors import NotFound
+from workflows.secrets import TOKEN
 
 SECRET = "sk-live-4f9a2c7e1b"
 OTHER_SECRET = "sk-live-0000000000"
@@ -161,7 +165,13 @@ def test_secrets_are_compared_and_shown_masked(two_runs) -> None:
 def test_as_json_is_json_with_money_as_decimal_strings(two_runs) -> None:
     a, b = two_runs
     data = json.loads(json.dumps(compare(a, b, user=None).as_json()))
-    assert data["a"] == {"id": str(a.id), "status": "completed", "cost_usd": str(a.cost_usd)}
+    assert data["a"] == {
+        "id": str(a.id),
+        "workflow": "cmp_flow",
+        "version": 1,
+        "status": "completed",
+        "cost_usd": str(a.cost_usd),
+    }
     assert data["cost_usd"]["delta"] == str(b.cost_usd - a.cost_usd)
     assert data["output"]["changed"] is True
     draft = next(step for step in data["steps"] if step["step_id"] == "draft")
@@ -190,6 +200,43 @@ def test_a_retry_from_a_step_compares_the_new_generation(djflow, two_runs) -> No
     assert steps["draft"].attempts_b == 1  # the superseded attempt is not counted
     assert steps["classify"].change == SAME  # kept from generation 1
     assert steps["polish"].change == ADDED
+
+
+def test_tool_calls_are_paired_by_position_their_secrets_masked(two_runs) -> None:
+    """The MCP tool calls of the two runs' ``close`` attempts, recorded as a worker records
+    them: the arguments hold each run's own token of its secret (the same once masked), the
+    results differ, and b made a second call a did not."""
+    a, b = two_runs
+    uses = []
+    for run, results in ((a, [{"closed": True}]), (b, [{"closed": False}, {"again": 1}])):
+        step = run.steps.get(step_id="close")
+        token = next(iter(secrets_of(run)))
+        for result in results:
+            uses.append(
+                calls.ToolUse(step.id, run.id, "tickets", "close", {"auth": token}, result, "ok")
+            )
+    calls.tool_calls_record(uses)
+    close = by_name(compare(a, b, user=None))["close"]
+    first, second = close.tools
+    assert first.arguments_changed is False and first.result_changed is True
+    assert first.a is not None and first.a.arguments.json == {"auth": "••••"}
+    assert '+  "closed": false' in first.result_diff.text
+    assert second.a is None and second.b is not None and second.changed
+    assert close.change == CHANGED
+
+
+def secrets_of(run: Run) -> set[str]:
+    """The tokens of a run's secrets, as its stored input holds them."""
+    return set(TOKEN.findall(json.dumps(run.input)))
+
+
+def test_the_reads_are_a_fixed_number_of_statements(two_runs) -> None:
+    a, b = two_runs
+    with CaptureQueriesContext(connection) as queries:
+        compare(a, b, user=None)
+    # The runs, each one's attempts as tuples, the values shown (per field), the calls, how
+    # many each attempt made, the texts (12 here): none is made per step or per call.
+    assert len(queries) <= 14, [q["sql"][:80] for q in queries]
 
 
 def test_a_user_who_may_not_read_a_run_gets_not_found(two_runs) -> None:
