@@ -1,19 +1,26 @@
 """Pages people click about runs: the runs list, the run inspector (``app_name`` runs:
-``runs:list``, ``runs:inspect``, and the inspector's actions) and the start form
-(``runs:start``). The API's routes are in
+``runs:list``, ``runs:inspect``, and the inspector's actions), the comparison of two runs
+(``runs:compare``) and the start form (``runs:start``). The API's routes are in
 ``runs/urls.py``."""
 
 from django.urls import path, re_path
 
-from . import pages, run_list_page, start_page
+from . import compare_page, pages, run_list_page, start_page
 
 app_name = "runs"
 
 urlpatterns = [
     path("runs/", run_list_page.run_list_page, name="list"),
     path("runs/<uuid:run_id>/", pages.inspect, name="inspect"),
-    # Before the generic action route, which would take "retry-from-step" as an action.
+    # Before the generic action route, which would take "retry-from-step" (or "compare") as
+    # an action.
     path("runs/<uuid:run_id>/retry-from-step/", pages.rerun, name="rerun"),
+    path("runs/<uuid:run_id>/compare/", compare_page.pick, name="compare-pick"),
+    path(
+        "runs/<uuid:run_id>/compare/<uuid:other_id>/",
+        compare_page.compare_runs,
+        name="compare",
+    ),
     path("runs/<uuid:run_id>/<slug:action>/", pages.act, name="act"),
     # The path of CONTRACT section 15, without a trailing slash; only a workflow id's own
     # characters (workflows.models.ID_PATTERN, 100 at most) reach the view.
