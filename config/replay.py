@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
+import importlib
 import json
 import shutil
 import tempfile
@@ -51,7 +52,7 @@ from runs.models import Run as RunRow
 from runs.status import RUN_TERMINAL
 from runs.tracing import current_attempt
 from workers import providers
-from workflows.errors import DjflowError
+from workflows.errors import EngineError
 from workflows.failures import KindFailure, StepFailure
 from workflows.models import Recipe, Workflow, WorkflowVersion
 
@@ -277,11 +278,7 @@ def _load_run(entry: Mapping[str, Any], *, parent_step: Any, root: Any, depth: i
                 run=run,
                 prompt=_content(call.get("prompt_digest"), call.get("prompt")),
                 reply=_content(call.get("reply_digest"), call.get("reply")),
-                **{
-                    name: call[name]
-                    for name in MODEL_CALL_FIELDS
-                    if call.get(name) is not None
-                },
+                **{name: call[name] for name in MODEL_CALL_FIELDS if call.get(name) is not None},
             )
         for use in row.get("tool_calls") or []:
             ToolCall.objects.create(
@@ -537,6 +534,10 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
     document = _document(options.document)
     pins = _recipes(options.recipes)
     recording = Recording(data)
+    if options.live:
+        # The handlers a live call runs, as a worker imports them.
+        for module in settings.WORKFLOW_MODULES:
+            importlib.import_module(module)
     start = source.created_at
     with installed(engine=Replayer, start=start) as engine:
         assert isinstance(engine, Replayer)
@@ -550,7 +551,7 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
                     recipes=pins or None,
                     input=options.input if options.input_given else None,
                 )
-        except DjflowError as error:
+        except EngineError as error:
             raise Unusable(_problems(error)) from None
         _drive(engine, fork.id)
         row = RunRow.objects.get(id=fork.id)
@@ -572,7 +573,7 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
     )
 
 
-def _problems(error: DjflowError) -> str:
+def _problems(error: EngineError) -> str:
     errors = getattr(error, "errors", None) or []
     named = [f"{e.field}: {e.message}" if e.field else e.message for e in errors]
     return "; ".join(named) or str(error)
@@ -597,7 +598,7 @@ def _document(path: Path | None) -> int | None:
         raise Unusable(f"--document {path}: not a readable JSON file ({error})") from None
     try:
         return int(definition_save(document=document).version.number)
-    except DjflowError as error:
+    except EngineError as error:
         raise Unusable(f"--document {path}: {_problems(error)}") from None
 
 
@@ -629,7 +630,7 @@ def _recipes(given: list[str]) -> dict[str, int]:
             document.pop("version", None)
         try:
             recipe, _ = recipe_save(document=document)
-        except DjflowError as error:
+        except EngineError as error:
             raise Unusable(f"--recipe {entry}: {_problems(error)}") from None
         pins[name] = recipe.version
     return pins
@@ -691,12 +692,14 @@ def _answer_waits(engine: Replayer, run_id: Any) -> bool:
         if request is None:
             continue
         decision = "approved" if outcome["status"] == "succeeded" else "rejected"
+        said = outcome.get("output") if isinstance(outcome.get("output"), dict) else {}
+        comment = str(said.get("comment") or "")
         for person in request.people.select_related("user").order_by("id"):
             with engine._settling():
                 approval_decide(
                     request_id=request.id,
                     decision=decision,
-                    comment="replayed",
+                    comment=comment,
                     origin=Origin("link"),
                     user=person.user,
                     approver_id=person.id,
