@@ -21,7 +21,9 @@ Bounded whatever the runs' size: the attempts are read as small tuples (no value
 a byte budget (``runs.answers.bound``), a value past it being shown as its size and link and
 compared as ``None`` (not compared); a diff is cut at :data:`DIFF_CHARS` characters, and
 values that are too long to diff (:data:`DIFF_INPUT_CHARS`) are compared but not diffed;
-prompts, replies and tool calls are read for the first :data:`CALLS_WITH_TEXT` pairs of calls.
+the first :data:`CALLS_PER_STEP` model calls of each attempt are paired, and the texts
+(prompts and replies, tool arguments and results) of the first :data:`CALLS_WITH_TEXT`
+pairs read. The reads are a fixed number of statements, none made per step or per call.
 """
 
 from __future__ import annotations
@@ -494,10 +496,22 @@ def _ids(body: Any) -> list[str]:
     return found
 
 
+def step_order(keys: Iterable[Key], *documents: Mapping[str, Any]) -> list[Key]:
+    """The step instances ``keys`` (``(path, step id)``), each once, in the documents' order
+    (:func:`document_order`): a composite step, then each of its items (in number order) or
+    branches with the steps inside them, then the next step. Ties (a step no document
+    names) keep the order they came in."""
+    order = document_order(*documents)
+    first_seen: dict[Key, int] = {}
+    for key in keys:
+        first_seen.setdefault(key, len(first_seen))
+    return sorted(first_seen, key=lambda key: _sort_key(key, order, first_seen[key]))
+
+
 _SEGMENT = re.compile(r"([^/\[]+)\[([^\]]*)\]/")
 
 
-def _sort_key(key: Key, order: Mapping[str, int], first_seen: int) -> tuple[Any, ...]:
+def _sort_key(key: Key, order: Mapping[str, int], first_seen: int) -> tuple[Any, int]:
     """Where a step instance is listed: by the place of each step its path goes through,
     then the item or branch (foreach items in number order), then its own place."""
     path, step_id = key
@@ -506,8 +520,9 @@ def _sort_key(key: Key, order: Mapping[str, int], first_seen: int) -> tuple[Any,
     for outer, which in _SEGMENT.findall(path):
         place = (0, int(which), "") if which.isdigit() else (1, 0, which)
         parts.append((order.get(outer, unknown), *place))
+    # -1: a composite step before the items and branches inside it (0 and 1).
     parts.append((order.get(step_id, unknown), -1, 0, ""))
-    return (*parts, first_seen)
+    return tuple(parts), first_seen
 
 
 # --- the comparison --------------------------------------------------------------------------
@@ -525,9 +540,7 @@ def compare(a: Run, b: Run, *, user: Any, limits: tuple[int, int] | None = LIMIT
     # One object for a run compared with itself: bound() reads a value once per row.
     run_b = run_a if b.id == a.id else runs.get(id=b.id)
     found_a, found_b = current_attempts(run_a), current_attempts(run_b)
-    order = document_order(run_a.version.document, run_b.version.document)
-    first_seen = {key: index for index, key in enumerate([*found_a, *found_b])}
-    keys = sorted(first_seen, key=lambda key: _sort_key(key, order, first_seen[key]))
+    keys = step_order([*found_a, *found_b], run_a.version.document, run_b.version.document)
     shown = keys[:MAX_STEPS]
 
     ids = [found[key].id for key in shown for found in (found_a, found_b) if key in found]

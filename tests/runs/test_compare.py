@@ -16,7 +16,16 @@ from django.test import Client, TestCase
 from django.test.utils import CaptureQueriesContext
 
 from runs import compare as compare_module
-from runs.compare import ADDED, CHANGED, REMOVED, SAME, compare, document_order, text_diff
+from runs.compare import (
+    ADDED,
+    CHANGED,
+    REMOVED,
+    SAME,
+    compare,
+    document_order,
+    step_order,
+    text_diff,
+)
 from runs.engine import calls
 from runs.models import Run
 from runs.services import run_retry
@@ -249,6 +258,56 @@ def test_a_user_who_may_not_read_a_run_gets_not_found(two_runs) -> None:
 def test_document_order_puts_a_new_step_between_its_neighbours() -> None:
     order = document_order(document(polish=False), document(polish=True))
     assert sorted(order, key=order.__getitem__) == ["classify", "draft", "polish", "close"]
+
+
+def test_foreach_items_and_branches_are_listed_inside_their_step_in_order() -> None:
+    doc = {
+        "steps": [
+            {"id": "load", "kind": "task"},
+            {
+                "id": "each",
+                "kind": "foreach",
+                "items": "${input}",
+                "do": [
+                    {"id": "work", "kind": "task"},
+                    {"id": "check", "kind": "task"},
+                ],
+            },
+            {
+                "id": "fan",
+                "kind": "parallel",
+                "branches": {
+                    "x": {"id": "fx", "kind": "task"},
+                    "y": {"id": "fy", "kind": "task"},
+                },
+            },
+            {"id": "report", "kind": "task"},
+        ]
+    }
+    written = [
+        ("", "report"),
+        ("each[10]/", "work"),
+        ("fan[y]/", "fy"),
+        ("each[2]/", "check"),
+        ("", "load"),
+        ("each[2]/", "work"),
+        ("fan[x]/", "fx"),
+        ("", "each"),
+        ("", "fan"),
+        ("_on_failure[1]/", "alert"),
+    ]
+    assert step_order(written, doc) == [
+        ("", "load"),
+        ("", "each"),
+        ("each[2]/", "work"),
+        ("each[2]/", "check"),
+        ("each[10]/", "work"),
+        ("", "fan"),
+        ("fan[x]/", "fx"),
+        ("fan[y]/", "fy"),
+        ("", "report"),
+        ("_on_failure[1]/", "alert"),
+    ]
 
 
 def test_a_diff_is_cut_and_says_so(monkeypatch) -> None:
