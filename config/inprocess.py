@@ -26,7 +26,6 @@ import functools
 import importlib
 import json
 import math
-from unittest import mock
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import httpx2
 import time_machine

@@ -448,7 +448,7 @@ class Replayer(Djflow):
 
     def _model_call(self, name: str, request: providers.ModelRequest) -> providers.ModelReply:
         key = self._key()
-        provider, model = providers.split_model(name)
+        provider, _ = providers.split_model(name)
         asked = model_request(
             provider, request.model, {"system": request.system, "messages": request.messages}
         )

@@ -196,7 +196,7 @@ def prepare(
     document = version.document
     source_document = journal.document_of(source.version_id)
     fork_step = _fork_step(asked.from_step, document, source_document, source)
-    _check_recipes(asked.recipes)
+    _check_recipes(asked.recipes, document)
     plain, inherited = _input(source, version, asked.input, user)
     rows, reused, rerun = _kept(source, source_document, document, fork_step)
     seed = Seed(
@@ -259,14 +259,36 @@ def _fork_step(
     return mine[from_step]
 
 
-def _check_recipes(pins: Mapping[str, int]) -> None:
-    missing = [
-        FieldError(f"recipes.{echo(name)}", f"recipe '{echo(name)}' has no version {version}")
-        for name, version in pins.items()
-        if Recipe.objects.resolve(name, version) is None
-    ]
-    if missing:
-        raise InvalidInput(errors=missing)
+def _check_recipes(pins: Mapping[str, int], document: Mapping[str, Any]) -> None:
+    """Each pin is a saved version of a recipe the fork's document names: a pin changes
+    which version of the author's chosen recipe runs, never which recipe."""
+    named = _recipes_named(document["steps"])
+    problems = []
+    for name, version in pins.items():
+        if name not in named:
+            message = f"no recipe step of the fork's document names recipe '{echo(name)}'"
+        elif Recipe.objects.resolve(name, version) is None:
+            message = f"recipe '{echo(name)}' has no version {version}"
+        else:
+            continue
+        problems.append(FieldError(f"recipes.{echo(name)}", message))
+    if problems:
+        raise InvalidInput(errors=problems)
+
+
+def _recipes_named(body: Any) -> set[str]:
+    found: set[str] = set()
+    for step in body if isinstance(body, list) else [body]:
+        if not isinstance(step, Mapping):
+            continue
+        if isinstance(step.get("recipe"), str):
+            found.add(step["recipe"])
+        for name in ("then", "else", "do"):
+            if name in step:
+                found |= _recipes_named(step[name])
+        for branch in (step.get("branches") or {}).values():
+            found |= _recipes_named(branch)
+    return found
 
 
 def _input(

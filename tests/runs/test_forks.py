@@ -44,6 +44,11 @@ def recipes(db: Any) -> None:
         recipe_save(document={"name": "fk_reply", "prompt": prompt, "model": "openai:gpt-4o-mini"})
 
 
+@pytest.fixture
+def other_recipe(db: Any) -> None:
+    recipe_save(document={"name": "fk_other", "prompt": "p", "model": "openai:gpt-4o-mini"})
+
+
 def _fork(djflow: Any, source: Any, **body: Any) -> Run:
     with djflow._settling():
         run = forks.run_fork(run_id=source.id, **body)
@@ -129,12 +134,13 @@ def test_a_dry_run_says_what_would_be_reused_and_starts_nothing(djflow, recipes)
         ({"document": 99}, "document"),
         ({"document": {"id": "fk_triage"}}, "document"),
         ({"recipes": {"fk_reply": 9}}, "recipes.fk_reply"),
+        ({"recipes": {"fk_other": 1}}, "recipes.fk_other"),
         ({"recipes": {"fk_reply": "one"}}, "recipes.fk_reply"),
         ({"recipes": []}, "recipes"),
         ({"input": [1]}, "input"),
     ],
 )
-def test_a_bad_fork_is_a_400_naming_the_field(djflow, recipes, body, field) -> None:
+def test_a_bad_fork_is_a_400_naming_the_field(djflow, recipes, other_recipe, body, field) -> None:
     djflow.model(reply="hi")
     source = djflow.start(triage)
     with pytest.raises(InvalidInput) as raised:

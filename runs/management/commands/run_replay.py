@@ -105,11 +105,14 @@ def _shown(result: Any, *, as_json: bool) -> str:
         )
         if step.output_changed:
             lines += [f"      {line}" for line in step.output_diff.text.splitlines()]
+        elif step.output_changed is None:
+            lines.append("      (an output too large to compare here)")
         for call in step.calls:
             if call.changed:
                 lines.append("      a model call's prompt or reply changed")
+    said = {True: "changed", False: "the same", None: "too large to compare"}
     lines.append(
-        f"output: {'changed' if comparison.output_changed else 'the same'}; cost "
+        f"output: {said[comparison.output_changed]}; cost "
         f"{_money(comparison.cost_a)} -> {_money(comparison.cost_b)}"
     )
     if comparison.output_changed:
