@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from django.conf import settings
 from django.core.management import call_command
@@ -53,7 +53,7 @@ from runs.status import RUN_TERMINAL
 from runs.tracing import current_attempt
 from workers import providers
 from workflows.errors import EngineError
-from workflows.failures import KindFailure, StepFailure
+from workflows.failures import KindFailure
 from workflows.models import Recipe, Workflow, WorkflowVersion
 
 EXIT_SAME, EXIT_DIFFERENT, EXIT_UNRECORDED, EXIT_UNUSABLE = 0, 1, 2, 3
@@ -276,7 +276,7 @@ def _load_run(entry: Mapping[str, Any], *, parent_step: Any, root: Any, depth: i
             ModelCall.objects.create(
                 step_run=step,
                 run=run,
-                prompt=_content(call.get("prompt_digest"), call.get("prompt")),
+                prompt=_content(call.get("prompt_digest"), call.get("prompt") or {}),
                 reply=_content(call.get("reply_digest"), call.get("reply")),
                 **{name: call[name] for name in MODEL_CALL_FIELDS if call.get(name) is not None},
             )
@@ -284,7 +284,7 @@ def _load_run(entry: Mapping[str, Any], *, parent_step: Any, root: Any, depth: i
             ToolCall.objects.create(
                 step_run=step,
                 run=run,
-                arguments=_content(use.get("arguments_digest"), use.get("arguments")),
+                arguments=_content(use.get("arguments_digest"), use.get("arguments") or {}),
                 result=_content(use.get("result_digest"), use.get("result")),
                 **{name: use[name] for name in TOOL_CALL_FIELDS if use.get(name) is not None},
             )
@@ -323,6 +323,10 @@ MODEL_CALL_FIELDS = (
 TOOL_CALL_FIELDS = ("server", "tool", "status", "error", "latency_ms")
 
 
+@overload
+def _content(digest: Any, body: dict[str, Any]) -> Content: ...
+@overload
+def _content(digest: Any, body: Any) -> Content | None: ...
 def _content(digest: Any, body: Any) -> Content | None:
     if body is None:
         return None
@@ -455,10 +459,11 @@ class Replayer(Djflow):
         found = self.recording.take(self.recording.models, key, asked)
         if isinstance(found, str):
             self._missed(key, f"model call to {name}", found)
-            return self._real["model"](name, request)
+            reply: providers.ModelReply = self._real["model"](name, request)
+            return reply
         call = found.call or {}
         if found.status != "ok":
-            raise providers.ModelError(str(found.answer), error_class=found.status)  # type: ignore[arg-type]
+            raise providers.ModelError(str(found.answer), error_class=found.status)
         return providers.ModelReply(
             text=str(found.answer or ""),
             model=call.get("answered_by") or request.model,
@@ -477,7 +482,11 @@ class Replayer(Djflow):
             self._missed(key, what, found)
             return real()
         if found.status != "ok":
-            raise StepFailure(str(found.answer), error_class=found.status)
+            # The class the attempt failed with; one only the engine assigns (a time-out, a
+            # lost worker) fails it as retryable, which the step's policy retries alike.
+            known = found.status in KindFailure._classes
+            message = str(found.answer) if known else f"{found.status}: {found.answer}"
+            raise KindFailure(message, found.status if known else "retryable")
         return found.answer
 
     def _tool_call(self, ctx: Any, given: Any, prior: Any = None) -> Any:
@@ -538,6 +547,7 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
         # The handlers a live call runs, as a worker imports them.
         for module in settings.WORKFLOW_MODULES:
             importlib.import_module(module)
+    _approvers(data.get("documents") or [])
     start = source.created_at
     with installed(engine=Replayer, start=start) as engine:
         assert isinstance(engine, Replayer)
@@ -571,6 +581,39 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
         status=row.status,
         reused=list(preview.reused),
     )
+
+
+def _approvers(documents: list[Mapping[str, Any]]) -> None:
+    """The users and groups the documents' approval steps name, made in the private database
+    (each group with one member): the approvals open as they did, and are decided by them."""
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    people = get_user_model()
+    for entry in documents:
+        for step in _steps(entry["document"].get("steps") or []):
+            if step.get("kind") != "approval":
+                continue
+            for spec in (step.get("approvers") or {}, step.get("escalate_to") or {}):
+                for name in spec.get("users") or []:
+                    people.objects.get_or_create(username=name)
+                for name in spec.get("groups") or []:
+                    group, made = Group.objects.get_or_create(name=name)
+                    if made:
+                        member, _ = people.objects.get_or_create(username=f"replay-{name}")
+                        member.groups.add(group)
+
+
+def _steps(body: Any) -> Iterator[Mapping[str, Any]]:
+    for step in body if isinstance(body, list) else [body]:
+        if not isinstance(step, Mapping):
+            continue
+        yield step
+        for name in ("then", "else", "do"):
+            if name in step:
+                yield from _steps(step[name])
+        for branch in (step.get("branches") or {}).values():
+            yield from _steps(branch)
 
 
 def _problems(error: EngineError) -> str:
@@ -686,7 +729,8 @@ def _answer_waits(engine: Replayer, run_id: Any) -> bool:
         recorded.used = True
         moved = True
         if row.kind == "wait_event":
-            engine.send_event(row.input["event"], row.input["key"], outcome.get("output"))
+            waits_for = row.input or {}
+            engine.send_event(waits_for["event"], waits_for["key"], outcome.get("output"))
             continue
         request = ApprovalRequest.objects.filter(step_run=row).order_by("-id").first()
         if request is None:

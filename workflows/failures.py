@@ -17,8 +17,9 @@ ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
 # asked for (``invalid_output``, never retried), and a run limit the step ran into (``limit``:
 # the run fails, whatever the step's on_error says), and a model, tool or http call in a test
 # that no stub of the ``djflow`` fixture answers (``unstubbed``, never retried: a test never
-# reaches the network; workflows.testing).
-KIND_ERROR_CLASSES = ("invalid_output", "limit", "unstubbed")
+# reaches the network; workflows.testing), or in a replay that its recording does not hold
+# (``unrecorded``: manage.py run_replay without --live, config.replay).
+KIND_ERROR_CLASSES = ("invalid_output", "limit", "unstubbed", "unrecorded")
 # The contract's bound on every *_ms field, as workflows.schema.MAX_DURATION_MS (not imported
 # from there: that would load jsonschema into every process that imports a handler).
 MAX_DURATION_MS = 315_360_000_000  # 3650 days

@@ -48,3 +48,21 @@ graded.output({"tier": "${steps.classify.output.tier}", "greeting": "${steps.gre
 @graded.handler("classify")
 def grade(ctx: Any, input: Any, prior: Any) -> Any:
     return {"tier": "gold" if "refund" in input["text"] else "silver"}
+
+
+# A retried failure, an event, a foreach and an approver named as a user.
+eventful = workflow("rp_eventful", limits={"run_timeout_ms": 10 * DAY * 1000})
+eventful.task(
+    "flaky",
+    retry={"max_attempts": 3, "backoff": "fixed", "initial_ms": 60_000},
+)
+eventful.wait_for("signal", event="paid", key="${input.order}", timeout_ms=DAY * 1000)
+eventful.foreach("each", items="${input.items}", do={"id": "double", "kind": "task"})
+eventful.approval("boss", approvers={"users": ["rp_boss"]})
+eventful.output(
+    {
+        "flaky": "${steps.flaky.output}",
+        "paid": "${steps.signal.output}",
+        "doubled": "${steps.each.output}",
+    }
+)

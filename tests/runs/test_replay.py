@@ -19,7 +19,7 @@ import pytest
 from runs import export
 from workflows.services import recipe_save
 
-from .flows_replay import DAY, graded, support
+from .flows_replay import DAY, eventful, graded, support
 
 BASE = Path(__file__).resolve().parents[2]
 MODULES = "tests.runs.flows_replay"
@@ -179,3 +179,35 @@ def test_what_cannot_be_replayed_is_exit_3_saying_why(djflow, reply_recipe, tmp_
         done = replay(path, *args)
         assert done.returncode == 3, (args, done.stdout, done.stderr)
         assert said in done.stderr, (args, done.stderr)
+
+
+def test_a_retry_an_event_a_foreach_and_a_user_approver_replay_as_they_ran(
+    djflow, django_user_model, tmp_path
+) -> None:
+    from workflows.sdk import StepFailure
+
+    boss = django_user_model.objects.create_user(username="rp_boss", email="boss@example.com")
+    tries: list[int] = []
+
+    def flaky(ctx: Any, input: Any) -> Any:
+        tries.append(ctx.attempt)
+        if len(tries) == 1:
+            raise StepFailure("down", "retryable")
+        return "up"
+
+    djflow.stub("rp_eventful.flaky", side_effect=flaky)
+    djflow.stub("rp_eventful.double", side_effect=lambda ctx, given: {"got": given})
+    run = djflow.start(eventful, input={"order": "o1", "items": [1, 2]})
+    djflow.advance(60)
+    assert tries == [1, 2]
+    djflow.send_event("paid", "o1", {"amount": 5})
+    djflow.approve(run, "boss", by=boss)
+    assert run.status == "completed", run.error
+    done = replay(exported(run.id, tmp_path), "--json")
+    assert done.returncode == 0, done.stderr + done.stdout
+    result = json.loads(done.stdout)
+    steps = {step["step_id"]: step for step in result["comparison"]["steps"]}
+    assert steps["flaky"]["attempts"] == {"a": 2, "b": 2}
+    assert steps["signal"]["output"]["b"]["value"] == {"amount": 5}
+    assert steps["boss"]["status"]["b"] == "succeeded"
+    assert result["comparison"]["output"]["changed"] is False
