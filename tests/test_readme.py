@@ -212,7 +212,9 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
             env=env,
             capture_output=True,
             text=True,
-            timeout=120,
+            # The pages' blocks in one shell: the replay guide's run_replay commands are
+            # processes of about 3 s each.
+            timeout=240,
         )
         assert second_terminal.returncode == 0, second_terminal.stdout + second_terminal.stderr
         run_id = _started_run(second_terminal.stdout)
