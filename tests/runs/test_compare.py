@@ -395,3 +395,19 @@ def test_the_inspectors_compare_form_leads_to_the_page(two_runs) -> None:
     answer = ada.get(f"/runs/{a.id}/compare/", {"with": f" {b.id} "})
     assert answer.status_code == 302 and answer["Location"] == page_url(a, b)
     assert ada.get(f"/runs/{a.id}/compare/", {"with": "not-a-run"}).status_code == 404
+
+
+def test_a_forks_inspector_links_its_source_and_their_comparison(two_runs, djflow) -> None:
+    from runs import forks
+
+    a, _ = two_runs
+    with djflow._settling():
+        fork = forks.run_fork(run_id=a.id, from_step="draft")
+    ada = signed_in("ada", team=True)
+    inspector = ada.get(f"/runs/{fork.id}/").content.decode()
+    assert f'href="/runs/{a.id}/" id="forked-from"' in inspector
+    assert "at step <code>draft</code>" in inspector
+    assert f'href="{page_url(a, fork)}" id="compare-source"' in inspector
+    assert ada.get(page_url(a, fork)).status_code == 200
+    # A run that is no fork says nothing of the kind.
+    assert 'id="forked-from"' not in ada.get(f"/runs/{a.id}/").content.decode()
