@@ -48,6 +48,8 @@ from .models import Run, StepRun
 from .selectors import run_readable
 from .status import RUN_TERMINAL, IllegalTransition
 
+# The largest number a version column holds (a larger one would be a database error).
+MAX_VERSION = 2_147_483_647
 # The fields of a journal row a fork copies (with generation 1, no cost and no claim).
 COPIED = (
     "step_id",
@@ -137,7 +139,7 @@ class Request:
         errors = []
         if from_step is not None and not isinstance(from_step, str):
             errors.append(FieldError("from_step", "must be a top-level step id (a string)"))
-        if document is not None and (isinstance(document, bool) or not isinstance(document, int)):
+        if document is not None and not _version_number(document):
             errors.append(
                 FieldError(
                     "document",
@@ -150,11 +152,12 @@ class Request:
         if recipes is not None and not isinstance(recipes, Mapping):
             errors.append(FieldError("recipes", "must be an object of recipe name: version"))
         for name, version in (recipes or {}).items() if isinstance(recipes, Mapping) else ():
-            if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            if not _version_number(version):
                 errors.append(
                     FieldError(
                         f"recipes.{echo(name)}",
-                        "must be a saved version number of the recipe (an integer from 1)",
+                        f"must be a saved version number of the recipe (an integer from 1 to "
+                        f"{MAX_VERSION})",
                     )
                 )
             else:
@@ -164,6 +167,10 @@ class Request:
         if errors:
             raise InvalidInput(errors=errors)
         return cls(from_step=from_step, document=document, recipes=pins, input=input)
+
+
+def _version_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_VERSION
 
 
 def prepare(

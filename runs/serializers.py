@@ -944,10 +944,14 @@ class RunForkSerializer(StrictBodySerializer):
     def body_schema(cls) -> dict[str, Any]:
         return {
             "properties": {
-                "document": {"type": "integer", "minimum": 1},
+                "document": {"type": "integer", "minimum": 1, "maximum": MAX_VERSION},
                 "recipes": {
                     "type": "object",
-                    "additionalProperties": {"type": "integer", "minimum": 1},
+                    "additionalProperties": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": MAX_VERSION,
+                    },
                 },
                 "input": {"type": "object"},
             }

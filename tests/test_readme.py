@@ -251,6 +251,19 @@ def test_the_readme_works_pasted_as_written(tmp_path: Path) -> None:
         [call] = [c for step in answer["steps"] for c in step["model_calls"]]
         assert [(h["key"], h["version"]) for h in call["retrieved"]["hits"]] == [("T-1", 1)]
         assert "Clear the export cache" in json.dumps(answer["output"])
+        # The replay guide: the export replayed the same; the edited prompt is a call with no
+        # recording, named with its difference; the fork's dry run reuses classify.
+        said = second_terminal.stdout
+        assert "(ticket_triage): completed before, completed now" in said, said
+        assert "output: the same" in said
+        assert "no recording: step ticket_triage.classify, model call to standin:echo" in said
+        assert "Tell me whether this ticket is" in said
+        assert "exit 2" in said
+        assert '"reused":["classify"]' in said.replace(" ", "")
+        fork_page = re.search(r"/runs/[0-9a-f-]{36}/compare/([0-9a-f-]{36})/", said)
+        assert fork_page, said
+        fork = _wait_for_run(f"http://127.0.0.1:{port}/api/v1/runs/{fork_page[1]}", token)
+        assert fork["status"] == "completed" and fork["forked_from"]["step"] == "route", fork
     finally:
         os.killpg(first_terminal.pid, signal.SIGINT)
         try:
