@@ -55,13 +55,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="djflow-bench-replay-") as folder:
         path = Path(folder) / "chain.json"
-        with replay.private_database():
-            with installed() as engine:
-                engine.model(reply="fine")
-                run = engine.start(chain, input={"q": "how"})
-                assert run.status == "completed", run.error
-                steps = len(run.steps)
-                path.write_text("".join(export.run_export(run_id=run.id).chunks()))
+        with replay.private_database(), installed() as engine:
+            engine.model(reply="fine")
+            run = engine.start(chain, input={"q": "how"})
+            assert run.status == "completed", run.error
+            steps = len(run.steps)
+            path.write_text("".join(export.run_export(run_id=run.id).chunks()))
             # The replay alone, in this process (a second private database inside this one
             # would be the same file again: the recording is loaded afresh each time).
         alone = []

@@ -574,9 +574,11 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
             importlib.import_module(module)
     _approvers(data.get("documents") or [])
     start = source.created_at
+    # Taken before the fixture replaces them (after, they would be its own answers).
+    real = _real_calls()
     with installed(engine=Replayer, start=start) as engine:
         assert isinstance(engine, Replayer)
-        engine.arm(recording, live=options.live, real=_real_calls())
+        engine.arm(recording, live=options.live, real=real)
         try:
             with engine._settling():
                 fork = forks.run_fork(
@@ -655,7 +657,8 @@ def _real_calls() -> dict[str, Callable[..., Any]]:
 
 
 def _document(path: Path | None) -> int | None:
-    """``--document``: saved as the workflow's next version (in the private database)."""
+    """``--document``: saved as the workflow's next version (in the private database),
+    whatever ``version`` it says."""
     if path is None:
         return None
     from workflows.services import definition_save
@@ -664,6 +667,9 @@ def _document(path: Path | None) -> int | None:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as error:
         raise Unusable(f"--document {path}: not a readable JSON file ({error})") from None
+    if isinstance(document, dict):
+        # An edit of the export's document carries the version it was: saved as the next.
+        document = {key: value for key, value in document.items() if key != "version"}
     try:
         return int(definition_save(document=document).version.number)
     except EngineError as error:

@@ -66,3 +66,9 @@ eventful.output(
         "doubled": "${steps.each.output}",
     }
 )
+
+
+# The offline stand-in model: a live call is made here without the network.
+standin = workflow("rp_standin")
+standin.recipe("say", prompt="Say ${input.q}", model="standin:echo")
+standin.output({"said": "${steps.say.output}"})

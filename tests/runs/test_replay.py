@@ -19,7 +19,7 @@ import pytest
 from runs import export
 from workflows.services import recipe_save
 
-from .flows_replay import DAY, eventful, graded, support
+from .flows_replay import DAY, eventful, graded, standin, support
 
 BASE = Path(__file__).resolve().parents[2]
 MODULES = "tests.runs.flows_replay"
@@ -211,3 +211,21 @@ def test_a_retry_an_event_a_foreach_and_a_user_approver_replay_as_they_ran(
     assert steps["signal"]["output"]["b"]["value"] == {"amount": 5}
     assert steps["boss"]["status"]["b"] == "succeeded"
     assert result["comparison"]["output"]["changed"] is False
+
+
+def test_a_live_model_call_is_made_once_and_answers(djflow, tmp_path) -> None:
+    """With --live, a model call whose prompt changed goes to the provider itself (the
+    offline stand-in here), once: not to the recording again."""
+    djflow.model(reply="recorded")
+    run = djflow.start(standin, input={"q": "hi"})
+    assert run.output == {"said": "recorded"}
+    path = exported(run.id, tmp_path)
+    done = replay(path, "--input", '{"q": "hello"}', "--live", "--json")
+    assert done.returncode == 1, done.stderr + done.stdout
+    result = json.loads(done.stdout)
+    assert result["live_calls"] == ["rp_standin.say: model call to standin:echo"]
+    said = result["comparison"]["output"]["b"]["value"]["said"]
+    assert said.startswith("[stand-in model]"), said
+    text = replay(path, "--input", '{"q": "hello"}', "--live")
+    assert "model call 1: its prompt changed" in text.stdout, text.stdout
+    assert "-Say hi\n" in text.stdout and "+Say hello\n" in text.stdout

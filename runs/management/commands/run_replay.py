@@ -108,8 +108,13 @@ def _shown(result: Any, *, as_json: bool) -> str:
         elif step.output_changed is None:
             lines.append("      (an output too large to compare here)")
         for call in step.calls:
-            if call.changed:
-                lines.append("      a model call's prompt or reply changed")
+            for what, changed, diff in (
+                ("prompt", call.prompt_changed, call.prompt_diff),
+                ("reply", call.reply_changed, call.reply_diff),
+            ):
+                if changed:
+                    lines.append(f"      model call {call.position}: its {what} changed")
+                    lines += [f"        {line}" for line in diff.text.splitlines()]
     said = {True: "changed", False: "the same", None: "too large to compare"}
     lines.append(
         f"output: {said[comparison.output_changed]}; cost "
