@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -23,7 +23,7 @@ from workflows.preflight import start_problems, start_waits
 from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size, encoded_size
 
-from . import dispatch, forks, retries, tracing, vault
+from . import dispatch, retries, tracing, vault
 from .engine import delivery, journal, slots, trees, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
@@ -33,6 +33,10 @@ from .models import Event, Run, RunAction, RunFault, StepRun, Timer, TimerPurpos
 from .moves import move_run, move_steps
 from .selectors import run_tree_ending
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
+
+if TYPE_CHECKING:
+    # A fork's seed (runs.forks calls run_start with one: imported there, not here).
+    from .forks import Seed
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ def run_start(
     priority: int | None = None,
     user: AbstractBaseUser | None = None,
     plan_now: bool = True,
-    fork: forks.Seed | None = None,
+    fork: Seed | None = None,
 ) -> StartResult:
     """Start a run of ``workflow`` (its latest version unless pinned).
 
