@@ -180,6 +180,9 @@ def prepare(
     plaintext, its seed, what a dry run answers); any problem is a 404 (the run), a 409 (a run not
     ended, a child run) or a 400 naming the field."""
     readable = run_readable(run_id=run_id, user=user)
+    # Before anything of the run's input is read: one who may not start its workflow is
+    # told so, and nothing else (a 400 could quote a value of the input).
+    access.require_start(user, readable.workflow_id)
     source = Run.objects.select_related("version").get(id=readable.id)
     if source.parent_run_id is not None:
         raise IllegalTransition(
@@ -301,34 +304,58 @@ def _recipes_named(body: Any) -> set[str]:
 def _input(
     source: Run, version: WorkflowVersion, given: Mapping[str, Any] | None, user: Any
 ) -> tuple[Any, dict[str, Any]]:
-    """The fork's input in plaintext and the source's secrets (their tokens are kept)."""
+    """The fork's input in plaintext and the source's secrets (their tokens are kept).
+
+    A stored secret is the source version's ``writeOnly`` field. It goes into the fork only
+    for those who may keep it (an author, the source's starter), and only where the fork's
+    version marks a secret too: elsewhere it would be stored, and shown, in plaintext."""
     registry = vault.decrypt(source.secrets, run_id=source.id) if source.secrets else {}
-    secrets.expose(secrets.plaintexts(registry))
+    plaintexts = secrets.plaintexts(registry)
+    secrets.expose(plaintexts)
     schema = version.document.get("input_schema")
+    revealed = secrets.reveal(source.input, registry)
     if given is None:
-        plain = secrets.reveal(source.input, registry)
-        kept = [f"input.{name}" for name in _secret_fields(schema, plain)]
+        plain = revealed
+        kept = _secret_fields(source.version.document.get("input_schema"), revealed)
     else:
-        kept = []
+        named: list[str] = []
         plain = (
-            retries.merged_input(schema, source.input, given, registry, kept)
+            retries.merged_input(schema, source.input, given, registry, named)
             if schema
             else dict(given)
         )
+        kept = [name.removeprefix("input.") for name in named]
     if kept and not _may_keep_secrets(user, source):
         raise InvalidInput(
             errors=[
                 FieldError(
-                    name,
+                    f"input.{name}",
                     "is a secret: give it again to fork the run (only an author of the workflow "
                     "or the run's starter may keep the stored one)",
                 )
                 for name in kept
             ]
         )
+    marked = set(_secret_fields(schema, plain))
+    unmarked = [name for name in kept if name not in marked]
+    if unmarked:
+        raise InvalidInput(
+            errors=[
+                FieldError(
+                    f"input.{name}",
+                    f"is a secret of run {source.id}, and version {version.number} does not "
+                    "mark it writeOnly: give a value for it, or fork onto a version that marks it",
+                )
+                for name in unmarked
+            ]
+        )
     problems = input_errors(version, plain)
     if problems:
-        raise InvalidInput(errors=problems)
+        # A message may quote the value it refuses: never one of the source's secrets.
+        mask = secrets.masker(plaintexts)
+        raise InvalidInput(
+            errors=[FieldError(error.field, mask(error.message)) for error in problems]
+        )
     return plain, registry
 
 
@@ -364,6 +391,9 @@ def _kept(
     if not reused:
         return [], [], order
     tops = top_level_ids(source_document["steps"])
+    # A row is copied only where its step sits under the same top-level step in both
+    # documents: a step moved out of a kept condition runs in the fork.
+    mine = top_level_ids(document["steps"])
     reruns = tuple((int(r["generation"]), str(r["from_step"])) for r in source.reruns or ())
     gone = superseded(source_document["steps"], reruns)
     chosen = set(reused)
@@ -371,6 +401,7 @@ def _kept(
         row
         for row in StepRun.objects.filter(run_id=source.id).order_by("id")
         if tops.get(_head(row.path, row.step_id)) in chosen
+        and mine.get(_head(row.path, row.step_id)) == tops.get(_head(row.path, row.step_id))
         and not gone(row.path, row.step_id, row.generation)
     ]
     return rows, reused, [step for step in order if step not in chosen]
@@ -398,7 +429,6 @@ def run_fork(
 
     asked = Request.check(from_step=from_step, document=document, recipes=recipes, input=input)
     version, plain, seed, preview = prepare(run_id=run_id, user=user, asked=asked)
-    access.require_start(user, version.workflow_id)
     if dry_run:
         return preview
     return run_start(

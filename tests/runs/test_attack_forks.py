@@ -1,7 +1,7 @@
-"""Security review of forks (CONTRACT sections 8 and 16): attacks on POST /runs/{id}/fork.
-
-Tests marked ``xfail(strict=True)`` demonstrate a real problem that is not fixed yet: they
-pass once it is (and then the mark must go)."""
+"""Security review of forks (CONTRACT sections 8 and 16): attacks on POST /runs/{id}/fork,
+each a problem found by the review and fixed (F1 a secret revealed on a version that does not
+mark it, F2 a 400 quoting it before the start permission was checked, F3 a row copied under
+another top-level step), and what was found sound."""
 
 from __future__ import annotations
 
@@ -65,13 +65,6 @@ def _plain_version(**key_schema: Any) -> int:
     return definition_save(document=document).version.number
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding F1: runs.forks._input decides what is a secret by the FORK's version's "
-    "input_schema; on a saved version that does not mark the field writeOnly, the source's "
-    "secret is revealed into the fork's input and stored and shown in plaintext to a forker "
-    "who may not keep it",
-)
 def test_a_fork_onto_a_version_without_writeonly_does_not_reveal_the_secret(
     djflow, admin_user
 ) -> None:
@@ -92,12 +85,6 @@ def test_a_fork_onto_a_version_without_writeonly_does_not_reveal_the_secret(
     assert SECRET not in answer.content.decode(), answer.json()["input"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding F2: runs.forks.run_fork checks the input (revealed source secrets, against "
-    "the fork version's schema) before access.require_start: a viewer who may not start gets "
-    "a 400 quoting the secret, where a 403 is due",
-)
 def test_a_viewer_who_may_not_start_gets_403_and_no_secret_in_a_400(djflow, admin_user) -> None:
     source = djflow.start(keyed, input={"topic": "t", "key": SECRET}, user=admin_user)
     # An older version where key is a number (not marked writeOnly): the source's key fails it.
@@ -134,13 +121,6 @@ def b(ctx: Any, input: Any, prior: Any) -> Any:
     return "b"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding F3: runs.forks._kept picks rows by the SOURCE document's top-level step; a "
-    "row of a step nested in a kept condition (path '') becomes, on a version where that "
-    "step is top-level after from_step, a settled row of it: the step never runs though the "
-    "dry run lists it in rerun",
-)
 def test_a_step_moved_out_of_a_kept_condition_runs_in_the_fork(djflow) -> None:
     """Version 2 moves z out of the condition to after b. A fork from b on version 2 says z
     runs again (its dry run lists it in rerun), and so it must: z's row inside the kept
