@@ -7,7 +7,6 @@ import random
 import time
 from typing import Any
 
-import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
