@@ -54,6 +54,7 @@ from runs.tracing import current_attempt
 from schedules.models import Schedule
 from schedules.services import schedule_fire
 from workers import providers
+from workers import slots as model_slots
 from workers.kinds import http, mcp_tool
 from workers.mcp import pool as mcp_pool
 from workflows import registry
@@ -499,6 +500,9 @@ OVERRIDES = {
     # without one, and no document or query is sent to a provider (a test never reaches
     # the network; section 16).
     "EMBEDDINGS_MODEL": "",
+    # No model-call slots counted in Redis: a test, or a replay, reaches no server (the
+    # slots' instance is made again from these settings, and after them).
+    "MODEL_SLOTS_REDIS_URL": "",
 }
 
 
@@ -530,6 +534,8 @@ def installed(
             )
         saved = registry.snapshot()
         stack.callback(registry.restore, saved)
+        model_slots._instance = None
+        stack.callback(setattr, model_slots, "_instance", None)
         first = (start or timezone.now()).replace(microsecond=0)
         traveller = stack.enter_context(time_machine.travel(first, tick=False))
         djflow = (engine or Djflow)(traveller)

@@ -29,21 +29,26 @@ import difflib
 import hashlib
 import importlib
 import json
+import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, overload
+from unittest import mock
 
 from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist, ValidationError
 from django.core.management import call_command
-from django.db import connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.db.migrations.loader import MigrationLoader
 from django.utils.dateparse import parse_datetime
 
+from config import metrics_files
 from config.inprocess import Djflow, Run, installed
 from runs import forks
 from runs.engine import timers
@@ -52,6 +57,7 @@ from runs.models import Run as RunRow
 from runs.status import RUN_TERMINAL
 from runs.tracing import current_attempt
 from workers import providers
+from workflows import preflight, secrets
 from workflows.errors import EngineError
 from workflows.failures import KindFailure
 from workflows.models import Recipe, Workflow, WorkflowVersion
@@ -82,6 +88,8 @@ class Options:
     input_given: bool = False
     from_step: str | None = None
     live: bool = False
+    # Seconds of real time the replay may take (the clock's jumps included).
+    timeout: float = 300.0
 
 
 @dataclass
@@ -143,6 +151,14 @@ def private_database() -> Iterator[Path]:
     template = folder / f"template-{_migrations_key()}.sqlite3"
     with tempfile.TemporaryDirectory(prefix="djflow-replay-") as scratch:
         copy = Path(scratch) / "replay.sqlite3"
+        # What the replayed run counts goes to the scratch folder, never to the
+        # deployment's metric files (a scrape would count the replay as a run). The command
+        # counts in memory anyway (config.settings); this holds for a caller whose metric
+        # files are not open yet.
+        metrics = Path(scratch) / "metrics"
+        metrics.mkdir()
+        counted = os.environ.get(metrics_files.ENV)
+        os.environ[metrics_files.ENV] = str(metrics)
         try:
             if template.exists():
                 shutil.copyfile(template, copy)
@@ -159,6 +175,10 @@ def private_database() -> Iterator[Path]:
         finally:
             connections["default"].close()
             _switch(saved)
+            if counted is None:
+                os.environ.pop(metrics_files.ENV, None)
+            else:
+                os.environ[metrics_files.ENV] = counted
 
 
 def _sqlite(base: Mapping[str, Any], path: Path) -> dict[str, Any]:
@@ -478,8 +498,12 @@ class Replayer(Djflow):
     def _model_call(self, name: str, request: providers.ModelRequest) -> providers.ModelReply:
         key = self._key()
         provider, _ = providers.split_model(name)
-        asked = model_request(
-            provider, request.model, {"system": request.system, "messages": request.messages}
+        # Compared as the export shows a prompt: the run's secrets (in hand while the attempt
+        # runs) masked, as they were masked in the recording.
+        asked = secrets.scrub(
+            model_request(
+                provider, request.model, {"system": request.system, "messages": request.messages}
+            )
         )
         found = self.recording.take(self.recording.models, key, asked)
         if isinstance(found, str):
@@ -500,9 +524,12 @@ class Replayer(Djflow):
             request_id=call.get("request_id") or "",
         )
 
-    def _attempt(self, what: str, given: Any, real: Callable[[], Any]) -> Any:
+    def _attempt(self, what: str, ctx: Any, given: Any, real: Callable[[], Any]) -> Any:
         key = self._key()
-        found = self.recording.take(self.recording.attempts, key, given)
+        # Compared as the export shows an attempt's input: the run's secrets as tokens
+        # (as stored), then masked (as exported).
+        shown = secrets.shown(ctx.conceal(given))
+        found = self.recording.take(self.recording.attempts, key, shown)
         if isinstance(found, str):
             self._missed(key, what, found)
             return real()
@@ -516,11 +543,11 @@ class Replayer(Djflow):
 
     def _tool_call(self, ctx: Any, given: Any, prior: Any = None) -> Any:
         what = f"mcp_tool {given.get('server')}.{given.get('tool')}"
-        return self._attempt(what, given, lambda: self._real["tool"](ctx, given, prior))
+        return self._attempt(what, ctx, given, lambda: self._real["tool"](ctx, given, prior))
 
     def _http_call(self, ctx: Any, given: Any, prior: Any = None) -> Any:
         what = f"http {given.get('method', 'GET')} {given.get('url')}"
-        return self._attempt(what, given, lambda: self._real["http"](ctx, given, prior))
+        return self._attempt(what, ctx, given, lambda: self._real["http"](ctx, given, prior))
 
     def lookup_with(self, lookup: Callable[..., Any]) -> Callable[..., Any]:
         """Every task and agent body is answered from the recording (the handler runs only
@@ -539,7 +566,7 @@ class Replayer(Djflow):
                         )
                     return handler(ctx, given, prior)
 
-                return self._attempt(f"handler of step {step_id}", given, real)
+                return self._attempt(f"handler of step {step_id}", ctx, given, real)
 
             return recorded
 
@@ -560,9 +587,26 @@ class Result:
     reused: list[str]
 
 
+# The errors a malformed export raises while it is loaded (a field missing or of the wrong
+# type, a row the database refuses): the replay is not made (exit 3), never a traceback.
+MALFORMED = (
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    IntegrityError,
+    ValidationError,
+    ObjectDoesNotExist,
+)
+
+
 def replay(data: Mapping[str, Any], options: Options) -> Result:
     """Replay the export (see the module); run inside :func:`private_database`."""
-    source = load(data)
+    _check_documents(data)
+    try:
+        source = load(data)
+    except MALFORMED as error:
+        raise Unusable(f"the export is malformed: {type(error).__name__}: {error}") from None
     if source.status not in RUN_TERMINAL:
         raise Unusable(f"run {source.id} had not ended when it was exported ({source.status})")
     document = _document(options.document)
@@ -576,9 +620,15 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
     start = source.created_at
     # Taken before the fixture replaces them (after, they would be its own answers).
     real = _real_calls()
-    with installed(engine=Replayer, start=start) as engine:
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(installed(engine=Replayer, start=start))
         assert isinstance(engine, Replayer)
         engine.arm(recording, live=options.live, real=real)
+        if not options.input_given:
+            # The run's own input was checked when it started; the export shows its secrets
+            # as ••••, which a secret's type or pattern would refuse now.
+            for module in (forks, preflight):
+                stack.enter_context(mock.patch.object(module, "input_errors", _no_errors))
         try:
             with engine._settling():
                 fork = forks.run_fork(
@@ -590,11 +640,8 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
                 )
         except EngineError as error:
             raise Unusable(_problems(error)) from None
-        _drive(engine, fork.id)
+        _drive(engine, fork.id, deadline=time.monotonic() + options.timeout)
         row = RunRow.objects.get(id=fork.id)
-        preview = forks.run_fork(
-            run_id=source.id, from_step=options.from_step, document=document, dry_run=True
-        )
     if engine.misses:
         code = EXIT_UNRECORDED
     else:
@@ -606,8 +653,34 @@ def replay(data: Mapping[str, Any], options: Options) -> Result:
         misses=engine.misses,
         live_calls=engine.live_calls,
         status=row.status,
-        reused=list(preview.reused),
+        reused=list(getattr(fork, "reused", [])),
     )
+
+
+def _no_errors(*args: Any, **kwargs: Any) -> list[Any]:
+    return []
+
+
+def _check_documents(data: Mapping[str, Any]) -> None:
+    """Each document of the export passes the checks of a save (its bounds among them: a
+    crafted loop of 10^8 iterations would replay for hours), or the replay is not made."""
+    from workflows.validation import validate_document
+
+    entries = data.get("documents")
+    if not isinstance(entries, list) or not entries:
+        raise Unusable("the export is malformed: it holds no documents")
+    held = {entry.get("workflow") for entry in entries if isinstance(entry, dict)}
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or not isinstance(entry.get("document"), dict):
+            raise Unusable(f"the export is malformed: documents[{index}] is no document")
+        problems = validate_document(
+            entry["document"],
+            workflow_exists=lambda workflow, version: workflow in held,
+            max_steps=settings.DJFLOW["MAX_DOCUMENT_STEPS"],
+        )
+        if problems:
+            named = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in problems)
+            raise Unusable(f"documents[{index}] would not be saved here: {named}")
 
 
 def _approvers(documents: list[Mapping[str, Any]]) -> None:
@@ -710,11 +783,13 @@ def _recipes(given: list[str]) -> dict[str, int]:
     return pins
 
 
-def _drive(engine: Replayer, run_id: Any) -> None:
+def _drive(engine: Replayer, run_id: Any, *, deadline: float) -> None:
     """Until the run ends: decide what waits on people as the recording did, else move the
     clock to the next timer. Stops when neither moves it (it waits on something the
-    recording does not hold)."""
+    recording does not hold); past ``deadline`` (``time.monotonic``), the replay is not made."""
     for _ in range(MAX_JUMPS):
+        if time.monotonic() > deadline:
+            raise Unusable("the replay was still running at its time limit (--timeout)")
         run = RunRow.objects.get(id=run_id)
         if run.status in RUN_TERMINAL:
             return

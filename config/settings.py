@@ -9,6 +9,7 @@ Postgres and Redis, the production and test path.
 import ipaddress
 import json
 import re
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,12 @@ VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 # (it picks how it stores values at its first import) and so that every child inherits it.
 # DJFLOW_METRICS=false counts nothing and serves no /metrics (a read-only file system, or
 # measuring what counting costs).
-DJFLOW_METRICS_ENABLED = env.bool("DJFLOW_METRICS", default=True)
+# `manage.py run_replay` counts nothing either: what a replay runs is no run of the
+# deployment's, and its counters would be summed with the deployment's at the next scrape
+# (the choice has to be made here, before the client is imported; config.replay).
+DJFLOW_METRICS_ENABLED = env.bool("DJFLOW_METRICS", default=True) and sys.argv[1:2] != [
+    "run_replay"
+]
 DJFLOW_METRICS_DIR = Path(env("DJFLOW_METRICS_DIR", default=str(VAR_DIR / "metrics")))
 METRICS_HOST_DIR = (
     metrics_files.export(DJFLOW_METRICS_DIR) if DJFLOW_METRICS_ENABLED else metrics_files.unexport()

@@ -431,7 +431,7 @@ def run_fork(
     version, plain, seed, preview = prepare(run_id=run_id, user=user, asked=asked)
     if dry_run:
         return preview
-    return run_start(
+    run = run_start(
         workflow=version.workflow_id,
         version=version.number,
         input=plain,
@@ -439,3 +439,6 @@ def run_fork(
         priority=seed.source.priority,
         fork=seed,
     ).run
+    # What it took from the source, for its caller (manage.py run_replay says so).
+    run.reused = preview.reused  # type: ignore[attr-defined]
+    return run

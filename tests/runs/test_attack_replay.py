@@ -1,6 +1,8 @@
 """Security review of ``manage.py run_replay`` (CONTRACT section 16): what a replay may touch
-besides its private SQLite database. Tests marked ``xfail(strict=True)`` demonstrate a real
-problem not fixed yet."""
+besides its private SQLite database, and what a crafted export may do. Each test was a
+finding, fixed: R1 a connection to the deployment's Redis (model-call slots), R2 its metric
+files, R3 a malformed export's exit 1, R4 a crafted loop replaying for hours, R5 and R6 runs
+with typed secrets."""
 
 from __future__ import annotations
 
@@ -94,27 +96,27 @@ def _replayed_graded(djflow: Any, tmp_path: Path) -> tuple[int, Path, str]:
     return listener.connections, var, done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R1: an offline replay's recipe step takes a model-call slot in the "
-    "deployment's Redis (workers.slots), a network call without --live",
-)
 def test_an_offline_replay_opens_no_connection_to_the_deployments_redis(djflow, tmp_path) -> None:
     connections, _, stderr = _replayed_graded(djflow, tmp_path)
     assert connections == 0, stderr[-1500:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R2: an offline replay writes the replayed run's counts (runs, attempts, "
-    "cost) into the deployment's metric files under DJFLOW_VAR_DIR/metrics",
-)
 def test_an_offline_replay_writes_nothing_to_the_deployments_metrics(djflow, tmp_path) -> None:
+    from prometheus_client.mmap_dict import MmapedDict
+
     _, var, _ = _replayed_graded(djflow, tmp_path)
-    written = sorted(str(p.relative_to(var)) for p in (var / "metrics").rglob("*.db"))
-    # e.g. djflow_workflow_executions_total{status="completed",workflow="rp_graded"} 1 and
-    # djflow_cost_usd_total{workflow="rp_graded"}: the replay counted as a real run.
-    assert written == []
+    # What a scrape of the deployment reads: before the fix, e.g.
+    # djflow_workflow_executions_total{status="completed",workflow="rp_graded"} 1 and
+    # djflow_cost_usd_total{workflow="rp_graded"}: the replay counted as a real run. (A
+    # counter without labels is made, at 0, when its module is imported, before the command
+    # runs: a zero counts nothing.)
+    counted = [
+        (key, value)
+        for path in (var / "metrics").rglob("*.db")
+        for key, value, _ in MmapedDict(str(path), read_mode=True).read_all_values()
+        if value
+    ]
+    assert counted == []
 
 
 def _export_of_trivial_run(djflow: Any, tmp_path: Path) -> dict[str, Any]:
@@ -128,11 +130,6 @@ def _export_of_trivial_run(djflow: Any, tmp_path: Path) -> dict[str, Any]:
     return json.loads(_exported(run.id, tmp_path).read_text())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R3: a malformed export is a traceback and exit 1 (which means 'the output "
-    "differs'), not exit 3 (no replay made)",
-)
 @pytest.mark.parametrize(
     "damage",
     [
@@ -152,12 +149,6 @@ def test_a_malformed_export_is_exit_3(djflow, tmp_path, damage) -> None:
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R4: the export's documents are loaded without the checks of a save "
-    "(loop bounds, limits.max_steps, handlers of other workflows): a crafted export replays "
-    "for hours (MAX_JUMPS is 100,000 jumps of the clock, each replanning a longer journal)",
-)
 def test_a_crafted_unbounded_loop_does_not_hang_the_replay(djflow, tmp_path) -> None:
     data = _export_of_trivial_run(djflow, tmp_path)
     for entry in data["documents"]:
@@ -212,12 +203,6 @@ def check(ctx: Any, input: Any, prior: Any) -> Any:
     return input["who"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R5: an export masks secrets as '••••', and the replay checks that text "
-    "against the input_schema: a secret that is not a plain string (an integer, a pattern) "
-    "makes every replay of the run exit 3 unless --input gives the secrets in clear",
-)
 def test_a_run_with_typed_secrets_replays_from_its_export(djflow, tmp_path) -> None:
     run = djflow.start(pinned, input={"who": "ann", "pin": 123456, "token": "tok-abc"})
     assert run.status == "completed", run.error
@@ -225,13 +210,6 @@ def test_a_run_with_typed_secrets_replays_from_its_export(djflow, tmp_path) -> N
     assert done.returncode == 0, done.stderr[-800:] + done.stdout[-800:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="finding R6: with the secrets given again (--input) the fork starts, but replay()'s "
-    "second run_fork (the dry run that lists what was reused) is called without the input: "
-    "it checks the masked '••••' against the schema, InvalidInput escapes as a traceback and "
-    "the exit is 1 ('the output differs')",
-)
 def test_secrets_given_again_replay_and_are_never_printed(djflow, tmp_path) -> None:
     run = djflow.start(pinned, input={"who": "ann", "pin": 987654, "token": "tok-abc"})
     given = json.dumps({"who": "ann", "pin": 987654, "token": "tok-abc"})

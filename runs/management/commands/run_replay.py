@@ -47,6 +47,12 @@ class Command(BaseCommand):
             help="make a call with no equal recording for real (else: exit 2)",
         )
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
+        parser.add_argument(
+            "--timeout",
+            type=float,
+            default=300.0,
+            help="seconds the replay may take (default 300); past them, exit 3",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         from config import replay
@@ -58,6 +64,7 @@ class Command(BaseCommand):
                 recipes=options["recipe"],
                 from_step=options["from_step"],
                 live=options["live"],
+                timeout=options["timeout"],
             )
             if options["input"] is not None:
                 try:
@@ -70,6 +77,13 @@ class Command(BaseCommand):
                 shown = _shown(result, as_json=options["json"])
         except replay.Unusable as unusable:
             self.stderr.write(f"run_replay: {unusable}")
+            sys.exit(replay.EXIT_UNUSABLE)
+        except Exception as error:
+            # Whatever else stopped it, the replay was not made: never exit 1, which says
+            # the output differs (--traceback shows where it stopped).
+            if options["traceback"]:
+                raise
+            self.stderr.write(f"run_replay: the replay failed: {type(error).__name__}: {error}")
             sys.exit(replay.EXIT_UNUSABLE)
         self.stdout.write(shown)
         sys.exit(result.code)
