@@ -25,7 +25,7 @@ from workflows import access
 from workflows.errors import EngineError
 from workflows.secrets import shown, shown_text
 
-from .engine import slots, unservable
+from .engine import contents, slots, unservable
 from .models import Event, ModelCall, NotifyDelivery, Run, RunAction, StepRun, Timer, ToolCall
 from .services import run_cancel, run_retry
 from .status import StepStatus
@@ -354,11 +354,11 @@ class ModelCallInline(ReadOnlyMixin, admin.StackedInline):
 
     @admin.display(description="prompt (system and messages, after templates)")
     def pretty_prompt(self, call: ModelCall) -> str:
-        return _pretty_json(_cut(call.prompt.body))
+        return _pretty_json(_cut(contents.body(call.prompt)))
 
     @admin.display(description="reply")
     def pretty_reply(self, call: ModelCall) -> str:
-        return _pretty_json(_cut(call.reply.body)) if call.reply is not None else "—"
+        return _pretty_json(_cut(contents.body(call.reply))) if call.reply is not None else "—"
 
 
 class ToolCallInline(ReadOnlyMixin, admin.StackedInline):
@@ -394,11 +394,11 @@ class ToolCallInline(ReadOnlyMixin, admin.StackedInline):
 
     @admin.display(description="arguments")
     def pretty_arguments(self, call: ToolCall) -> str:
-        return _pretty_json(_cut(call.arguments.body))
+        return _pretty_json(_cut(contents.body(call.arguments)))
 
     @admin.display(description="result")
     def pretty_result(self, call: ToolCall) -> str:
-        return _pretty_json(_cut(call.result.body)) if call.result is not None else "—"
+        return _pretty_json(_cut(contents.body(call.result))) if call.result is not None else "—"
 
 
 # The most of a prompt's or reply's text an attempt's admin page shows (a page of many long

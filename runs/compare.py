@@ -44,10 +44,11 @@ from django.urls import reverse
 from workflows import access, secrets
 
 from . import answers
+from .engine import contents
 from .engine.journal import reruns_of
 from .engine.plan import superseded
 from .inspection import TEXT_CHARS, VALUE_CHARS, Shown, conversation
-from .models import Content, ModelCall, Run, StepRun, ToolCall
+from .models import ModelCall, Run, StepRun, ToolCall
 
 # Step instances compared at most (the rest are counted in ``Comparison.steps_left_out``).
 MAX_STEPS = 200
@@ -686,8 +687,7 @@ def _first_calls(rows: QuerySet[Any], ids: Sequence[int]) -> dict[int, list[Any]
 
 
 def _bodies(digests: Iterable[str | None]) -> dict[str, Any]:
-    wanted = {digest for digest in digests if digest is not None}
-    return dict(Content.objects.filter(digest__in=wanted).values_list("digest", "body"))
+    return contents.bodies(digests)
 
 
 Pair = tuple[Any, Any]

@@ -34,6 +34,7 @@ from workflows import access, secrets
 from workflows.models import Recipe, WorkflowVersion
 
 from . import answers, selectors
+from .engine import contents
 from .models import Content, ModelCall, Run, StepRun, ToolCall
 from .serializers import CALL_FIELDS, has_traceback
 
@@ -207,12 +208,17 @@ def _with_calls(ids: list[int]) -> Batch:
     attempts, where the batch alone is about 1.5 MB)."""
     model_calls: dict[int, list[ModelCall]] = {pk: [] for pk in ids}
     tool_calls: dict[int, list[ToolCall]] = {pk: [] for pk in ids}
+    stored: list[Content | None] = []
     made = ModelCall.objects.filter(step_run_id__in=ids).select_related(*MODEL_CONTENTS)
     for call in made.order_by("id"):
         model_calls[call.step_run_id].append(call)
+        stored += (call.prompt, call.reply)
     used = ToolCall.objects.filter(step_run_id__in=ids).select_related(*TOOL_CONTENTS)
     for use in used.order_by("id"):
         tool_calls[use.step_run_id].append(use)
+        stored += (use.arguments, use.result)
+    # Prompts stored in parts, whole again: one query for the batch (runs.engine.contents).
+    contents.assemble(stored)
     steps = StepRun.objects.filter(id__in=ids).order_by("id")
     return [(step, model_calls[step.id], tool_calls[step.id]) for step in steps]
 

@@ -29,8 +29,8 @@ from workflows.errors import FieldError, NotFound, echo
 
 from . import answers, graph, timeline
 from .answers import STEP_VALUES
-from .engine import slots
-from .models import Content, ModelCall, Run, RunAction, StepRun, ToolCall
+from .engine import contents, slots
+from .models import ModelCall, Run, RunAction, StepRun, ToolCall
 from .status import RUN_MOVES, RUN_TERMINAL, RunStatus
 
 TIMELINE_ROWS = 200
@@ -430,7 +430,7 @@ def _calls(run: Run, views: list[AttemptView]) -> None:
             previous.setdefault(where, []).append(call)
     needed = [*with_text, *(c for found in previous.values() for c in found)]
     digests = {d for c in needed for d in (c.prompt_id, c.reply_id) if d is not None}
-    bodies = dict(Content.objects.filter(digest__in=digests).values_list("digest", "body"))
+    bodies = contents.bodies(digests)
 
     def text(digest: str | None) -> str:
         return conversation(bodies.get(digest)) if digest is not None else ""
@@ -456,7 +456,9 @@ def _calls(run: Run, views: list[AttemptView]) -> None:
 def _tools(views: list[AttemptView]) -> None:
     by_step = {view.step.id: view for view in views}
     tools = ToolCall.objects.filter(step_run_id__in=by_step).select_related("arguments", "result")
-    for tool in tools.order_by("step_run_id", "id")[:CALLS_WITH_TEXT]:
+    shown_tools = list(tools.order_by("step_run_id", "id")[:CALLS_WITH_TEXT])
+    contents.assemble(row for tool in shown_tools for row in (tool.arguments, tool.result))
+    for tool in shown_tools:
         by_step[tool.step_run_id].tools.append(
             Tool(
                 tool,

@@ -546,14 +546,60 @@ class RunFault(models.Model):
 
 
 class Content(models.Model):
-    """A prompt or a reply, stored once by the SHA-256 of its canonical JSON: a run whose
-    calls resend a growing conversation stores each distinct text once, and an attempt refers
-    to it (the whole conversation stored per call would grow quadratically)."""
+    """A prompt, a reply, a tool's arguments or result, stored once by the SHA-256 of its
+    canonical JSON (``digest``), and ``size``, that JSON's bytes: what the row stands for,
+    whether it is stored whole or in parts (CONTRACT section 17, ``runs.engine.contents``).
+
+    A prompt ``{system, messages}`` is stored in parts, so a conversation that grows by a
+    message per call stores each message once (whole, every call stored every earlier message
+    again: quadratic). Its row (``shape`` "prompt", empty ``body``) refers to its system
+    text's row (``head``, a whole row) and to its messages' row (``rest``). A messages row
+    (``shape`` "list") stands for the list of messages up to and including its ``body``, the
+    last one; ``rest`` is the list before it (None for the first). Lists are keyed by their
+    own digest, so every prompt of a thread shares the rows of the messages it repeats. A
+    row's parts are never deleted before it (``runs.retention``)."""
+
+    class Shape(models.TextChoices):
+        WHOLE = "", "whole"
+        PROMPT = "prompt", "prompt"
+        LIST = "list", "list"
 
     digest = models.CharField(max_length=64, primary_key=True)
     body = models.JSONField()
     size = models.PositiveIntegerField()
     created_at = models.DateTimeField(default=timezone.now)
+    shape = models.CharField(
+        max_length=6, choices=Shape.choices, blank=True, default="", db_default=""
+    )
+    # DO_NOTHING: retention deletes a part only once no row refers to it, and a row with
+    # its parts in one statement (Django's PROTECT would refuse even that); the database's
+    # deferred constraint keeps the rest honest. Indexed where set only: most rows are whole.
+    head = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+    )
+    rest = models.ForeignKey(
+        "self",
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        related_name="+",
+        db_index=False,
+    )
+
+    class Meta:
+        indexes = [
+            models.Index(
+                fields=["head"], name="runs_content_head", condition=Q(head__isnull=False)
+            ),
+            models.Index(
+                fields=["rest"], name="runs_content_rest", condition=Q(rest__isnull=False)
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.digest[:12]

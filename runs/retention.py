@@ -20,7 +20,9 @@ What is deleted, and why it is safe:
   (their ``on_delete`` is ``SET_NULL``: they are the recipient's, not the run's).
 - Stored prompts, replies, tool arguments and results (``Content``) are shared by digest
   between runs: one is deleted only when no model or tool call refers to it any more, and one
-  that a writer holds (a call being recorded refers to it) is skipped.
+  that a writer holds (a call being recorded refers to it) is skipped. A prompt's parts (its
+  system text and messages, shared by every prompt of a thread) go only once no call and no
+  prompt that stays refers to them.
 - An event the deleted runs took is deleted when no other step run took it and no run still
   going could take it (it arrived before every live run started).
 
@@ -49,7 +51,7 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from .engine import hooks
+from .engine import contents, hooks
 from .engine.isolation import guarded, in_backoff
 from .models import Content, Event, ModelCall, Run, StepRun, ToolCall
 from .status import RUN_TERMINAL, RunStatus
@@ -266,24 +268,39 @@ def _contents_of(run_ids: list[Any]) -> set[str]:
 
 
 def _orphan_contents(digests: set[str]) -> dict[str, int]:
-    """Delete the contents among ``digests`` no call refers to any more. One a writer is
-    using at this moment (its call's row refers to it, not committed yet) is locked by that
-    reference and skipped."""
+    """Delete the contents among ``digests``, and the parts below them (a prompt's system text
+    and messages, ``runs.engine.contents``), that nothing refers to any more: no call, and no
+    stored row that stays (another prompt that repeats these messages). One a writer is using
+    at this moment (its call's row refers to it, not committed yet) is locked by that
+    reference and skipped, with every part below it."""
     if not digests:
         return {}
+    below = contents.closure(digests)
     referenced = (
         Q(Exists(ModelCall.objects.filter(prompt_id=OuterRef("digest"))))
         | Q(Exists(ModelCall.objects.filter(reply_id=OuterRef("digest"))))
         | Q(Exists(ToolCall.objects.filter(arguments_id=OuterRef("digest"))))
         | Q(Exists(ToolCall.objects.filter(result_id=OuterRef("digest"))))
     )
-    unused = list(
+    free = set(
         Content.objects.select_for_update(skip_locked=True)
-        .filter(digest__in=digests)
+        .filter(digest__in=below)
         .exclude(referenced)
         .values_list("digest", flat=True)
     )
-    count, _ = Content.objects.filter(digest__in=unused).delete()
+    kept = set(below) - free
+    referrers = Content.objects.filter(Q(head_id__in=below) | Q(rest_id__in=below))
+    for parts in referrers.exclude(digest__in=below).values_list("head_id", "rest_id"):
+        kept.update(part for part in parts if part in below)
+    # Whatever a kept row is made of stays with it.
+    stack = list(kept)
+    while stack:
+        for part in below[stack.pop()]:
+            if part is not None and part not in kept:
+                kept.add(part)
+                stack.append(part)
+    # A row and its parts in one statement: the parts' references are checked at commit.
+    count, _ = Content.objects.filter(digest__in=free - kept).delete()
     return {Content._meta.label: count} if count else {}
 
 

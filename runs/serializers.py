@@ -25,7 +25,7 @@ from workflows import secrets
 from workflows.templates import encoded_size
 
 from . import answers, bulk
-from .engine import slots, unservable
+from .engine import contents, slots, unservable
 from .models import BulkAction, ModelCall, Run, RunAction, StepRun, ToolCall
 from .selectors import RUN_LIST_FILTERS, SHOWN_ACTIONS
 from .status import RunStatus, StepStatus
@@ -449,7 +449,9 @@ class ToolCallSerializer(serializers.ModelSerializer):
 def _content(content: Any) -> dict[str, Any] | None:
     if content is None:
         return None
-    body = content.body if isinstance(content.body, dict) else {"value": content.body}
+    # A prompt stored in parts answers whole (runs.engine.contents).
+    whole = contents.body(content)
+    body = whole if isinstance(whole, dict) else {"value": whole}
     return {"digest": content.digest, "size": content.size, **body}
 
 

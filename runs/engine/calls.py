@@ -4,16 +4,14 @@ call, on the attempt that made it, with its prompt and reply stored once each by
 call is recorded the same way (:class:`~runs.models.ToolCall`: its arguments and result by
 content hash), without a reservation: a tool call is not priced.
 
-Content addressing keeps storage linear in what is new: a conversation resent with every call
-(a JSON re-ask, a loop of turns) stores each distinct prompt once, and every call refers to
-it. A Temporal user who stored the whole conversation with every call hit the 50 MB history
-limit after 53 of 100 calls.
+Content addressing keeps storage linear in what is new: a prompt is stored as its messages
+(``runs.engine.contents``), so a conversation resent with every call (a JSON re-ask, a loop of
+turns) stores each message once, and every call refers to it. A Temporal user who stored the
+whole conversation with every call hit the 50 MB history limit after 53 of 100 calls.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -21,8 +19,8 @@ from typing import Any
 
 from django.db import transaction
 
-from ..models import Content, ModelCall, ToolCall
-from . import costs
+from ..models import ModelCall, ToolCall
+from . import contents, costs
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class ToolUse:
 
 def digest(body: Any) -> str:
     """The SHA-256 of ``body``'s canonical JSON (sorted keys, no spaces)."""
-    return hashlib.sha256(_canonical(body)).hexdigest()
+    return contents.digest(body)
 
 
 def call_record(*, reservation: costs.Reservation, call: Call) -> ModelCall:
@@ -85,7 +83,7 @@ def calls_record(made: Sequence[tuple[costs.Reservation, Call]]) -> list[ModelCa
     reservations held, and the reconciler charges them (``costs.release_ended``)."""
     if not made:
         return []
-    digests = _store([body for _, call in made for body in (call.prompt, call.reply)])
+    digests = contents.store([body for _, call in made for body in (call.prompt, call.reply)])
     costs.settle_all([(reservation, call.cost_usd) for reservation, call in made])
     rows = [
         ModelCall(
@@ -120,7 +118,7 @@ def tool_calls_record(made: Sequence[ToolUse]) -> list[ToolCall]:
     records the attempt), whether or not its result is still wanted: they were made."""
     if not made:
         return []
-    digests = _store([body for use in made for body in (use.arguments, use.result)])
+    digests = contents.store([body for use in made for body in (use.arguments, use.result)])
     rows = [
         ToolCall(
             step_run_id=use.step_run_id,
@@ -136,25 +134,3 @@ def tool_calls_record(made: Sequence[ToolUse]) -> list[ToolCall]:
         for use in made
     ]
     return ToolCall.objects.bulk_create(rows)
-
-
-def _store(bodies: Sequence[Any]) -> dict[int, str]:
-    """Store each body (None skipped) once by its digest, in one statement; answers each
-    body's digest by the body's ``id()``. The same content again is the row already stored:
-    nothing is written twice. Rows go in digest order, so two writers storing the same
-    contents wait for each other in the same order, never both at once."""
-    rows: dict[str, Content] = {}
-    digests: dict[int, str] = {}
-    for body in bodies:
-        if body is None:
-            continue
-        raw = _canonical(body)
-        key = hashlib.sha256(raw).hexdigest()
-        rows.setdefault(key, Content(digest=key, body=body, size=len(raw)))
-        digests[id(body)] = key
-    Content.objects.bulk_create([rows[key] for key in sorted(rows)], ignore_conflicts=True)
-    return digests
-
-
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

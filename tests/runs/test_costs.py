@@ -162,7 +162,8 @@ def test_a_call_record_stores_each_prompt_once_by_its_digest() -> None:
         )
     assert ModelCall.objects.filter(step_run=attempt).count() == 2
     assert Content.objects.filter(digest=calls.digest(prompt)).count() == 1
-    assert Content.objects.count() == 3  # one prompt, two replies
+    # One prompt (its row, its system text, its one message: runs.engine.contents), two replies.
+    assert Content.objects.count() == 5
     attempt.refresh_from_db()
     assert (attempt.cost_usd, attempt.reserved_usd) == (Decimal("0.004"), Decimal(0))
 

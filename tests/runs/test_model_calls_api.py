@@ -12,7 +12,7 @@ from django.contrib.auth import get_user_model
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
-from runs.engine import calls, costs
+from runs.engine import calls, contents, costs
 from runs.models import ModelCall, Run
 from runs.status import StepStatus
 from tests.runs.factories import RunFactory, StepRunFactory, WorkflowVersionFactory
@@ -48,7 +48,8 @@ def test_a_run_lists_its_calls_without_their_texts(api: APIClient) -> None:
     [attempt] = [s for s in response.json()["steps"] if s["model_calls"]]
     [listed] = attempt["model_calls"]
     assert listed["url"] == f"/api/v1/runs/{run.id}/calls/{call.id}"
-    assert listed["prompt_digest"] == calls.digest(call.prompt.body)
+    # The digest of the whole prompt, though it is stored as its messages.
+    assert listed["prompt_digest"] == calls.digest(contents.body(call.prompt))
     assert listed["prompt_size"] > 250_000 and listed["reply_size"] > 0
     assert (listed["input_tokens"], listed["cost_usd"]) == (12, 0.000004)
     assert "prompt" not in listed and LONG[:100] not in response.content.decode()
