@@ -785,7 +785,10 @@ class RunSerializer(RunListSerializer):
             return queued
         # The newest attempts are prefetched (selectors.with_journal): no query.
         shown = run.steps.all()
-        reasons = (in_doubt_reason(run, step) or unservable.waiting_reason(step) for step in shown)
+        reasons = (
+            in_doubt_reason(run, step) or unservable.waiting_reason(step) or budget_reason(step)
+            for step in shown
+        )
         reason = next((reason for reason in reasons if reason), None)
         if reason is None and len(shown) < self.get_steps_total(run):
             # An attempt in doubt or waiting for a worker among those not shown (a foreach
@@ -795,6 +798,7 @@ class RunSerializer(RunListSerializer):
                 .filter(
                     Q(status=StepStatus.IN_DOUBT)
                     | Q(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
+                    | Q(status=StepStatus.SCHEDULED, budget_wait__isnull=False)
                 )
                 .order_by("id")
                 # What the two reasons say, not the attempt's values (up to 3 MiB of them).
@@ -808,12 +812,36 @@ class RunSerializer(RunListSerializer):
                     "waiting_since",
                     "waiting_for",
                     "queue",
+                    "budget_wait",
                 )
                 .first()
             )
             if older is not None:
-                reason = in_doubt_reason(run, older) or unservable.waiting_reason(older)
+                reason = (
+                    in_doubt_reason(run, older)
+                    or unservable.waiting_reason(older)
+                    or budget_reason(older)
+                )
         return reason
+
+
+def budget_reason(step: StepRun) -> str | None:
+    """Why the run waits for budget (CONTRACT section 17): the limit, the amount asked for,
+    and what lets it go on."""
+    wait = step.budget_wait if step.status == StepStatus.SCHEDULED else None
+    if not wait:
+        return None
+    message = str(wait.get("message") or "").removeprefix("recipe: call not made: ")
+    if wait.get("limit") == "account":
+        until = wait.get("until")
+        then = f", or the new period at {until}" if until else ""
+        after = f"the account's budget raised (PUT /api/v1/accounts/{wait.get('account')}){then}"
+    else:
+        after = f"a top-up (POST /api/v1/runs/{wait.get('run')}/budget)"
+    return (
+        f"step '{step.step_id}' waits for budget: {message} (asked for ${wait.get('asked_usd')});"
+        f" it goes on after {after}"
+    )
 
 
 def in_doubt_reason(run: Run, step: StepRun) -> str | None:
