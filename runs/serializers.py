@@ -9,6 +9,7 @@ secret's token (what a writeOnly input field is stored as) is shown as ``••�
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -1074,3 +1075,68 @@ class RunTraceSerializer(serializers.Serializer):
     truncated = TruncatedSerializer(
         allow_null=True, help_text="null, or why spans were left out (a span of kind truncated)"
     )
+
+
+PERIOD_HELP = (
+    "day or month, with UTC boundaries (midnight, the first of the month); null: a budget in total"
+)
+
+
+class AccountSerializer(serializers.Serializer):
+    """An account's budget and what its runs' model calls spent and hold (CONTRACT
+    section 17). ``spent_usd`` and ``reserved_usd`` are the engine's."""
+
+    name = serializers.CharField(read_only=True)
+    budget_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, allow_null=True, read_only=True, coerce_to_string=False
+    )
+    period = serializers.ChoiceField(
+        choices=["day", "month"], allow_null=True, read_only=True, help_text=PERIOD_HELP
+    )
+    period_start = serializers.DateTimeField(read_only=True)
+    spent_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, read_only=True, coerce_to_string=False
+    )
+    reserved_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, read_only=True, coerce_to_string=False
+    )
+
+    def to_representation(self, instance: Any) -> Any:
+        data = super().to_representation(instance)
+        data["period"] = instance.period or None
+        return data
+
+
+class AccountBodySerializer(StrictBodySerializer):
+    """The body of ``PUT /accounts/{name}``: what operators set."""
+
+    budget_usd = serializers.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        min_value=Decimal(0),
+        allow_null=True,
+        help_text="USD the account's model calls may cost per period (null: no cap)",
+    )
+    period = serializers.ChoiceField(
+        choices=["day", "month"],
+        allow_null=True,
+        required=False,
+        default=None,
+        help_text=PERIOD_HELP,
+    )
+
+    body_name = "an account"
+
+
+class RunBudgetSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/budget``."""
+
+    add_usd = serializers.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        min_value=Decimal("0.000001"),
+        max_value=Decimal(1_000_000),
+        help_text="USD added to the run's limits.max_cost_usd",
+    )
+
+    body_name = "a top-up"

@@ -395,9 +395,11 @@ def test_two_runs_of_one_account_race_for_the_last_of_its_budget(
     services.account_save(name="team", budget_usd=Decimal("0.045"), period="day", user=None)
     runs = [start("rx_acct", account="team") for _ in range(8)]
     wait_for(
-        lambda: Run.objects.filter(id__in=[r.id for r in runs], status="completed").count()
-        + Run.objects.filter(id__in=[r.id for r in runs], status="budget_exceeded").count()
-        == 8,
+        lambda: (
+            Run.objects.filter(id__in=[r.id for r in runs], status="completed").count()
+            + Run.objects.filter(id__in=[r.id for r in runs], status="budget_exceeded").count()
+            == 8
+        ),
         timeout=60,
         message=logs,
     )
