@@ -16,14 +16,15 @@ from django.db.models import Max, Min
 WORKFLOW_MODULES: list[str] = ["bench.flows"]
 
 
-def _start_runs(workflow: str, count: int) -> list[Any]:
+def _start_runs(workflow: str, count: int, account: str | None = None) -> list[Any]:
     """Start ``count`` runs as the API does (``run_start``: the run and its first attempt in
     one transaction, the attempt offered on commit), as fast as this process can."""
     from bench.common import vacuum
     from runs.services import run_start
 
     vacuum()
-    return [run_start(workflow=workflow, input={}).run.id for _ in range(count)]
+    named = {"account": account} if account else {}
+    return [run_start(workflow=workflow, input={}, **named).run.id for _ in range(count)]
 
 
 def _wait(run_ids: list[Any], timeout: float) -> None:

@@ -96,11 +96,16 @@ def save_workflow(steps: int) -> str:
     return workflow_id
 
 
-def engine_sequential(workflow_id: str, steps: int) -> float:
+# --account-budget: the runs' account, given a budget (issue 39: what reserving against an
+# account's budget adds to a recipe step).
+ACCOUNT = "bench_account"
+
+
+def engine_sequential(workflow_id: str, steps: int, account: str | None = None) -> float:
     """Milliseconds per step of one run of ``steps`` recipe steps, from the journal."""
     from bench import engine
 
-    run_ids = engine._start_runs(workflow_id, 1)
+    run_ids = engine._start_runs(workflow_id, 1, account)
     engine._wait(run_ids, timeout=60 + steps * 0.5)
     return engine._span(run_ids) * 1000 / (steps - 1)
 
@@ -127,6 +132,7 @@ def measure(
     concurrency: int = 2,
     loglevel: str = "warning",
     floor: bool = True,
+    account_budget: bool = False,
 ) -> Rounds:
     """Both sides on one worker, one model server, in one sitting; ``repeat`` rounds of
     bare then engine (then, with ``floor``, the no-op relay and no-op steps on the same
@@ -136,6 +142,17 @@ def measure(
     from bench import recipe_bare as bare
 
     rounds = Rounds(engine=[], bare=[], floor_engine=[], floor_bare=[])
+    from decimal import Decimal
+
+    from runs.models import Account
+    from runs.services import account_save
+
+    # The runs are on one named account either way (its model slots are counted in Redis,
+    # which an empty account skips): the figures differ by the budget alone.
+    account = ACCOUNT
+    Account.objects.filter(name=account).delete()
+    if account_budget:
+        account_save(name=account, budget_usd=Decimal(1_000_000), period="day", user=None)
     with ModelServer(default=_answer) as server, _environ(server.openai_env()):
         workflow_id = save_workflow(steps)
         warm_id = save_workflow(WARM_STEPS)
@@ -156,7 +173,7 @@ def measure(
                 bare_celery.relay(20, worker)
             for _ in range(repeat):
                 rounds.bare.append(bare.relay(steps, worker))
-                rounds.engine.append(engine_sequential(workflow_id, steps))
+                rounds.engine.append(engine_sequential(workflow_id, steps, account))
                 if floor:
                     rounds.floor_bare.append(bare_celery.relay(FLOOR_STEPS, worker))
                     rounds.floor_engine.append(noop_engine.engine_sequential(FLOOR_STEPS))
@@ -183,10 +200,18 @@ def main(argv: list[str] | None = None) -> None:
         action="store_false",
         help="leave out the no-op steps beside the no-op relay (the engine's own floor)",
     )
+    parser.add_argument(
+        "--account-budget",
+        action="store_true",
+        help="start the runs on an account with a (daily, ample) budget: every call reserves "
+        "against it",
+    )
     args = parser.parse_args(argv)
 
     common.configure()
-    rounds = measure(args.steps, args.repeat, args.concurrency, args.loglevel, args.floor)
+    rounds = measure(
+        args.steps, args.repeat, args.concurrency, args.loglevel, args.floor, args.account_budget
+    )
     print(
         f"worker: celery -A config worker -P prefork -c {args.concurrency} -l {args.loglevel}, "
         f"broker {common.REDIS_URL}; median of {args.repeat}; ratio = engine / bare "

@@ -96,6 +96,11 @@ class Run(models.Model):
     # concurrency): the start's ``account``, else the starter's username; a child run has its
     # root's.
     account = models.CharField(max_length=150, blank=True, default="", db_default="")
+    # What operators added to the run's limits.max_cost_usd (POST /runs/{id}/budget): the
+    # run's limit is the document's plus this (runs.engine.costs).
+    budget_added_usd = models.DecimalField(
+        max_digits=14, decimal_places=6, default=Decimal("0"), db_default=Decimal("0")
+    )
     # 0 (lowest) to 9 (highest), from the start (POST /runs): sent with the run's messages
     # as the broker's priority, and the order runs waiting for a concurrency slot of one key
     # are admitted in (higher first, then arrival).
@@ -273,6 +278,11 @@ class StepRun(models.Model):
     reserved_usd = models.DecimalField(
         max_digits=14, decimal_places=6, default=Decimal("0"), db_default=Decimal("0")
     )
+    # A scheduled attempt whose model call did not fit a budget (limits.on_budget "wait"):
+    # {"limit": "run"|"account", "asked_usd", "message", "run"?, "account"?, "until"?}. It is
+    # not offered (the reconciler leaves it) until a top-up, a raised account budget or the
+    # period's end (``until``) clears it (runs.engine.budgets); the run shows budget_exceeded.
+    budget_wait = models.JSONField(null=True, blank=True)
     celery_task_id = models.CharField(max_length=255, blank=True, default="")
     scheduled_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -341,6 +351,8 @@ class TimerPurpose(models.TextChoices):
     # A child run whose tree starts runs faster than DJFLOW_MAX_TREE_RUNS_PER_MINUTE: its
     # first steps are planned when this fires (runs.engine.trees).
     TREE_PACE = "tree_pace"
+    # A period of an account's budget ends: the attempts that waited for it are offered again.
+    BUDGET_PERIOD = "budget_period"
 
 
 class Timer(models.Model):
@@ -770,3 +782,37 @@ class BulkAction(models.Model):
 
     def __str__(self) -> str:
         return f"bulk {self.action} by {self.requested_by_name or 'the system'} ({self.id})"
+
+
+class AccountPeriod(models.TextChoices):
+    DAY = "day"
+    MONTH = "month"
+
+
+class Account(models.Model):
+    """An account's budget for model calls (CONTRACT section 17), the ledger of what its
+    runs' calls spent and hold (``runs.engine.costs``).
+
+    A row exists for an account an operator gave a budget (``PUT /accounts/{name}``); an
+    account without one is not counted here, and its calls cost no statement more. Periods
+    have UTC boundaries: ``day`` from midnight, ``month`` from the first; ``period`` empty is a
+    budget in total. ``spent_usd`` is what settled calls cost since ``period_start`` (reset
+    by the first reservation or settle of a new period), ``reserved_usd`` the worst cases of
+    the calls in flight. Both are the engine's: written only by additive, conditional
+    updates of ``runs.engine.costs``, never read-modified-written.
+    """
+
+    name = models.CharField(max_length=150, primary_key=True)
+    # NULL: no cap (spend is still counted).
+    budget_usd = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
+    period = models.CharField(max_length=5, choices=AccountPeriod.choices, blank=True, default="")
+    period_start = models.DateTimeField(default=timezone.now)
+    spent_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    reserved_usd = models.DecimalField(max_digits=14, decimal_places=6, default=Decimal("0"))
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name

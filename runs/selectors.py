@@ -309,3 +309,27 @@ def run_tree_ending(*, run: Run) -> bool:
     """Whether runs that ends in ``run``'s tree left behind are still live: a
     ``runs.end_tree`` task is ending them (a cancel's answer is then 202, not 200)."""
     return orphans_of(run.root_run_id or run.id).exists()
+
+
+def accounts_list() -> list[Any]:
+    """The accounts given a budget, by name."""
+    from .models import Account
+
+    return list(Account.objects.order_by("name")[:1000])
+
+
+def account_get(*, name: str) -> Any:
+    """The account's row; for an account never given a budget, an unsaved one: no budget,
+    what its runs cost in total, what their attempts hold."""
+    from django.db.models import Sum
+
+    from .models import Account, Run, StepRun
+
+    found = Account.objects.filter(name=name).first()
+    if found is not None:
+        return found
+    spent = Run.objects.filter(account=name).aggregate(total=Sum("cost_usd"))["total"]
+    held = StepRun.objects.filter(run__account=name, reserved_usd__gt=0).aggregate(
+        total=Sum("reserved_usd")
+    )["total"]
+    return Account(name=name, budget_usd=None, spent_usd=spent or 0, reserved_usd=held or 0)

@@ -9,6 +9,7 @@ secret's token (what a writeOnly input field is stored as) is shown as ``••�
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -787,7 +788,10 @@ class RunSerializer(RunListSerializer):
             return queued
         # The newest attempts are prefetched (selectors.with_journal): no query.
         shown = run.steps.all()
-        reasons = (in_doubt_reason(run, step) or unservable.waiting_reason(step) for step in shown)
+        reasons = (
+            in_doubt_reason(run, step) or unservable.waiting_reason(step) or budget_reason(step)
+            for step in shown
+        )
         reason = next((reason for reason in reasons if reason), None)
         if reason is None and len(shown) < self.get_steps_total(run):
             # An attempt in doubt or waiting for a worker among those not shown (a foreach
@@ -797,6 +801,7 @@ class RunSerializer(RunListSerializer):
                 .filter(
                     Q(status=StepStatus.IN_DOUBT)
                     | Q(status=StepStatus.SCHEDULED, waiting_since__isnull=False)
+                    | Q(status=StepStatus.SCHEDULED, budget_wait__isnull=False)
                 )
                 .order_by("id")
                 # What the two reasons say, not the attempt's values (up to 3 MiB of them).
@@ -810,12 +815,36 @@ class RunSerializer(RunListSerializer):
                     "waiting_since",
                     "waiting_for",
                     "queue",
+                    "budget_wait",
                 )
                 .first()
             )
             if older is not None:
-                reason = in_doubt_reason(run, older) or unservable.waiting_reason(older)
+                reason = (
+                    in_doubt_reason(run, older)
+                    or unservable.waiting_reason(older)
+                    or budget_reason(older)
+                )
         return reason
+
+
+def budget_reason(step: StepRun) -> str | None:
+    """Why the run waits for budget (CONTRACT section 17): the limit, the amount asked for,
+    and what lets it go on."""
+    wait = step.budget_wait if step.status == StepStatus.SCHEDULED else None
+    if not wait:
+        return None
+    message = str(wait.get("message") or "").removeprefix("recipe: call not made: ")
+    if wait.get("limit") == "account":
+        until = wait.get("until")
+        then = f", or the new period at {until}" if until else ""
+        after = f"the account's budget raised (PUT /api/v1/accounts/{wait.get('account')}){then}"
+    else:
+        after = f"a top-up (POST /api/v1/runs/{wait.get('run')}/budget)"
+    return (
+        f"step '{step.step_id}' waits for budget: {message} (asked for ${wait.get('asked_usd')});"
+        f" it goes on after {after}"
+    )
 
 
 def in_doubt_reason(run: Run, step: StepRun) -> str | None:
@@ -1048,3 +1077,68 @@ class RunTraceSerializer(serializers.Serializer):
     truncated = TruncatedSerializer(
         allow_null=True, help_text="null, or why spans were left out (a span of kind truncated)"
     )
+
+
+PERIOD_HELP = (
+    "day or month, with UTC boundaries (midnight, the first of the month); null: a budget in total"
+)
+
+
+class AccountSerializer(serializers.Serializer):
+    """An account's budget and what its runs' model calls spent and hold (CONTRACT
+    section 17). ``spent_usd`` and ``reserved_usd`` are the engine's."""
+
+    name = serializers.CharField(read_only=True)
+    budget_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, allow_null=True, read_only=True, coerce_to_string=False
+    )
+    period = serializers.ChoiceField(
+        choices=["day", "month"], allow_null=True, read_only=True, help_text=PERIOD_HELP
+    )
+    period_start = serializers.DateTimeField(read_only=True)
+    spent_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, read_only=True, coerce_to_string=False
+    )
+    reserved_usd = serializers.DecimalField(
+        max_digits=14, decimal_places=6, read_only=True, coerce_to_string=False
+    )
+
+    def to_representation(self, instance: Any) -> Any:
+        data = super().to_representation(instance)
+        data["period"] = instance.period or None
+        return data
+
+
+class AccountBodySerializer(StrictBodySerializer):
+    """The body of ``PUT /accounts/{name}``: what operators set."""
+
+    budget_usd = serializers.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        min_value=Decimal(0),
+        allow_null=True,
+        help_text="USD the account's model calls may cost per period (null: no cap)",
+    )
+    period = serializers.ChoiceField(
+        choices=["day", "month"],
+        allow_null=True,
+        required=False,
+        default=None,
+        help_text=PERIOD_HELP,
+    )
+
+    body_name = "an account"
+
+
+class RunBudgetSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/{id}/budget``."""
+
+    add_usd = serializers.DecimalField(
+        max_digits=14,
+        decimal_places=6,
+        min_value=Decimal("0.000001"),
+        max_value=Decimal(1_000_000),
+        help_text="USD added to the run's limits.max_cost_usd",
+    )
+
+    body_name = "a top-up"

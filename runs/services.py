@@ -4,15 +4,18 @@ call these; none of them changes a status without a lock on the run row."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
+from django.db.models import F, Sum
 from django.utils import timezone
 
 from workflows import access, secrets, selectors
@@ -24,12 +27,21 @@ from workflows.queues import version_queue_errors
 from workflows.templates import TooLarge, check_size, encoded_size
 
 from . import dispatch, retries, tracing, vault
-from .engine import delivery, journal, slots, trees, unservable
+from .engine import budgets, costs, delivery, journal, slots, trees, unservable
 from .engine.advance import advance_locked
 from .engine.ending import cancelled_error, end_run
 from .engine.plan import IN_DOUBT, MAX_VALUE_BYTES, Schedule, plan, top_level_ids
 from .engine.store import Increment, update_run
-from .models import Event, Run, RunAction, RunFault, StepRun, Timer, TimerPurpose
+from .models import (
+    Account,
+    Event,
+    Run,
+    RunAction,
+    RunFault,
+    StepRun,
+    Timer,
+    TimerPurpose,
+)
 from .moves import move_run, move_steps
 from .selectors import run_tree_ending
 from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, check_run_move
@@ -37,6 +49,8 @@ from .status import RUN_TERMINAL, IllegalTransition, RunStatus, StepStatus, chec
 if TYPE_CHECKING:
     # A fork's seed (runs.forks calls run_start with one: imported there, not here).
     from .forks import Seed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -348,6 +362,76 @@ def run_resume(*, run_id: Any, user: AbstractBaseUser | None = None) -> Run:
     RunFault.objects.filter(run_id=run.id).delete()
     dispatch.advance_on_commit(run.id)
     return run
+
+
+@transaction.atomic
+def run_budget_add(*, run_id: Any, add_usd: Decimal, user: AbstractBaseUser | None = None) -> Run:
+    """Raise the run's ``limits.max_cost_usd`` by ``add_usd`` (CONTRACT section 17), and offer
+    again the attempts of its tree that wait for that limit: the step goes on (or waits
+    again, should the top-up still be too small). ``user`` must operate the run; recorded on
+    it. A run with no limit of its own, or that has ended, is a 409."""
+    run = _locked(run_id, user)
+    if run.status in RUN_TERMINAL:
+        raise IllegalTransition(
+            errors=[FieldError("status", f"a {run.status} run's budget cannot be raised")]
+        )
+    if costs.limit_of_version(run.version_id) is None:
+        root = f" (its root run {run.root_run_id} has one)" if run.root_run_id else ""
+        raise Conflict(
+            errors=[FieldError("add_usd", f"the run has no limits.max_cost_usd to raise{root}")]
+        )
+    record_action(run.id, "budget", user, {"add_usd": str(add_usd)})
+    Run.objects.filter(id=run.id).update(budget_added_usd=F("budget_added_usd") + add_usd)
+    run.refresh_from_db(fields=["budget_added_usd"])
+    budgets.release(budgets.waiting_on_run(run))
+    return run
+
+
+@transaction.atomic
+def account_save(
+    *, name: str, budget_usd: Decimal | None, period: str | None, user: AbstractBaseUser | None
+) -> Account:
+    """Set account ``name``'s budget and period (``None``/"" a budget in total), making its
+    row on first use, and offer again the attempts waiting for it (those that still do not
+    fit wait again). The engine's counters are not written here, but for a new row or a
+    new period: what the account's runs' attempts that ended in the current period cost
+    (calls then in flight are not counted against the budget)."""
+    period = period or ""
+    now = timezone.now()
+    found = Account.objects.select_for_update().filter(name=name).first()
+    if found is None:
+        start = costs.period_start(period, now)
+        spent = _spent_since(name, start)
+        Account.objects.bulk_create(
+            [Account(name=name, period=period, period_start=start or now, spent_usd=spent)],
+            ignore_conflicts=True,
+        )
+        found = Account.objects.select_for_update().get(name=name)
+    changes: dict[str, Any] = {"budget_usd": budget_usd}
+    if found.period != period:
+        start = costs.period_start(period, now)
+        changes.update(
+            period=period, period_start=start or now, spent_usd=_spent_since(name, start)
+        )
+    Account.objects.filter(name=name).update(**changes, updated_at=now)
+    record_account_action(name, user, {k: str(v) for k, v in changes.items()})
+    budgets.release(budgets.waiting_on_account(name))
+    return Account.objects.get(name=name)
+
+
+def _spent_since(account: str, start: Any) -> Decimal:
+    """What the account's attempts that ended since ``start`` (ever, for None) cost."""
+    found = StepRun.objects.filter(run__account=account, cost_usd__gt=0)
+    if start is not None:
+        found = found.filter(finished_at__gte=start)
+    total = found.aggregate(total=Sum("cost_usd"))["total"]
+    return Decimal(total or 0)
+
+
+def record_account_action(name: str, user: AbstractBaseUser | None, detail: Any) -> None:
+    """Who changed an account's budget: in the log (accounts have no runs to show it on)."""
+    who = user.get_username() if user is not None and user.is_authenticated else "-"
+    logger.info("account %s budget set by %s: %s", name, who, detail)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ class RunStatus(models.TextChoices):
     WAITING = "waiting"
     PENDING_APPROVAL = "pending_approval"
     PAUSED = "paused"
+    # A model call did not fit the run's limits.max_cost_usd or its account's budget
+    # (limits.on_budget "wait"): its attempt waits with no worker held until a top-up, a
+    # raised account budget or a new period (runs.engine.budgets).
+    BUDGET_EXCEEDED = "budget_exceeded"
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -47,7 +51,13 @@ RUN_TERMINAL = frozenset(
     {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.TIMED_OUT}
 )
 RUN_ACTIVE = frozenset(
-    {RunStatus.PENDING, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.PENDING_APPROVAL}
+    {
+        RunStatus.PENDING,
+        RunStatus.RUNNING,
+        RunStatus.WAITING,
+        RunStatus.PENDING_APPROVAL,
+        RunStatus.BUDGET_EXCEEDED,
+    }
 )
 STEP_TERMINAL = frozenset(
     {
@@ -82,6 +92,7 @@ RUN_MOVES: dict[str, frozenset[str]] = {
     _S.RUNNING: frozenset(
         {
             _S.WAITING,
+            _S.BUDGET_EXCEEDED,
             _S.PENDING_APPROVAL,
             _S.PAUSED,
             _S.COMPLETED,
@@ -93,6 +104,7 @@ RUN_MOVES: dict[str, frozenset[str]] = {
     _S.WAITING: frozenset(
         {
             _S.RUNNING,
+            _S.BUDGET_EXCEEDED,
             _S.PENDING_APPROVAL,
             _S.PAUSED,
             _S.COMPLETED,
@@ -102,7 +114,30 @@ RUN_MOVES: dict[str, frozenset[str]] = {
         }
     ),
     _S.PENDING_APPROVAL: frozenset(
-        {_S.RUNNING, _S.WAITING, _S.PAUSED, _S.COMPLETED, _S.FAILED, _S.CANCELLED, _S.TIMED_OUT}
+        {
+            _S.RUNNING,
+            _S.WAITING,
+            _S.BUDGET_EXCEEDED,
+            _S.PAUSED,
+            _S.COMPLETED,
+            _S.FAILED,
+            _S.CANCELLED,
+            _S.TIMED_OUT,
+        }
+    ),
+    # Waiting for budget: a top-up or a new period lets the attempt go on (running); other
+    # branches of the run may still end it meanwhile, and an operator may pause or cancel it.
+    _S.BUDGET_EXCEEDED: frozenset(
+        {
+            _S.RUNNING,
+            _S.WAITING,
+            _S.PENDING_APPROVAL,
+            _S.PAUSED,
+            _S.COMPLETED,
+            _S.FAILED,
+            _S.CANCELLED,
+            _S.TIMED_OUT,
+        }
     ),
     _S.PAUSED: frozenset({_S.RUNNING, _S.CANCELLED, _S.TIMED_OUT}),
     # A failed run may be retried from its failed step, and any ended run from a step of

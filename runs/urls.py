@@ -14,6 +14,7 @@ urlpatterns = [
     path("runs/<str:run_id>/resume", views.RunResumeView.as_view(), name="run-resume"),
     path("runs/<str:run_id>/retry", views.RunRetryView.as_view(), name="run-retry"),
     path("runs/<str:run_id>/fork", views.RunForkView.as_view(), name="run-fork"),
+    path("runs/<str:run_id>/budget", views.RunBudgetView.as_view(), name="run-budget"),
     path(
         "runs/<str:run_id>/steps/<str:step_run_id>/resolve",
         views.StepResolveView.as_view(),
@@ -32,4 +33,6 @@ urlpatterns = [
     path("runs/<str:run_id>/output", views.RunOutputView.as_view(), name="run-output"),
     path("runs/<str:run_id>/calls/<int:call_id>", views.ModelCallView.as_view(), name="run-call"),
     path("events", views.EventView.as_view(), name="events"),
+    path("accounts", views.AccountListView.as_view(), name="accounts"),
+    path("accounts/<str:name>", views.AccountDetailView.as_view(), name="account"),
 ]

@@ -21,12 +21,14 @@ from rest_framework.views import APIView
 
 from config.pagination import ContractCursorPagination, NewestFirstPagination
 from workflows import access, secrets
-from workflows.errors import FieldError, InvalidInput
+from workflows.errors import FieldError, Forbidden, InvalidInput
 from workflows.views import ERRORS
 
 from . import answers, bulk, export, forks, selectors, services, trace
 from .models import Run
 from .serializers import (
+    AccountBodySerializer,
+    AccountSerializer,
     BulkActionSerializer,
     BulkCancelSerializer,
     BulkResultSerializer,
@@ -37,6 +39,7 @@ from .serializers import (
     ForkPreviewSerializer,
     ModelCallDetailSerializer,
     RetryPreviewSerializer,
+    RunBudgetSerializer,
     RunForkSerializer,
     RunListQuerySerializer,
     RunListSerializer,
@@ -696,3 +699,99 @@ class BulkActionDetailView(APIView):
     def get(self, request: Request, bulk_id: str) -> Response:
         found = bulk.bulk_action_get(bulk_id=bulk_id, user=request.user)
         return Response(BulkActionSerializer(found).data)
+
+
+class RunBudgetView(APIView):
+    @extend_schema(
+        operation_id="runs_budget",
+        parameters=[RUN_ID],
+        request=RunBudgetSerializer,
+        description=(
+            "Raise the run's `limits.max_cost_usd` by `add_usd` (CONTRACT section 17): the"
+            " attempts waiting for that limit (the run shows `budget_exceeded`) are offered"
+            " again, and wait again should it still not be enough. For the run's operators"
+            " (403 for its viewers); recorded on the run. A run without a limit of its own, or"
+            " that has ended, is a 409."
+        ),
+        responses={200: RunSerializer, **dict.fromkeys((400, 401, 403, 404, 409), ERRORS)},
+    )
+    def post(self, request: Request, run_id: str) -> Response:
+        body = RunBudgetSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        # The service checks, under the run's lock, that the caller may operate it.
+        run = services.run_budget_add(
+            run_id=run_id, add_usd=body.validated_data["add_usd"], user=request.user
+        )
+        return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
+
+
+ACCOUNT_NAME = OpenApiParameter(
+    "name", OpenApiTypes.STR, OpenApiParameter.PATH, description="the account (Run.account)"
+)
+
+
+def _require_accounts(user: Any, *, write: bool) -> None:
+    """Reading accounts: superusers and holders of ``runs.view_account`` or
+    ``runs.change_account``; writing: ``runs.change_account`` (403 otherwise)."""
+    wanted = ["runs.change_account"] if write else ["runs.view_account", "runs.change_account"]
+    if not any(user.has_perm(name) for name in wanted):
+        raise Forbidden(
+            errors=[FieldError("account", f"needs the permission {' or '.join(wanted)}")]
+        )
+
+
+def _account_name(name: str) -> str:
+    if not name or len(name) > 150 or not name.isprintable():
+        raise InvalidInput(
+            errors=[FieldError("name", "is not an account name (1 to 150 characters)")]
+        )
+    return name
+
+
+class AccountListView(APIView):
+    @extend_schema(
+        operation_id="accounts_list",
+        description=(
+            "The accounts given a budget, with what their runs' model calls spent in the"
+            " current period and hold for calls in flight. For superusers and holders of"
+            " `runs.view_account` or `runs.change_account`."
+        ),
+        responses={200: AccountSerializer(many=True), **dict.fromkeys((401, 403), ERRORS)},
+    )
+    def get(self, request: Request) -> Response:
+        _require_accounts(request.user, write=False)
+        rows = selectors.accounts_list()
+        return Response({"results": AccountSerializer(rows, many=True).data})
+
+
+class AccountDetailView(APIView):
+    @extend_schema(
+        operation_id="accounts_get",
+        parameters=[ACCOUNT_NAME],
+        description="An account's budget and spend (an account never given one: no budget,"
+        " what its runs cost in total).",
+        responses={200: AccountSerializer, **dict.fromkeys((400, 401, 403), ERRORS)},
+    )
+    def get(self, request: Request, name: str) -> Response:
+        _require_accounts(request.user, write=False)
+        return Response(AccountSerializer(selectors.account_get(name=_account_name(name))).data)
+
+    @extend_schema(
+        operation_id="accounts_put",
+        parameters=[ACCOUNT_NAME],
+        request=AccountBodySerializer,
+        description=(
+            "Set the account's `budget_usd` and `period` (day or month, UTC boundaries; null:"
+            " in total). Its runs waiting for its budget are offered again (those that still"
+            " do not fit wait again). For holders of `runs.change_account`."
+        ),
+        responses={200: AccountSerializer, **dict.fromkeys((400, 401, 403), ERRORS)},
+    )
+    def put(self, request: Request, name: str) -> Response:
+        _require_accounts(request.user, write=True)
+        body = AccountBodySerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        account = services.account_save(
+            name=_account_name(name), user=request.user, **body.validated_data
+        )
+        return Response(AccountSerializer(account).data)

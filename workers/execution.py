@@ -31,7 +31,7 @@ from django.utils import timezone
 
 from runs import dispatch, metrics, vault
 from runs import tracing as run_tracing
-from runs.engine import calls, isolation, journal, unservable
+from runs.engine import budgets, calls, hooks, isolation, journal, unservable
 from runs.engine.advance import (
     ADVANCE_ACTIONS,
     BatchFailed,
@@ -49,7 +49,7 @@ from runs.models import Effect, Run, StepRun
 from runs.moves import move_steps
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
-from workflows.failures import Deferred, StepFailure
+from workflows.failures import BudgetWait, Deferred, StepFailure
 from workflows.templates import TooLarge, check_size
 
 from . import batches, task_events, tracing
@@ -674,6 +674,10 @@ def _run_handler(
         keeper.release(row.id)
         _defer(row, claim, deferred)
         return DEFERRED, None
+    except BudgetWait as wait:
+        keeper.release(row.id)
+        _wait_for_budget(row, claim, wait)
+        return DEFERRED, None
     except StepFailure as failure:
         if failure.error_class == "unservable":
             keeper.release(row.id)
@@ -1195,6 +1199,21 @@ def _defer(row: Claimed, claim: uuid.UUID, deferred: Deferred) -> None:
             dispatch.offer_later_on_commit(
                 row, workflow_id=row.workflow_id, seconds=deferred.seconds
             )
+
+
+def _wait_for_budget(row: Claimed, claim: uuid.UUID, wait: BudgetWait) -> None:
+    """The body's model call did not fit a budget (limits.on_budget "wait"): hand the
+    attempt back without spending its budget, not offered again, and plan the run, which
+    then shows budget_exceeded (runs.engine.budgets)."""
+    logger.info("attempt %s waits for budget: %s", row.id, wait.message)
+    with transaction.atomic():
+        waiting = budgets.budget_wait(
+            step_run_id=row.id, claim=claim, wait=wait.wait, now=timezone.now()
+        )
+        if waiting and request_advance(row.run_id):
+            dispatch.advance_on_commit(row.run_id)
+        if waiting:
+            hooks.budget_exceeded(row.run_id, row.id)
 
 
 def _returned(step_run_id: int, claim: uuid.UUID, now: Any, **more: Any) -> bool:

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ERROR_CLASSES", "KIND_ERROR_CLASSES", "Deferred", "KindFailure", "StepFailure"]
+__all__ = [
+    "ERROR_CLASSES",
+    "KIND_ERROR_CLASSES",
+    "BudgetWait",
+    "Deferred",
+    "KindFailure",
+    "StepFailure",
+]
 
 ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
 # Classes only the built-in kinds raise (KindFailure): a model reply that is not the JSON
@@ -18,8 +25,11 @@ ERROR_CLASSES = ("retryable", "fatal", "invalid_input", "unservable")
 # the run fails, whatever the step's on_error says), and a model, tool or http call in a test
 # that no stub of the ``djflow`` fixture answers (``unstubbed``, never retried: a test never
 # reaches the network; workflows.testing), or in a replay that its recording does not hold
-# (``unrecorded``: manage.py run_replay without --live, config.replay).
-KIND_ERROR_CLASSES = ("invalid_output", "limit", "unstubbed", "unrecorded")
+# (``unrecorded``: manage.py run_replay without --live, config.replay), and a model call
+# whose worst case does not fit the run's max_cost_usd or its account's budget under
+# ``limits.on_budget: "fail"`` (``budget_exceeded``, never retried; under "wait", the
+# default, the attempt waits instead: :class:`BudgetWait`).
+KIND_ERROR_CLASSES = ("invalid_output", "limit", "unstubbed", "unrecorded", "budget_exceeded")
 # The contract's bound on every *_ms field, as workflows.schema.MAX_DURATION_MS (not imported
 # from there: that would load jsonschema into every process that imports a handler).
 MAX_DURATION_MS = 315_360_000_000  # 3650 days
@@ -88,3 +98,17 @@ class Deferred(Exception):
         super().__init__(reason)
         self.reason = reason
         self.seconds = seconds
+
+
+class BudgetWait(Exception):
+    """Raised by a kind's body whose model call does not fit a budget (the run's
+    ``limits.max_cost_usd``, its account's) under ``limits.on_budget: "wait"``: the call is
+    not made, the attempt is handed back without spending its budget and is not offered
+    again; the run shows ``budget_exceeded`` until a top-up, a raised account budget or a
+    new period lets it go on. ``wait`` is what the attempt records (``StepRun.budget_wait``):
+    ``{"limit", "asked_usd", "message", "account"?, "until"?}``."""
+
+    def __init__(self, message: str, *, wait: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.message = message
+        self.wait = wait

@@ -566,7 +566,7 @@ def _check_prefix(
         journal.planner_settings(),
         max_actions=max_actions,
     )
-    mine = (planned.actions, planned.waiting, planned.approval, planned.more)
-    theirs = (whole.actions, whole.waiting, whole.approval, whole.more)
+    mine = (planned.actions, planned.waiting, planned.approval, planned.budget, planned.more)
+    theirs = (whole.actions, whole.waiting, whole.approval, whole.budget, whole.more)
     if mine != theirs:
         raise AssertionError(f"run {run.id}: from a prefix {mine}, from the journal {theirs}")

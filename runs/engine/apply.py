@@ -36,7 +36,7 @@ from ..status import (
     check_step_move,
     step_sources,
 )
-from . import costs, ending, trees
+from . import budgets, costs, ending, trees
 from . import plan as p
 from .sql import cursor as prepared_cursor
 from .store import (
@@ -349,6 +349,10 @@ class _Writer:
             Timer(run=self.run, purpose=action.purpose, key=action.key, fire_at=action.at)
         )
 
+    def unblock(self, action: p.Unblock) -> None:
+        # The run is planned already: the plan shows it running again.
+        budgets.release_ids([action.attempt_id], advance=False)
+
     def finish(self, action: p.Finish) -> None:
         # The run's end is written by ending.end_run, not with the other fields.
         _finish(self.run, action, self.now, self.ends)
@@ -449,6 +453,7 @@ _WRITE: dict[type, Callable[[_Writer, Any], None]] = {
     p.Cancel: _Writer.cancel,
     p.Expire: _Writer.expire,
     p.Wake: _Writer.wake,
+    p.Unblock: _Writer.unblock,
     p.Finish: _Writer.finish,
 }
 
@@ -626,19 +631,26 @@ def _cancel_children(rows: Any, reason: str) -> None:
     ending.cancel_children(rows, reason=reason, now=timezone.now())
 
 
-HELD = (RunStatus.RUNNING, RunStatus.WAITING, RunStatus.PENDING_APPROVAL)
+HELD = (
+    RunStatus.RUNNING,
+    RunStatus.WAITING,
+    RunStatus.PENDING_APPROVAL,
+    RunStatus.BUDGET_EXCEEDED,
+)
 
 
 def _show_waiting(run: Run, planned: p.Plan, fields: set[str]) -> None:
     """``waiting`` while only sleeps and waits hold the run (no process is alive for it),
-    ``pending_approval`` when an approval is among them, ``running`` again once anything is
-    scheduled or due."""
+    ``pending_approval`` when an approval is among them, else ``budget_exceeded`` when an
+    attempt waiting for budget is, ``running`` again once anything is scheduled or due."""
     if run.status not in HELD:
         return  # pending (not started), paused: an operator's status stays
     if not planned.waiting:
         target = RunStatus.RUNNING
     elif planned.approval:
         target = RunStatus.PENDING_APPROVAL
+    elif planned.budget:
+        target = RunStatus.BUDGET_EXCEEDED
     else:
         target = RunStatus.WAITING
     if target == run.status:

@@ -5,6 +5,8 @@ its ``AppConfig.ready()``): the engine calls them and never imports those apps.
   never advance their run: they only send something.
 - A reconciler repair: a pass over what a lost message or a crash left behind (mails never
   sent), run on every reconciler tick after the engine's own, in registration order.
+- A budget watcher: told, in the transaction that made an attempt wait for budget, which
+  run and attempt (``approvals`` notifies the workflow's operators in-app and by e-mail).
 - A purge step: what an app deletes of its own, in the transaction that deletes runs
   (``runs.retention``), before the runs' rows go (the rows that would block their deletion,
   such as an approval's decisions, which are protected from a cascade on purpose).
@@ -20,6 +22,8 @@ from typing import Any
 _timers: dict[str, Callable[[int], None]] = {}
 # name -> repair(now, batch) -> rows acted on
 _repairs: dict[str, Callable[[datetime, int], int]] = {}
+# name -> notify(run id, step run id)
+_budget: dict[str, Callable[[Any, int], None]] = {}
 # name -> purge(run ids) -> {model label: rows deleted}
 _purges: dict[str, Callable[[list[Any]], dict[str, int]]] = {}
 
@@ -50,3 +54,13 @@ def on_purge(name: str, purge: Callable[[list[Any]], dict[str, int]]) -> None:
 
 def purges() -> list[tuple[str, Callable[[list[Any]], dict[str, int]]]]:
     return list(_purges.items())
+
+
+def on_budget_exceeded(name: str, notify: Callable[[Any, int], None]) -> None:
+    _budget[name] = notify
+
+
+def budget_exceeded(run_id: Any, step_run_id: int) -> None:
+    """Tell the watchers that an attempt of the run now waits for budget."""
+    for notify in _budget.values():
+        notify(run_id, step_run_id)

@@ -85,6 +85,7 @@ def run_view(
         tree_used=tree_used,
         tree_limit=tree_limit,
         reruns=reruns_of(run),
+        budget_added_usd=float(run.budget_added_usd or 0),
     )
 
 
@@ -165,7 +166,8 @@ SELECT s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status, s.bra
        CASE WHEN s.status = 'running' THEN s.lease_expires_at END,
        CASE WHEN s.status = 'running' THEN s.deadline_at END,
        CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
-       s.cost_usd, c.id, c.status, c.output, c.error
+       s.cost_usd, c.id, c.status, c.output, c.error,
+       CASE WHEN s.status = 'scheduled' THEN s.budget_wait END
   FROM {table} AS s
   {child}
  WHERE s.run_id = %s AND s.id > %s
@@ -216,12 +218,13 @@ SELECT s.run_id, s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.sta
        CASE WHEN s.status = 'running' THEN s.lease_expires_at END,
        CASE WHEN s.status = 'running' THEN s.deadline_at END,
        CASE WHEN s.status IN ('waiting', 'in_doubt') THEN s.not_before END,
-       s.cost_usd, c.id, c.status, c.output, c.error
+       s.cost_usd, c.id, c.status, c.output, c.error,
+       CASE WHEN s.status = 'scheduled' THEN s.budget_wait END
   FROM unnest(%s::uuid[], %s::bigint[]) AS a(run_id, after)
  CROSS JOIN LATERAL (
     SELECT s.run_id, s.id, s.step_id, s.path, s.kind, s.attempt, s.generation, s.status,
            s.branch, s.output, s.error, s.effect, s.finished_at, s.lease_expires_at,
-           s.deadline_at, s.not_before, s.cost_usd
+           s.deadline_at, s.not_before, s.cost_usd, s.budget_wait
       FROM {table} AS s WHERE s.run_id = a.run_id AND s.id > a.after OFFSET 0) AS s
   {child}
  ORDER BY s.run_id, s.id
@@ -265,7 +268,16 @@ def _attempt(row: Any) -> AttemptView:
         cost_usd=float(row[15] or 0),
         child=_child(row[16:20]),
         size=_size(row[8]) + _size(row[9]),
+        budget=_budget(row[20]),
     )
+
+
+def _budget(value: Any) -> dict[str, Any] | None:
+    """A scheduled attempt's budget wait: what the planner needs of it (its ``until``)."""
+    if value is None:
+        return None
+    wait = from_json(value)
+    return {"until": wait.get("until")} if isinstance(wait, dict) else {}
 
 
 def _size(value: Any) -> int:

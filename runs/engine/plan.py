@@ -115,6 +115,8 @@ class RunView:
     # reran from). An attempt of a generation before g, of that step or a later top-level one
     # (anything inside them included), is superseded: kept in the journal, not planned on.
     reruns: tuple[tuple[int, str], ...] = ()
+    # What operators added to limits.max_cost_usd (POST /runs/{id}/budget).
+    budget_added_usd: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,9 @@ class AttemptView:
     child: Mapping[str, Any] | None = None
     # The stored JSON bytes of its output and error (for Prefix.size); 0 when not known.
     size: int = 0
+    # A scheduled attempt waiting for budget (StepRun.budget_wait): {"until": ISO time or
+    # None}, the end of the account's period that lets it go on; None when it does not wait.
+    budget: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -280,6 +285,15 @@ class Wake:
 
 
 @dataclass(frozen=True)
+class Unblock:
+    """An attempt that waited for budget is offered again: the period it waited for has
+    ended (a new day or month of its account's budget). Should it still not fit, it waits
+    again."""
+
+    attempt_id: int
+
+
+@dataclass(frozen=True)
 class Finish:
     """The run ends: ``completed``, ``failed`` or ``timed_out``."""
 
@@ -288,7 +302,7 @@ class Finish:
     error: Mapping[str, Any] | None = None
 
 
-Action = StartRun | Schedule | Skip | Open | Close | Expire | Cancel | Wake | Finish
+Action = StartRun | Schedule | Skip | Open | Close | Expire | Cancel | Wake | Unblock | Finish
 
 
 @dataclass
@@ -299,6 +313,9 @@ class Plan:
     waiting: bool = False
     # Among what holds it, an approval: it shows ``pending_approval``.
     approval: bool = False
+    # Among what holds it, an attempt waiting for budget: it shows ``budget_exceeded``
+    # (unless an approval holds it too).
+    budget: bool = False
     # The walk stopped at its ``max_actions``: plan again to go on.
     more: bool = False
     # The settled beginning of the run for its next plan; None when this plan cannot tell
@@ -435,6 +452,7 @@ class _Planner:
         self.waiting = False
         self.busy = False
         self.approval = False
+        self.budget = False
         # Why the last _Go.FAILED failed: {"class", "message", "step"}.
         self.failure: dict[str, Any] = {}
         # Where in the document the body being visited is ("fan.do"), for body runs.
@@ -506,6 +524,7 @@ class _Planner:
         elif go is _Go.BLOCKED:
             self.out.waiting = self.waiting and not self.busy
             self.out.approval = self.out.waiting and self.approval
+            self.out.budget = self.out.waiting and self.budget
             self.out.prefix = self._next_prefix()
         return self.out
 
@@ -530,7 +549,7 @@ class _Planner:
         original = dict(self.failure)
         path = f"{ON_FAILURE}[{self.run_view.generation}]/"
         # What held the main walk before it failed holds the run no longer.
-        self.waiting = self.busy = self.approval = False
+        self.waiting = self.busy = self.approval = self.budget = False
         self.context = {**self.context, "error": original, "steps": dict(self.context["steps"])}
         self.previous_output, self.ran_before = original, True
         position = len(self.out.actions)
@@ -689,6 +708,8 @@ class _Planner:
         limit = self.limits.get("max_cost_usd")
         if limit is None:
             return False
+        # Operators' top-ups raise it (POST /runs/{id}/budget).
+        limit += self.run_view.budget_added_usd
         generation = self.run_view.generation
         spent = sum(a.cost_usd for a in self.journal if a.generation == generation)
         if spent <= limit:
@@ -765,6 +786,8 @@ class _Planner:
                 return self._unsupported(step, f"step kind '{latest.kind}' is not registered")
         if latest.status == IN_DOUBT:
             return self._in_doubt(step, path, attempts, latest)
+        if latest.budget is not None and latest.status == "scheduled":
+            return self._budget_wait(latest)
         if latest.status in IN_FLIGHT:
             self.busy = True
             return _Go.BLOCKED
@@ -775,6 +798,23 @@ class _Planner:
             self._settle_skipped(step)
             return _Go.CONTINUE
         return self._after_failure(step, path, attempts, latest)
+
+    def _budget_wait(self, latest: AttemptView) -> _Go:
+        """An attempt waiting for budget holds the run with no process alive for it; when
+        the period it waits for ends (a timer at ``until`` plans the run then), it is
+        offered again. A top-up or a raised budget offers it without the planner
+        (runs.engine.budgets)."""
+        until = (latest.budget or {}).get("until")
+        due = datetime.fromisoformat(until) if until else None
+        if due is not None and due <= self.now:
+            self.out.actions.append(Unblock(latest.id))
+            self.busy = True
+            return _Go.BLOCKED
+        if due is not None:
+            self.out.actions.append(Wake(due, "budget_period", f"budget:{latest.id}:{until}"))
+            self._wakes += 1
+        self.waiting = self.budget = True
+        return _Go.BLOCKED
 
     def _in_doubt(
         self,

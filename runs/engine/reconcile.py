@@ -143,7 +143,9 @@ def reoffer_lost(now: datetime, batch: int) -> int:
     lost = now - timedelta(seconds=tunables["LOST_MESSAGE_SECONDS"])
     refused = now - timedelta(seconds=1)
     rows = (
-        StepRun.objects.filter(status=StepStatus.SCHEDULED)
+        # An attempt waiting for budget is not lost: offered, it would be handed back at once
+        # (runs.engine.budgets releases it).
+        StepRun.objects.filter(status=StepStatus.SCHEDULED, budget_wait__isnull=True)
         .filter(
             Q(scheduled_at__lte=lost)
             | Q(refusals__gte=tunables["MAX_QUICK_REFUSALS"], scheduled_at__lte=refused)

@@ -168,6 +168,8 @@ def arm_unclaimed(now: datetime, batch: int) -> int:
             kind__in=kinds.handler_kinds(),
             scheduled_at__lte=lost,
             waiting_since__isnull=True,
+            # Waiting for budget, not for a worker (runs.engine.budgets).
+            budget_wait__isnull=True,
         )
         .exclude(in_backoff(ARM, now))
         .select_related("run")

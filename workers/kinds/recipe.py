@@ -43,7 +43,7 @@ from django.utils import timezone
 from runs.engine import calls, costs
 from workflows import kb_search, kinds, recipes
 from workflows.errors import InvalidDocument, echo
-from workflows.failures import Deferred, KindFailure
+from workflows.failures import BudgetWait, Deferred, KindFailure
 from workflows.input_schema import input_validator
 from workflows.kinds import Kind, Role
 from workflows.models import KnowledgeBase, Recipe
@@ -221,6 +221,19 @@ def _call(
     return _reserved_call(ctx, provider, model_name, request, worst, recipe, retrieved)
 
 
+def _over_budget(ctx: StepContext, over: costs.OverBudget) -> Exception:
+    """What a call that does not fit a budget does to its attempt (CONTRACT section 17):
+    under ``limits.on_budget: "wait"`` (the default) it waits for budget, holding no worker;
+    under "fail", or when waiting would not help (the model has no price), or once the
+    attempt has made a call (handed back, its retry would make and pay for that call again),
+    it fails with class ``budget_exceeded``."""
+    message = f"recipe: call not made: {over}"
+    waits = costs.on_budget(run_id=ctx.run_id) == "wait"
+    if over.wait is not None and not ctx.model_calls and waits:
+        return BudgetWait(message, wait=over.wait)
+    return KindFailure(message, class_="budget_exceeded")
+
+
 def _reserved_call(
     ctx: StepContext,
     provider: str,
@@ -235,7 +248,7 @@ def _reserved_call(
             step_run_id=ctx.step_run_id, run_id=ctx.run_id, amount=worst, what=model_name
         )
     except costs.OverBudget as over:
-        raise KindFailure(f"recipe: call not made: {over}", class_="limit") from None
+        raise _over_budget(ctx, over) from None
     # The prompt as sent, after templates; a secret of the run in it is stored as its token.
     prompt = ctx.conceal({"system": request.system, "messages": request.messages})
     with ctx.span("model_call", kind="model_generation") as span:
