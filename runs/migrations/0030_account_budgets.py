@@ -9,7 +9,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0028_run_forks'),
+        ('runs', '0029_prompt_messages'),
         ('workflows', '0007_version_notify_secrets'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
