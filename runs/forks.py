@@ -233,7 +233,8 @@ def _version(source: Run, number: int | None) -> WorkflowVersion:
     try:
         return selectors.version_get(workflow_id=source.workflow_id, number=number)
     except NotFound:
-        raise InvalidInput(
+        # As POST /runs answers a version it does not have: a 404 naming the field.
+        raise NotFound(
             errors=[
                 FieldError("document", f"workflow '{source.workflow_id}' has no version {number}")
             ]
@@ -273,17 +274,24 @@ def _check_recipes(pins: Mapping[str, int], document: Mapping[str, Any]) -> None
     """Each pin is a saved version of a recipe the fork's document names: a pin changes
     which version of the author's chosen recipe runs, never which recipe."""
     named = _recipes_named(document["steps"])
-    problems = []
-    for name, version in pins.items():
-        if name not in named:
-            message = f"no recipe step of the fork's document names recipe '{echo(name)}'"
-        elif Recipe.objects.resolve(name, version) is None:
-            message = f"recipe '{echo(name)}' has no version {version}"
-        else:
-            continue
-        problems.append(FieldError(f"recipes.{echo(name)}", message))
-    if problems:
-        raise InvalidInput(errors=problems)
+    unnamed = [
+        FieldError(
+            f"recipes.{echo(name)}",
+            f"no recipe step of the fork's document names recipe '{echo(name)}'",
+        )
+        for name in pins
+        if name not in named
+    ]
+    if unnamed:
+        raise InvalidInput(errors=unnamed)
+    missing = [
+        FieldError(f"recipes.{echo(name)}", f"recipe '{echo(name)}' has no version {version}")
+        for name, version in pins.items()
+        if Recipe.objects.resolve(name, version) is None
+    ]
+    if missing:
+        # A version not saved (yet): a 404 naming it, as for the document's version.
+        raise NotFound(errors=missing)
 
 
 def _recipes_named(body: Any) -> set[str]:

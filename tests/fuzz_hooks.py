@@ -86,10 +86,21 @@ def map_case(context: Any, case: Any) -> Any:
     label = case.operation.label
     if body is not None and label in ("POST /api/v1/runs/cancel", "POST /api/v1/runs/retry"):
         _ordered(body)
-    if body is not None and label == "POST /api/v1/runs/{run_id}/retry":
+    if body is not None and label in (
+        "POST /api/v1/runs/{run_id}/retry",
+        "POST /api/v1/runs/{run_id}/fork",
+    ):
         step = body.get("from_step")
         if _valid_text(step, 100) and step not in STEPS:
             body["from_step"] = "draft"
+    if body is not None and label == "POST /api/v1/runs/{run_id}/fork":
+        # A recipe pin names a recipe the document's steps name (400 otherwise), and the
+        # input is held to the workflow's input_schema (400 naming each field): rules of the
+        # data (tests/runs/test_forks.py), not of the schema.
+        if isinstance(body.get("recipes"), dict) and body["recipes"]:
+            body.pop("recipes")
+        if isinstance(body.get("input"), dict):
+            body.pop("input")
     if body is not None and label == "POST /api/v1/schedules":
         cron = body.get("cron")
         if _valid_text(cron, 200) and not _valid_cron(cron):

@@ -131,12 +131,10 @@ def test_a_dry_run_says_what_would_be_reused_and_starts_nothing(djflow, recipes)
     [
         ({"from_step": "nope"}, "from_step"),
         ({"from_step": 3}, "from_step"),
-        ({"document": 99}, "document"),
         ({"document": 0}, "document"),
         ({"document": 2**40}, "document"),
         ({"recipes": {"fk_reply": 2**40}}, "recipes.fk_reply"),
         ({"document": {"id": "fk_triage"}}, "document"),
-        ({"recipes": {"fk_reply": 9}}, "recipes.fk_reply"),
         ({"recipes": {"fk_other": 1}}, "recipes.fk_other"),
         ({"recipes": {"fk_reply": "one"}}, "recipes.fk_reply"),
         ({"recipes": []}, "recipes"),
@@ -153,6 +151,20 @@ def test_a_bad_fork_is_a_400_naming_the_field(djflow, recipes, other_recipe, bod
 
 waiting = workflow("fk_waiting")
 waiting.sleep("nap", ms=60_000)
+
+
+def test_a_version_not_saved_is_a_404_naming_it(djflow, recipes) -> None:
+    from workflows.errors import NotFound
+
+    djflow.model(reply="hi")
+    source = djflow.start(triage)
+    for body, field in (
+        ({"document": 99}, "document"),
+        ({"recipes": {"fk_reply": 9}}, "recipes.fk_reply"),
+    ):
+        with pytest.raises(NotFound) as raised:
+            forks.run_fork(run_id=source.id, **body)
+        assert [error.field for error in raised.value.errors] == [field]
 
 
 def test_a_run_not_ended_is_a_409(djflow, admin_user) -> None:
