@@ -4,7 +4,6 @@ fixture, stubbed model replies) to check the cost the run had lies within [min, 
 
 from __future__ import annotations
 
-from decimal import Decimal
 from typing import Any
 
 import pytest
