@@ -120,6 +120,10 @@ class Sources:
     # fan out over a step's output give none, and every one of them with a step more would
     # pass limits.max_steps' default of 1,000; the run's own count still stops them.
     stated_bounds_only: bool = False
+    # Whether a step's retries count (the forecast's max) or its first attempt only (the
+    # save-time check: the contract's worst case is bounds x bodies; a retry happens on a
+    # failure, and a storm of them is what limits.max_steps stops at run time).
+    count_retries: bool = True
 
 
 @dataclass
@@ -429,6 +433,8 @@ class _Walk:
         default = registered.max_attempts if registered is not None else 1
         tries = policy.get("max_attempts", default)
         tries = tries if isinstance(tries, int) and tries >= 1 else 1
+        if not self.sources.count_retries:
+            tries = 1
         if tries > 1:
             said = "retry.max_attempts" if "max_attempts" in policy else f"the {kind} default"
             times_tried = times.by(1, tries, f"{tries} attempts ({where}: {said})")

@@ -192,17 +192,19 @@ def validate_document(
 def step_count_errors(
     document: dict[str, Any], child_document: ChildDocument | None = None
 ) -> list[FieldError]:
-    """A document whose worst case (every loop and foreach at its bound, every attempt
-    retried, the dearer branch, the on_failure steps, its subworkflows') is more attempts
-    than ``limits.max_steps`` (default 1,000) counts would fail at run time: refused, naming
-    the bound that multiplies the most. A worst case that cannot be known (a subworkflow not
+    """A document whose worst case (every loop and foreach at its bound, the dearer branch,
+    the on_failure steps, its subworkflows'; a step's first attempt only, as a retry happens
+    on a failure) is more attempts than ``limits.max_steps`` (default 1,000) counts would
+    fail at run time even when nothing fails: refused, naming the bound that multiplies the
+    most. A worst case that cannot be known (a subworkflow not
     found, or starting itself, a foreach that gives no max_items) is not refused: its run is
     still held to max_steps."""
     limits = document.get("limits")
     limit = limits.get("max_steps") if isinstance(limits, dict) else None
     if not _is_int(limit):
         limit = DEFAULT_MAX_STEPS
-    result = forecast(document, Sources(child_of=child_document, stated_bounds_only=True))
+    sources = Sources(child_of=child_document, stated_bounds_only=True, count_retries=False)
+    result = forecast(document, sources)
     if result.steps_max is None or result.steps_max <= limit:
         return []
     counted = [step for step in result.per_step if step.attempts_max]

@@ -276,7 +276,10 @@ def test_a_document_over_max_steps_is_a_400_at_save_naming_the_field(api) -> Non
                 "id": "l",
                 "kind": "loop",
                 "max_iterations": 600,
-                "do": {"id": "t", "kind": "sleep", "ms": 1, "retry": {"max_attempts": 2}},
+                "do": [
+                    {"id": "t", "kind": "sleep", "ms": 1},
+                    {"id": "u", "kind": "sleep", "ms": 1},
+                ],
             }
         ],
     }
@@ -284,8 +287,8 @@ def test_a_document_over_max_steps_is_a_400_at_save_naming_the_field(api) -> Non
     assert response.status_code == 400
     [error] = response.json()["errors"]
     assert error["field"] == "steps[0].max_iterations"
-    assert "1200 step attempts" in error["message"]
-    document["limits"] = {"max_steps": 1200}
+    assert "1800 step attempts" in error["message"]
+    document["limits"] = {"max_steps": 1800}
     assert api.post("/api/v1/definitions", document, format="json").status_code == 201
 
 

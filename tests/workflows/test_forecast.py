@@ -230,13 +230,26 @@ def test_a_worst_case_over_max_steps_is_refused_naming_the_bound() -> None:
         "kind": "foreach",
         "items": "${input.xs}",
         "max_items": 600,
-        "do": task("t", retry={"max_attempts": 2}),
+        "do": [task("t"), task("u")],
     }
     errors = step_count_errors(doc(step))
     assert [error.field for error in errors] == ["steps[0].max_items"]
-    assert "1200 step attempts" in errors[0].message
-    assert "600 items (steps[0].max_items) x 2 attempts" in errors[0].message
-    assert step_count_errors(doc(step, limits={"max_steps": 1200})) == []
+    assert "1800 step attempts" in errors[0].message  # a body run and two steps an item
+    assert "600 items (steps[0].max_items)" in errors[0].message
+    assert step_count_errors(doc(step, limits={"max_steps": 1800})) == []
+
+
+def test_retries_are_not_counted_at_save_a_failure_storm_is_max_steps_job_at_run_time() -> None:
+    # The forecast's max counts them (a run may make 2,000 attempts); the document is saved.
+    step = {
+        "id": "each",
+        "kind": "foreach",
+        "items": "${input.xs}",
+        "max_items": 1000,
+        "do": task("t", retry={"max_attempts": 2}),
+    }
+    assert forecast(doc(step)).steps_max == 2000
+    assert step_count_errors(doc(step)) == []
 
 
 def test_a_foreach_without_max_items_is_not_refused_though_its_forecast_counts_1000() -> None:
@@ -264,7 +277,9 @@ def test_a_document_over_the_limit_is_refused_at_save_and_an_unbounded_one_is_no
 def test_a_subworkflows_steps_count_against_the_parents_limit() -> None:
     child = doc({"id": "l", "kind": "loop", "max_iterations": 900, "do": task("t")})
     parent = doc(
-        {"id": "sub", "kind": "subworkflow", "workflow": "child", "retry": {"max_attempts": 2}}
+        {"id": "sub", "kind": "subworkflow", "workflow": "child"},
+        {"id": "again", "kind": "subworkflow", "workflow": "child"},
     )
     errors = step_count_errors(parent, lambda w, v: child)
     assert errors and errors[0].field == "limits.max_steps"
+    assert "1802 step attempts" in errors[0].message
