@@ -16,15 +16,19 @@ from urllib.parse import urlsplit, urlunsplit
 from django.contrib import admin, messages
 from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest
+from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from config.admin_mixins import ReadOnlyMixin
 from workflows import access
+from workflows.admin import WorkflowVersionAdmin
 from workflows.errors import EngineError
+from workflows.models import WorkflowVersion
 from workflows.secrets import shown, shown_text
 
+from . import forecasts
 from .engine import contents, slots, unservable
 from .models import Event, ModelCall, NotifyDelivery, Run, RunAction, StepRun, Timer, ToolCall
 from .services import run_cancel, run_retry
@@ -582,3 +586,22 @@ class NotifyDeliveryAdmin(RunScopedAdmin):
     def url_shown(self, delivery: NotifyDelivery) -> str:
         parts = urlsplit(delivery.url)
         return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+# --- the forecast beside a workflow version (CONTRACT section 17) ----------------------------
+# The versions' admin is the workflows app's, which may not import the runs it forecasts: this
+# layer, above it, registers it again with the forecast.
+
+
+class ForecastVersionAdmin(WorkflowVersionAdmin):
+    fields = (*WorkflowVersionAdmin.fields[:-1], "forecast", WorkflowVersionAdmin.fields[-1])
+    readonly_fields = fields
+
+    @admin.display(description="forecast")
+    def forecast(self, version: WorkflowVersion) -> str:
+        shown = forecasts.version_forecast(version).as_json()
+        return render_to_string("runs/forecast.html", {"forecast": shown})
+
+
+admin.site.unregister(WorkflowVersion)
+admin.site.register(WorkflowVersion, ForecastVersionAdmin)

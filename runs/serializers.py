@@ -1142,3 +1142,59 @@ class RunBudgetSerializer(StrictBodySerializer):
     )
 
     body_name = "a top-up"
+
+
+class ForecastSerializer(StrictBodySerializer):
+    """The body of ``POST /runs/forecast``. Unknown fields are refused, each named."""
+
+    workflow = StrictCharField(max_length=100, trim_whitespace=False, help_text="the workflow's id")
+    version = StrictIntegerField(
+        min_value=1,
+        max_value=MAX_VERSION,
+        required=False,
+        allow_null=True,
+        help_text="the version to forecast; the latest when omitted",
+    )
+    input = serializers.JSONField(
+        required=False,
+        allow_null=True,
+        help_text="the run's input, when known: a foreach over ${input.<list>} is then "
+        "bounded by that list's length",
+    )
+
+    body_name = "a forecast"
+
+
+class _CountRangeSerializer(serializers.Serializer):
+    min = serializers.IntegerField()
+    max = serializers.IntegerField(allow_null=True, help_text="null when unbounded")
+
+
+class _CostRangeSerializer(serializers.Serializer):
+    min = serializers.FloatField()
+    expected = serializers.FloatField(
+        allow_null=True,
+        help_text="the median of the workflow's last completed runs; without any, the "
+        "midpoint of min and max",
+    )
+    max = serializers.FloatField(allow_null=True, help_text="null when unbounded")
+
+
+class _StepForecastSerializer(serializers.Serializer):
+    step_id = serializers.CharField()
+    kind = serializers.CharField()
+    field = serializers.CharField(help_text="where the step is in the document")
+    attempts = _CountRangeSerializer()
+    calls = _CountRangeSerializer(help_text="model calls")
+    cost_usd = _CostRangeSerializer()
+
+
+class ForecastAnswerSerializer(serializers.Serializer):
+    """The answer of ``POST /runs/forecast`` (``workflows.forecast.Forecast.as_json``)."""
+
+    steps = _CountRangeSerializer(help_text="step attempts, as limits.max_steps counts them")
+    cost_usd = _CostRangeSerializer()
+    per_step = _StepForecastSerializer(many=True)
+    unbounded = serializers.ListField(
+        child=serializers.CharField(), help_text="why each unknown max is unknown"
+    )

@@ -10,8 +10,8 @@ typed (secrets aside) and each problem beside its field; a start goes to the run
 Who: starters of the workflow (``access.require_start``): 404 for a workflow the user may not
 see, 403 for one they may see but not start, as the API answers.
 
-The cost forecast of CONTRACT section 17 belongs above the form; it is not built yet (a later
-issue), so the page shows none rather than a guess.
+Above the form, the forecast of CONTRACT section 17 (``runs.forecasts``, as
+``POST /api/v1/runs/forecast`` answers without an input): steps and cost, min to max.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from workflows.input_form import OMITTED, START_KEY, StartForm
 from workflows.models import WorkflowVersion
 from workflows.preflight import start_problems
 
-from . import inspection, services
+from . import forecasts, inspection, services
 from .models import Run
 from .pages import problem
 
@@ -139,6 +139,7 @@ def _page(
         "start_key_name": START_KEY,
         "source": source,
         "secrets": any(getattr(f, "secret", False) for f in form.fields.values()),
+        "forecast": forecasts.version_forecast(version).as_json(),
     }
     response = render(request, "runs/start.html", context, status=status)
     # A fresh start key each time the form is shown: a page kept by a cache would hand one

@@ -5,6 +5,7 @@ from . import views
 urlpatterns = [
     path("runs", views.RunListView.as_view(), name="runs"),
     # Before runs/<run_id>: "cancel" and "retry" are no run ids.
+    path("runs/forecast", views.RunForecastView.as_view(), name="runs-forecast"),
     path("runs/cancel", views.BulkCancelView.as_view(), name="runs-cancel"),
     path("runs/retry", views.BulkRetryView.as_view(), name="runs-retry"),
     path("runs/bulk/<str:bulk_id>", views.BulkActionDetailView.as_view(), name="runs-bulk"),

@@ -24,7 +24,7 @@ from workflows import access, secrets
 from workflows.errors import FieldError, Forbidden, InvalidInput
 from workflows.views import ERRORS
 
-from . import answers, bulk, export, forks, selectors, services, trace
+from . import answers, bulk, export, forecasts, forks, selectors, services, trace
 from .models import Run
 from .serializers import (
     AccountBodySerializer,
@@ -36,6 +36,8 @@ from .serializers import (
     BulkRunsSerializer,
     EventDeliverySerializer,
     EventSerializer,
+    ForecastAnswerSerializer,
+    ForecastSerializer,
     ForkPreviewSerializer,
     ModelCallDetailSerializer,
     RetryPreviewSerializer,
@@ -60,6 +62,48 @@ RUN_ID = OpenApiParameter(
 
 class RunPagination(NewestFirstPagination):
     """Runs, newest first (config.pagination)."""
+
+
+class RunForecastView(APIView):
+    @extend_schema(
+        operation_id="runs_forecast",
+        request=ForecastSerializer,
+        examples=[
+            OpenApiExample(
+                "support_ticket",
+                value={"workflow": "support_ticket", "input": {"ticket": "Q: where is my parcel?"}},
+                request_only=True,
+            )
+        ],
+        description=(
+            "What a run of the workflow (its latest version unless `version` pins one) will do"
+            " and cost, before it starts: step attempts and cost in USD as min, expected and"
+            " max, in total and per step, from the document's bounds (foreach, loop, branches,"
+            " retries, subworkflows), its recipes' max_tokens and prices, the input (a known"
+            " list bounds its foreach) and the median of the workflow's last completed runs."
+            " A null max is named in `unbounded`. Who may start runs of the workflow may ask;"
+            " an unknown workflow or version is a 404 naming it."
+        ),
+        responses={
+            200: ForecastAnswerSerializer,
+            400: ERRORS,
+            401: ERRORS,
+            403: ERRORS,
+            404: ERRORS,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        body = ForecastSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        given = body.validated_data
+        result = forecasts.run_forecast(
+            workflow=given["workflow"],
+            version=given.get("version"),
+            input=given.get("input"),
+            input_given="input" in given,
+            user=request.user,
+        )
+        return Response(result.as_json())
 
 
 class RunListView(APIView):

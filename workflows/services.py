@@ -99,9 +99,17 @@ def definition_save(*, document: Any, user: AbstractBaseUser | None = None) -> S
             workflow_id, version
         )
 
+    def visible_document(workflow_id: str, version: int | None) -> dict[str, Any] | None:
+        # The worst-case step count reads a subworkflow's document: only one the user sees.
+        if not access.may_see_definition(user, workflow_id):
+            return None
+        found = WorkflowVersion.objects.resolve(workflow_id, version)
+        return None if found is None else found.document
+
     prepared = prepare_document(
         document,
         workflow_exists=visible_exists,
+        child_document=visible_document,
         approval_rules=approval_rules(user),
         max_steps=settings.DJFLOW["MAX_DOCUMENT_STEPS"],
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from jsonschema.exceptions import ValidationError
 
 from .errors import FieldError, InvalidDocument, echo
+from .forecast import DEFAULT_MAX_STEPS, Sources, forecast
 from .guards import pattern_error
 from .input_schema import schema_errors
 from .kb_names import is_template
@@ -62,6 +63,7 @@ from .templates import (
 )
 
 WorkflowExists = Callable[[str, "int | None"], bool]
+ChildDocument = Callable[[str, "int | None"], "Mapping[str, Any] | None"]
 
 # Contract section 9: an approval request asks at most this many people.
 MAX_APPROVERS = 50
@@ -136,6 +138,7 @@ def prepare_document(
     workflow_exists: WorkflowExists | None = None,
     approval_rules: ApprovalRules | None = None,
     max_steps: int = DEFAULT_MAX_DOCUMENT_STEPS,
+    child_document: ChildDocument | None = None,
 ) -> dict[str, Any]:
     """Translate legacy template syntax, validate, and return the document to store.
 
@@ -151,6 +154,7 @@ def prepare_document(
         workflow_exists=workflow_exists,
         approval_rules=approval_rules,
         max_steps=max_steps,
+        child_document=child_document,
     )
     if errors:
         raise InvalidDocument(errors=errors)
@@ -163,18 +167,55 @@ def validate_document(
     workflow_exists: WorkflowExists | None = None,
     approval_rules: ApprovalRules | None = None,
     max_steps: int = DEFAULT_MAX_DOCUMENT_STEPS,
+    child_document: ChildDocument | None = None,
 ) -> list[FieldError]:
     """Every problem with ``document``, or an empty list when it may be saved. Without
     ``approval_rules`` the bounds on approval steps are not checked (saving always gives
     them: ``workflows.services.definition_save``). ``max_steps`` is the most steps a document
-    may hold (``DJFLOW_MAX_DOCUMENT_STEPS``)."""
+    may hold (``DJFLOW_MAX_DOCUMENT_STEPS``). ``child_document`` gives a subworkflow's
+    document for the worst-case step count (:func:`step_count_errors`)."""
     if not isinstance(document, dict):
         return [FieldError("body", "a workflow document must be a JSON object")]
     too_big = _size_errors(document, max_steps)
     if too_big:
         return too_big
     checker = _Checker(document, workflow_exists, approval_rules)
-    return _dedupe([*_schema_errors(document), *checker.run()])
+    errors = _dedupe([*_schema_errors(document), *checker.run()])
+    if errors:
+        return errors  # the worst case is counted on a document of the right shape only
+    return step_count_errors(document, child_document)
+
+
+# --- the worst-case step count (contract section 17) -----------------------------------------
+
+
+def step_count_errors(
+    document: dict[str, Any], child_document: ChildDocument | None = None
+) -> list[FieldError]:
+    """A document whose worst case (every loop and foreach at its bound, the dearer branch,
+    the on_failure steps, its subworkflows'; a step's first attempt only, as a retry happens
+    on a failure) is more attempts than ``limits.max_steps`` (default 1,000) counts would
+    fail at run time even when nothing fails: refused, naming the bound that multiplies the
+    most. A worst case that cannot be known (a subworkflow not
+    found, or starting itself, a foreach that gives no max_items) is not refused: its run is
+    still held to max_steps."""
+    limits = document.get("limits")
+    limit = limits.get("max_steps") if isinstance(limits, dict) else None
+    if not _is_int(limit):
+        limit = DEFAULT_MAX_STEPS
+    sources = Sources(child_of=child_document, stated_bounds_only=True, count_retries=False)
+    result = forecast(document, sources)
+    if result.steps_max is None or result.steps_max <= limit:
+        return []
+    counted = [step for step in result.per_step if step.attempts_max]
+    worst = max(counted, key=lambda step: step.attempts_max or 0)
+    given = "" if isinstance(limits, dict) and "max_steps" in limits else " (default)"
+    message = (
+        f"the worst case is {result.steps_max} step attempts, more than limits.max_steps "
+        f"{limit}{given}: step '{worst.step_id}' ({worst.field}) alone may make "
+        f"{worst.attempts_max} ({worst.how}); lower the bound, or raise limits.max_steps"
+    )
+    return [FieldError(worst.bound_field or "limits.max_steps", message)]
 
 
 # --- size: steps and nesting -----------------------------------------------------------------
