@@ -52,6 +52,7 @@ from .schema import (
     MAX_REPEATS,
     schema_validator,
 )
+from .shapes import Shape, output_problem, output_shape
 from .templates import (
     REFERENCE,
     is_valid_path,
@@ -96,20 +97,7 @@ def _mail_key(entry: str) -> str:
         return entry.lower()
 
 
-# What each kind's output can be read as, past ``steps.<id>.output``: ``None`` means the
-# output is null (nothing can follow), a frozenset names the keys it has, ``any`` that it is
-# the handler's to decide. parallel and foreach are computed from the step itself.
-_FIXED_OUTPUT: dict[str, frozenset[str] | None] = {
-    "sleep": None,
-    "sleep_until": None,
-    "handoff": None,
-    "approval": frozenset({"decision", "by", "comment"}),
-    "write_kb": frozenset({"kb", "key", "version"}),
-    "http": frozenset({"status", "headers", "body"}),
-}
 _STEP_ATTRIBUTES = ("output", "status", "error")
-# What an all_settled parallel's output holds for each branch.
-_SETTLED_KEYS = ("status", "output", "error")
 _ERROR_KEYS = ("class", "message")
 _RUN_KEYS = ("id", "correlation")
 _ROOTS = ("input", "steps", "run", "item", "index", "iter", "error")
@@ -426,6 +414,8 @@ class _Checker:
         timeout = limits.get("run_timeout_ms") if isinstance(limits, dict) else None
         self.run_timeout_ms = timeout if _is_duration_value(timeout) else DEFAULT_RUN_TIMEOUT_MS
         self.closed_input = _closed_properties(document.get("input_schema"))
+        # Each step's output shape, worked out once (workflows.shapes).
+        self.shapes: dict[int, Shape] = {}
 
     def run(self) -> list[FieldError]:
         self._safely(self._check_input_schema)
@@ -782,34 +772,25 @@ class _Checker:
             if tail and (tail[0] not in _ERROR_KEYS or len(tail) > 1):
                 return f"'{path}': a step's error has only class and message"
             return None
-        return _output_problem(path, step, tail)
+        if not tail:
+            return None
+        problem = output_problem(
+            output_shape(step, self.shapes),
+            tail,
+            _owner(step),
+            lambda n: ".".join(["output", *tail[:n]]),
+        )
+        return f"'{path}': {problem}" if problem else None
 
 
-def _output_problem(path: str, step: dict[str, Any], tail: list[str]) -> str | None:
-    kind = step.get("kind")
-    if not tail or not isinstance(kind, str):
-        return None
-    if kind in _FIXED_OUTPUT:
-        keys = _FIXED_OUTPUT[kind]
-        if keys is None:
-            return f"'{path}': a {kind} step's output is null"
-        if tail[0] not in keys:
-            return f"'{path}': a {kind} step's output has only {', '.join(sorted(keys))}"
-        return None
-    if (
-        kind == "parallel"
-        and isinstance(step.get("branches"), dict)
-        and tail[0] not in step["branches"]
-    ):
-        names = ", ".join(step["branches"])
-        return f"'{path}': parallel step '{step['id']}' has no branch '{tail[0]}' ({names})"
-    if kind == "parallel" and step.get("mode") == "all_settled" and len(tail) > 1:
-        if tail[1] not in _SETTLED_KEYS:
-            return f"'{path}': an all_settled branch's outcome has only status, output and error"
-        return None
-    if kind == "foreach" and not tail[0].isdigit():
-        return f"'{path}': a foreach step's output is an array; index it with a number"
-    return None
+def _owner(step: dict[str, Any]) -> str:
+    """How a message names the output of ``step``."""
+    kind, name = step.get("kind"), f"'{echo(str(step.get('id')))}'"
+    if kind == "recipe" and "prompt" in step:
+        if step.get("output", "text") == "text":
+            return f"text recipe step {name}'s output"
+        return f"recipe step {name}'s output_schema"
+    return f"{kind} step {name}'s output"
 
 
 def notify_url_problem(url: str) -> str | None:

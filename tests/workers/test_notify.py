@@ -437,7 +437,7 @@ def test_all_settled_is_checked_at_save() -> None:
     assert validate_document({"id": "wf", "steps": [fan, good]}) == []
     bad = {**good, "input": "${steps.fan.output.a.colour}"}
     [error] = validate_document({"id": "wf", "steps": [fan, bad]})
-    assert error.field == "steps[1].input" and "status, output and error" in error.message
+    assert error.field == "steps[1].input" and "(it has: status, output, error)" in error.message
     [error] = validate_document({"id": "wf", "steps": [{**fan, "mode": "eventually"}]})
     assert error.field == "steps[0].mode"
 
