@@ -39,7 +39,8 @@ from prometheus_client.registry import Collector
 from approvals.models import ApprovalRequest
 from approvals.status import ApprovalStatus
 from config import metrics_files
-from runs.models import Run, StepRun, Timer
+from runs.engine.costs import period_start
+from runs.models import Account, Run, StepRun, Timer
 from runs.status import RUN_TERMINAL, RunStatus, StepStatus
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,41 @@ class DatabaseCollector(_SourceCollector):
         yield GaugeMetricFamily(
             "djflow_approvals_pending", "Approval requests waiting for a decision.", value=pending
         )
+        yield from _accounts(now)
+
+
+def _accounts(now: Any) -> Iterator[Metric]:
+    """Each account with a row (an operator set its budget: few, so a bounded label): its
+    budget, and what it spent and holds in its current period (CONTRACT section 17)."""
+    budget = GaugeMetricFamily(
+        "djflow_account_budget_usd",
+        "An account's budget per period (USD); accounts with no cap are left out.",
+        labels=["account"],
+    )
+    spent = GaugeMetricFamily(
+        "djflow_account_spent_usd",
+        "What an account's settled model calls cost in its current period (USD).",
+        labels=["account"],
+    )
+    reserved = GaugeMetricFamily(
+        "djflow_account_reserved_usd",
+        "The worst cases of an account's model calls in flight (USD).",
+        labels=["account"],
+    )
+    rows = Account.objects.order_by("name").values_list(
+        "name", "budget_usd", "period", "period_start", "spent_usd", "reserved_usd"
+    )
+    for name, cap, period, started, used, held in rows:
+        if cap is not None:
+            budget.add_metric([name], float(cap))
+        # A period that ended since the row was last written spent nothing yet: the engine
+        # resets the count at the account's next reservation.
+        current = period_start(period, now)
+        spent.add_metric([name], 0.0 if current is not None and started < current else float(used))
+        reserved.add_metric([name], float(held))
+    yield budget
+    yield spent
+    yield reserved
 
 
 class BrokerCollector(_SourceCollector):

@@ -177,6 +177,39 @@ def test_unfinished_runs_timers_due_and_queue_depths_are_read_at_scrape_time(flo
 
 
 @pytest.mark.django_db
+def test_accounts_budgets_and_spend_are_read_at_scrape_time(token) -> None:
+    from decimal import Decimal
+
+    from runs.models import Account
+
+    midnight = timezone.now().replace(hour=0, minute=0, second=0, microsecond=0)
+    Account.objects.create(
+        name="support",
+        budget_usd=Decimal("25"),
+        period="day",
+        period_start=midnight,
+        spent_usd=Decimal("3.5"),
+        reserved_usd=Decimal("0.25"),
+    )
+    # Yesterday's spend of a daily budget no call has reset yet: today it spent nothing.
+    Account.objects.create(
+        name="stale",
+        budget_usd=Decimal("10"),
+        period="day",
+        period_start=midnight - timedelta(days=1),
+        spent_usd=Decimal("9"),
+    )
+    Account.objects.create(name="nocap", budget_usd=None, period="", period_start=midnight)
+    scraped = _scrape(Client())
+    assert scraped[("djflow_account_budget_usd", (("account", "support"),))] == 25
+    assert scraped[("djflow_account_spent_usd", (("account", "support"),))] == 3.5
+    assert scraped[("djflow_account_reserved_usd", (("account", "support"),))] == 0.25
+    assert scraped[("djflow_account_spent_usd", (("account", "stale"),))] == 0
+    assert ("djflow_account_budget_usd", (("account", "nocap"),)) not in scraped
+    assert scraped[("djflow_account_spent_usd", (("account", "nocap"),))] == 0
+
+
+@pytest.mark.django_db
 def test_a_source_that_fails_is_left_out_and_said_not_a_failed_scrape(
     token, monkeypatch, caplog
 ) -> None:
