@@ -31,7 +31,7 @@ from . import answers, graph, timeline
 from .answers import STEP_VALUES
 from .engine import contents, slots
 from .models import ModelCall, Run, RunAction, StepRun, ToolCall
-from .status import RUN_MOVES, RUN_TERMINAL, RunStatus
+from .status import RUN_MOVES, RUN_TERMINAL, RunStatus, StepStatus
 
 TIMELINE_ROWS = 200
 # The attempts' values a page reads at most (answers.bound): each up to 64 KiB (it shows
@@ -527,6 +527,10 @@ class Page:
     # "Run again" (CONTRACT section 15): the start form of the run's version, prefilled with
     # its input, for the workflow's starters.
     may_start: bool = False
+    # Why a budget_exceeded run waits (CONTRACT section 17), and whether its operators may
+    # raise its own limit here (a run with limits.max_cost_usd of its own).
+    budget_reason: str | None = None
+    budget_top_up: bool = False
 
 
 # The largest input the retry form offers to edit (a run input may be 1 MiB; the API takes it).
@@ -588,4 +592,23 @@ def page(run: Run, user: Any) -> Page:
         rerun_input=editable_input(run) if rerun else None,
         queued=queued,
         may_start=access.may_start(user, run.workflow_id),
+        **_budget(run, may_operate),
     )
+
+
+def _budget(run: Run, may_operate: bool) -> dict[str, Any]:
+    """What a budget_exceeded run's page says and offers: the waiting attempts' reason, and
+    the top-up form to its operators when the run has a limit of its own to raise."""
+    if run.status != RunStatus.BUDGET_EXCEEDED:
+        return {}
+    from .engine import costs
+    from .serializers import budget_reason
+
+    waiting = StepRun.objects.filter(
+        run=run, status=StepStatus.SCHEDULED, budget_wait__isnull=False
+    ).order_by("id")[:20]
+    reasons = [reason for step in waiting if (reason := budget_reason(step))]
+    return {
+        "budget_reason": reasons[0] if reasons else "it waits for budget",
+        "budget_top_up": may_operate and costs.limit_of_version(run.version_id) is not None,
+    }

@@ -15,6 +15,7 @@ urlpatterns = [
     # Before the generic action route, which would take "retry-from-step" (or "compare") as
     # an action.
     path("runs/<uuid:run_id>/retry-from-step/", pages.rerun, name="rerun"),
+    path("runs/<uuid:run_id>/top-up/", pages.top_up, name="top-up"),
     path("runs/<uuid:run_id>/compare/", compare_page.pick, name="compare-pick"),
     path(
         "runs/<uuid:run_id>/compare/<uuid:other_id>/",

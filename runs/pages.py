@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.contrib import messages
@@ -110,6 +111,36 @@ def inspect(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
     except NotFound as error:
         return problem(request, error)
     return _page(request, run)
+
+
+@login_required
+@require_POST
+def top_up(request: HttpRequest, run_id: uuid.UUID) -> HttpResponse:
+    """Raise a budget_exceeded run's limit (``run_budget_add``, CONTRACT section 17): the
+    step that waits goes on, or waits again if the top-up is still too small."""
+    try:
+        run = inspection.run_for_page(run_id=run_id, user=request.user)
+        # Before reading the form: one who may not act learns nothing from a malformed one.
+        access.require_operate_run(request.user, run)
+        amount = _amount(request.POST.get("add_usd", ""))
+        services.run_budget_add(run_id=run.id, add_usd=amount, user=request.user)
+    except EngineError as error:
+        return problem(request, error)
+    messages.success(request, f"Run's budget raised by ${amount}.")
+    return redirect("runs:inspect", run_id=run.id)
+
+
+def _amount(text: str) -> Decimal:
+    """The form's ``add_usd``: a positive amount of USD, as the API takes it."""
+    try:
+        amount = Decimal(text.strip())
+    except (InvalidOperation, ValueError):
+        amount = Decimal(-1)
+    if not amount.is_finite() or not Decimal("0.000001") <= amount <= Decimal(1_000_000):
+        raise InvalidInput(
+            errors=[FieldError("add_usd", "must be an amount of USD from 0.000001 to 1000000")]
+        )
+    return amount.quantize(Decimal("0.000001"))
 
 
 @login_required

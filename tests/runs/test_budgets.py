@@ -135,3 +135,36 @@ def test_costs_hold_and_settle_an_account_budget_and_refuse_past_it(db) -> None:
     account = Account.objects.get(name="acct")
     assert (account.spent_usd, account.reserved_usd) == (Decimal("0.01"), Decimal(0))
     costs.reserve(step_run_id=second.id, run_id=run.id, amount=Decimal("0.06"))
+
+
+def test_the_inspector_shows_why_and_its_operators_top_up_the_run(
+    djflow, priced, admin_user, django_user_model
+) -> None:
+    from django.test import Client
+
+    djflow.model(reply="ok")
+    run = djflow.start(_document("bx_page", max_cost_usd=0.15))
+    assert run.status == "budget_exceeded"
+    client = Client()
+    client.force_login(admin_user)
+    page = client.get(f"/runs/{run.id}/").content.decode()
+    assert 'id="run-budget-reason"' in page and "waits for budget" in page
+    assert f'action="/runs/{run.id}/top-up/"' in page
+    # A bad amount is refused, naming the field; nothing moves.
+    refused = client.post(f"/runs/{run.id}/top-up/", {"add_usd": "lots"})
+    assert refused.status_code == 400 and "an amount of USD" in refused.content.decode()
+    with djflow._settling():
+        answer = client.post(f"/runs/{run.id}/top-up/", {"add_usd": "0.5"})
+    assert answer.status_code == 302
+    assert run.status == "completed", run.error
+    # One who may not operate the run sees no form, and may not post it.
+    from workflows import access
+
+    vera = django_user_model.objects.create_user(username="vera", password="a-long-password-1")
+    access.grant("viewer", "bx_page", user=vera)
+    other = djflow.start(_document("bx_page", max_cost_usd=0.15))
+    viewer = Client()
+    viewer.force_login(vera)
+    assert "top-up-form" not in viewer.get(f"/runs/{other.id}/").content.decode()
+    assert viewer.post(f"/runs/{other.id}/top-up/", {"add_usd": "1"}).status_code == 403
+    assert other.status == "budget_exceeded"
