@@ -25,6 +25,7 @@ from django.utils import timezone
 
 from runs.engine import isolation
 from runs.models import Run, StepRun, Timer, TimerPurpose
+from workflows import access
 from workflows.mailbox import MailboxProblem, mailbox
 from workflows.services import MAIL_EXTERNAL, NAMING_PEOPLE, may_name_people
 from workflows.validation import MAX_APPROVERS, outside_domains
@@ -309,6 +310,33 @@ def handoff(run: Run, step_run: StepRun) -> dict[str, Any] | None:
     title = f"Hand-off from {run.workflow_id}: {step_run.step_id}"
     notify(users, "handoff", title, _text(spec.get("message")), run, step_run.id)
     return None
+
+
+def budget_exceeded(run_id: Any, step_run_id: int) -> None:
+    """Tell the workflow's operators, in-app and by e-mail, that an attempt of the run waits
+    for budget (``runs.engine.hooks``; CONTRACT section 17): once per attempt and person, in
+    the transaction that made it wait. A failure here is logged, never the wait's: telling
+    people must not stop the run from waiting (its reason says it all the same)."""
+    from runs.serializers import budget_reason
+
+    try:
+        with transaction.atomic():
+            run = Run.objects.get(id=run_id)
+            step = StepRun.objects.get(id=step_run_id)
+            reason = budget_reason(step) or "it waits for budget"
+            title = f"Run of {run.workflow_id} waits for budget at step {step.step_id}"
+            for user in access.operators(run.workflow_id):
+                notification, made = Notification.objects.get_or_create(
+                    step_run_id=step_run_id,
+                    user=user,
+                    kind=MailKind.BUDGET,
+                    defaults={"title": title[:300], "body": reason, "run": run},
+                )
+                if made:
+                    outbox.queue(MailKind.BUDGET, user.email, notification=notification)
+    except Exception:
+        # Whatever failed (the database, a backend), the wait stands: it is the run's state.
+        logger.exception("run %s: telling its operators it waits for budget failed", run_id)
 
 
 def notify(

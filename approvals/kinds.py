@@ -118,6 +118,8 @@ def plug_in() -> None:
     inspection.on_page_audit(selectors.run_page_audit)
     # Runs deleted by retention take their approvals' decisions with them.
     hooks.on_purge("approval_decisions", purge_decisions)
+    # A run waiting for budget tells the workflow's operators (CONTRACT section 17).
+    hooks.on_budget_exceeded("operators_notified", gates.budget_exceeded)
 
 
 def purge_decisions(run_ids: list[Any]) -> dict[str, int]:

@@ -29,6 +29,8 @@ class MailKind(models.TextChoices):
     REMINDER = "reminder"
     ESCALATION = "escalation"
     HANDOFF = "handoff"
+    # A run waits for budget (CONTRACT section 17): to the workflow's operators.
+    BUDGET = "budget"
 
 
 class MailStatus(models.TextChoices):

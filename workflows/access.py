@@ -590,6 +590,37 @@ def may_grant(user: Any, workflow_id: str, role: str) -> bool:
     return AUTHOR in held or (role == VIEWER and OPERATOR in held)
 
 
+def operators(workflow_id: str) -> list[Any]:
+    """The active users who operate the workflow's runs, to tell them what needs them (a run
+    waiting for budget): its authors and operators (object roles, held directly or through
+    a group) and the holders of the global author or operator permission. A superuser is not
+    one by that alone: every superuser would hear of every run."""
+    from django.contrib.auth import get_user_model
+    from guardian.shortcuts import get_users_with_perms
+
+    found: dict[Any, Any] = {}
+    workflow = Workflow.objects.filter(pk=workflow_id).first()
+    if workflow is not None:
+        for person in get_users_with_perms(
+            workflow,
+            only_with_perms_in=[CODENAMES[AUTHOR], CODENAMES[OPERATOR]],
+            with_group_users=True,
+            with_superusers=False,
+        ):
+            found[person.pk] = person
+    people = get_user_model().objects
+    for permission in (GLOBAL[AUTHOR], GLOBAL[OPERATOR]):
+        # Guardian's backend answers for objects only: the model permissions are Django's.
+        held = people.with_perm(  # type: ignore[attr-defined]
+            permission,
+            include_superusers=False,
+            backend="django.contrib.auth.backends.ModelBackend",
+        )
+        for person in held:
+            found[person.pk] = person
+    return sorted((p for p in found.values() if p.is_active), key=lambda p: p.pk)
+
+
 def holders(workflow_id: str) -> list[tuple[str, str, str]]:
     """Every object role on the workflow: ``(role, "user"|"group", name)``, sorted."""
     from guardian.shortcuts import get_groups_with_perms, get_users_with_perms

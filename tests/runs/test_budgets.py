@@ -168,3 +168,32 @@ def test_the_inspector_shows_why_and_its_operators_top_up_the_run(
     assert "top-up-form" not in viewer.get(f"/runs/{other.id}/").content.decode()
     assert viewer.post(f"/runs/{other.id}/top-up/", {"add_usd": "1"}).status_code == 403
     assert other.status == "budget_exceeded"
+
+
+def test_the_workflows_operators_are_told_in_app_and_by_mail_once(
+    djflow, priced, django_user_model, mailoutbox
+) -> None:
+    from approvals.models import Notification
+    from workflows import access
+    from workflows.services import definition_save
+
+    definition_save(document=_document("bx_told", max_cost_usd=0.15))
+    olga = django_user_model.objects.create_user(username="olga", email="olga@example.com")
+    vera = django_user_model.objects.create_user(username="vera", email="vera@example.com")
+    access.grant("operator", "bx_told", user=olga)
+    access.grant("viewer", "bx_told", user=vera)
+    djflow.model(reply="ok")
+    run = djflow.start("bx_told")
+    assert run.status == "budget_exceeded"
+    told = Notification.objects.filter(run_id=run.id)
+    assert [(n.user.username, n.kind) for n in told] == [("olga", "budget")]
+    assert "waits for budget" in told[0].body and "ask1" in told[0].title
+    mails = [m for m in mailoutbox if "olga@example.com" in m.to]
+    assert len(mails) == 1 and "Waiting for budget" in mails[0].subject
+    assert f"/runs/{run.id}/" in mails[0].body
+    assert not [m for m in mailoutbox if "vera@example.com" in m.to]
+    # Waiting again (a top-up too small) tells no one twice about the same attempt.
+    with djflow._settling():
+        services.run_budget_add(run_id=run.id, add_usd=Decimal("0.000001"))
+    assert run.status == "budget_exceeded"
+    assert Notification.objects.filter(run_id=run.id).count() == 1
