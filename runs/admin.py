@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from django.contrib import admin, messages
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Sum
 from django.http import HttpRequest
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -29,9 +29,19 @@ from workflows.models import WorkflowVersion
 from workflows.secrets import shown, shown_text
 
 from . import forecasts
-from .engine import contents, slots, unservable
-from .models import Event, ModelCall, NotifyDelivery, Run, RunAction, StepRun, Timer, ToolCall
-from .services import run_cancel, run_retry
+from .engine import contents, costs, slots, unservable
+from .models import (
+    Account,
+    Event,
+    ModelCall,
+    NotifyDelivery,
+    Run,
+    RunAction,
+    StepRun,
+    Timer,
+    ToolCall,
+)
+from .services import account_save, run_cancel, run_retry
 from .status import StepStatus
 from .timeline import duration
 
@@ -534,6 +544,51 @@ class EventAdmin(ReadOnlyMixin, admin.ModelAdmin):
             return "—"
         return format_html_join(
             ", ", "{} ({})", ((_run_link(run_id), step_id) for run_id, step_id in waits)
+        )
+
+
+@admin.register(Account)
+class AccountAdmin(admin.ModelAdmin):
+    """Accounts with budgets (CONTRACT section 17): operators with ``runs.change_account`` set
+    the budget and period here as ``PUT /api/v1/accounts/{name}`` does (the waits on the
+    account are offered again); spent and reserved are the engine's. The change page shows
+    what the account's runs cost in the period, per workflow."""
+
+    list_display = ("name", "budget_usd", "period", "spent_usd", "reserved_usd", "period_start")
+    search_fields = ("name",)
+    fields = ("name", "budget_usd", "period", "spent_usd", "reserved_usd", "by_workflow")
+    readonly_fields = ("spent_usd", "reserved_usd", "by_workflow")
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        # A name is the runs' label: renaming a row would orphan its spend.
+        return (*self.readonly_fields, "name") if obj is not None else self.readonly_fields
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def save_model(self, request: HttpRequest, obj: Account, form: Any, change: bool) -> None:
+        # Through the service: it makes the row, counts the period, and releases the waits.
+        saved = account_save(
+            name=obj.name, budget_usd=obj.budget_usd, period=obj.period, user=request.user
+        )
+        obj.pk = saved.pk
+
+    @admin.display(description="this period, per workflow")
+    def by_workflow(self, account: Account) -> str:
+        since = costs.period_start(account.period, timezone.now())
+        runs = Run.objects.filter(account=account.name)
+        if since is not None:
+            runs = runs.filter(created_at__gte=since)
+        rows = (
+            runs.order_by()
+            .values_list("workflow_id")
+            .annotate(spent=Sum("cost_usd"), n=Count("id"))
+            .order_by("-spent")[:50]
+        )
+        if not rows:
+            return "—"
+        return format_html_join(
+            ", ", "{}: ${} ({} runs)", ((wf, spent, n) for wf, spent, n in rows)
         )
 
 

@@ -197,3 +197,27 @@ def test_the_workflows_operators_are_told_in_app_and_by_mail_once(
         services.run_budget_add(run_id=run.id, add_usd=Decimal("0.000001"))
     assert run.status == "budget_exceeded"
     assert Notification.objects.filter(run_id=run.id).count() == 1
+
+
+def test_the_admin_sets_an_accounts_budget_and_shows_its_spend_per_workflow(
+    djflow, priced, admin_user
+) -> None:
+    from django.test import Client
+
+    djflow.model(reply="ok")
+    with djflow._settling():
+        services.account_save(name="acme", budget_usd=Decimal("0.15"), period="", user=None)
+    run = djflow.start(_document("bx_admin"), account="acme")
+    assert run.status == "budget_exceeded"
+    client = Client()
+    client.force_login(admin_user)
+    listed = client.get("/admin/runs/account/").content.decode()
+    assert "acme" in listed
+    page = client.get("/admin/runs/account/acme/change/").content.decode()
+    assert "bx_admin: $" in page and "(1 runs)" in page
+    # Raised through the admin as through the API: the run goes on.
+    with djflow._settling():
+        answer = client.post("/admin/runs/account/acme/change/", {"budget_usd": "5", "period": ""})
+    assert answer.status_code == 302, answer.content.decode()[:2000]
+    assert Account.objects.get(name="acme").budget_usd == Decimal("5")
+    assert run.status == "completed", run.error
