@@ -1079,6 +1079,21 @@ class RunTraceSerializer(serializers.Serializer):
     )
 
 
+# The most USD a budget holds (the columns' 14 digits, 6 after the point).
+MAX_USD = 99_999_999
+
+
+class UsdField(serializers.FloatField):
+    """An amount of USD in a body: a JSON number (or its text), rounded to the micro-dollar
+    (a Decimal, as the columns keep it). A number, not a decimal string, in the OpenAPI
+    document: every number within the bounds is taken (a string of any shape, or a seventh
+    decimal place, would be a schema-valid value refused)."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        value = super().to_internal_value(data)
+        return Decimal(repr(value)).quantize(Decimal("0.000001"))
+
+
 PERIOD_HELP = (
     "day or month, with UTC boundaries (midnight, the first of the month); null: a budget in total"
 )
@@ -1112,12 +1127,12 @@ class AccountSerializer(serializers.Serializer):
 class AccountBodySerializer(StrictBodySerializer):
     """The body of ``PUT /accounts/{name}``: what operators set."""
 
-    budget_usd = serializers.DecimalField(
-        max_digits=14,
-        decimal_places=6,
-        min_value=Decimal(0),
+    budget_usd = UsdField(
+        min_value=0,
+        max_value=MAX_USD,
         allow_null=True,
-        help_text="USD the account's model calls may cost per period (null: no cap)",
+        help_text="USD the account's model calls may cost per period (null: no cap), to the "
+        "micro-dollar",
     )
     period = serializers.ChoiceField(
         choices=["day", "month"],
@@ -1133,12 +1148,10 @@ class AccountBodySerializer(StrictBodySerializer):
 class RunBudgetSerializer(StrictBodySerializer):
     """The body of ``POST /runs/{id}/budget``."""
 
-    add_usd = serializers.DecimalField(
-        max_digits=14,
-        decimal_places=6,
-        min_value=Decimal("0.000001"),
-        max_value=Decimal(1_000_000),
-        help_text="USD added to the run's limits.max_cost_usd",
+    add_usd = UsdField(
+        min_value=0.000001,
+        max_value=1_000_000,
+        help_text="USD added to the run's limits.max_cost_usd, to the micro-dollar",
     )
 
     body_name = "a top-up"

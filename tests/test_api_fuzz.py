@@ -79,7 +79,8 @@ def _status(url: str) -> int:
 @pytest.fixture
 def token(transactional_db, user, monkeypatch) -> str:
     """Rows committed where gunicorn reads them: a workflow, a run, a recipe, and a user who
-    may author, start, operate and read every workflow and save recipes."""
+    may author, start, operate and read every workflow, save recipes and read and set the
+    accounts' budgets."""
     # Without its input_schema: a start's input is checked against the workflow's own
     # schema (a 400 naming the field, tests/runs/test_runs_api.py), which no OpenAPI document
     # can state; any input then starts a run, as the document's `input` (any JSON) says.
@@ -93,7 +94,9 @@ def token(transactional_db, user, monkeypatch) -> str:
     monkeypatch.setenv("DJFLOW_FUZZ_RUN", str(run.id))
     monkeypatch.setenv("DJFLOW_FUZZ_STEP_RUN", str(run.steps.order_by("id").first().id))
     user.user_permissions.add(
-        *Permission.objects.filter(codename__in=["add_recipe", "change_recipe"])
+        *Permission.objects.filter(
+            codename__in=["add_recipe", "change_recipe", "view_account", "change_account"]
+        )
     )
     return Token.objects.get_or_create(user=user)[0].key
 

@@ -308,7 +308,8 @@ folder = Path(settings.TEMPLATES[0]["DIRS"][0])
 run = {"id": uuid.uuid4()}
 flags = ("has_add_permission", "has_change_permission", "has_delete_permission",
          "has_view_permission", "change")
-context = {"run": run, "page": {"run": run}, "add": False, "is_popup": False,
+context = {"run": run, "page": {"run": run}, "cmp": {"a": run, "b": run}, "add": False,
+           "is_popup": False,
            "save_as": False, "has_editable_inline_admin_formsets": False,
            **dict.fromkeys(flags, True)}
 found, failed = {}, {}

@@ -28,7 +28,10 @@ def spin(times: int) -> dict:
 
 
 def test_small_runs_end_while_a_huge_one_is_still_planned(celery_worker, celery_beat) -> None:
-    definition_save(document={"id": "huge", "steps": [spin(10_000)]})
+    # Its worst case (the branch taken every time) is 10,000 attempts: allowed at save.
+    definition_save(
+        document={"id": "huge", "limits": {"max_steps": 10_000}, "steps": [spin(10_000)]}
+    )
     definition_save(document={"id": "small", "steps": [{"id": "nap", "kind": "sleep", "ms": 300}]})
     worker = celery_worker(concurrency=1)
     celery_beat()

@@ -21,6 +21,7 @@ import pytest
 from django.conf import settings
 
 from runs import services
+from runs.engine import contents
 from runs.models import ModelCall, Run, StepRun
 from tests.model_server import Answer, ModelServer
 from tests.processes import wait_for
@@ -118,7 +119,8 @@ def test_recipes_on_both_providers_retries_and_records(
     [attempt] = attempts(run, "ask")
     [call] = attempt.model_calls.select_related("prompt", "reply")
     assert (call.provider, call.model, call.status) == ("openai", "gpt-4o-mini", "ok")
-    assert call.prompt.body == {
+    # A prompt is stored as its messages (runs.engine.contents): read back whole.
+    assert contents.body(call.prompt) == {
         "system": "Be brief.",
         "messages": [{"role": "user", "content": "Say hello to Ada."}],
     }
