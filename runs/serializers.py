@@ -1084,12 +1084,15 @@ MAX_USD = 99_999_999
 
 
 class UsdField(serializers.FloatField):
-    """An amount of USD in a body: a JSON number (or its text), rounded to the micro-dollar
+    """An amount of USD in a body: a JSON number, rounded to the micro-dollar
     (a Decimal, as the columns keep it). A number, not a decimal string, in the OpenAPI
     document: every number within the bounds is taken (a string of any shape, or a seventh
     decimal place, would be a schema-valid value refused)."""
 
     def to_internal_value(self, data: Any) -> Any:
+        # A JSON number only: not true/false (float(False) is 0.0), not a string.
+        if isinstance(data, bool) or not isinstance(data, int | float):
+            self.fail("invalid")
         value = super().to_internal_value(data)
         return Decimal(repr(value)).quantize(Decimal("0.000001"))
 

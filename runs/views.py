@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from drf_spectacular.utils import (
     OpenApiParameter,
     PolymorphicProxySerializer,
     extend_schema,
+    inline_serializer,
 )
 from rest_framework import status
 from rest_framework.request import Request
@@ -769,8 +771,14 @@ class RunBudgetView(APIView):
         return Response(_render(request, selectors.run_get(run_id=run.id, user=request.user)))
 
 
+# An account is a run's `account` (POST /runs) or its starter's username: the same letters.
+ACCOUNT_PATTERN = r"^[A-Za-z0-9_.@+-]{1,150}$"
 ACCOUNT_NAME = OpenApiParameter(
-    "name", OpenApiTypes.STR, OpenApiParameter.PATH, description="the account (Run.account)"
+    "name",
+    OpenApiTypes.STR,
+    OpenApiParameter.PATH,
+    description="the account (Run.account): letters, digits and _ . @ + -, at most 150",
+    pattern=ACCOUNT_PATTERN,
 )
 
 
@@ -785,9 +793,14 @@ def _require_accounts(user: Any, *, write: bool) -> None:
 
 
 def _account_name(name: str) -> str:
-    if not name or len(name) > 150 or not name.isprintable():
+    if not re.fullmatch(ACCOUNT_PATTERN[1:-1], name):
         raise InvalidInput(
-            errors=[FieldError("name", "is not an account name (1 to 150 characters)")]
+            errors=[
+                FieldError(
+                    "name",
+                    "is not an account name (1 to 150 letters, digits and _ . @ + -)",
+                )
+            ]
         )
     return name
 
@@ -800,7 +813,10 @@ class AccountListView(APIView):
             " current period and hold for calls in flight. For superusers and holders of"
             " `runs.view_account` or `runs.change_account`."
         ),
-        responses={200: AccountSerializer(many=True), **dict.fromkeys((401, 403), ERRORS)},
+        responses={
+            200: inline_serializer("AccountList", {"results": AccountSerializer(many=True)}),
+            **dict.fromkeys((401, 403), ERRORS),
+        },
     )
     def get(self, request: Request) -> Response:
         _require_accounts(request.user, write=False)

@@ -30,7 +30,7 @@ def _client(*permissions: str) -> APIClient:
 def test_operators_set_a_budget_and_readers_see_the_engines_counters() -> None:
     writer = _client("change_account")
     answer = writer.put(
-        "/api/v1/accounts/acme", {"budget_usd": "12.5", "period": "day"}, format="json"
+        "/api/v1/accounts/acme", {"budget_usd": 12.5, "period": "day"}, format="json"
     )
     assert answer.status_code == 200, answer.content
     assert answer.json()["budget_usd"] == 12.5 and answer.json()["period"] == "day"
@@ -61,6 +61,9 @@ def test_who_may_not_read_or_write_accounts_gets_403() -> None:
     [
         ({"budget_usd": -1}, "budget_usd"),
         ({"budget_usd": "lots"}, "budget_usd"),
+        # A JSON number only (the OpenAPI document says so): not its text, not a boolean.
+        ({"budget_usd": "5"}, "budget_usd"),
+        ({"budget_usd": False}, "budget_usd"),
         ({"budget_usd": 1, "period": "week"}, "period"),
         ({"budget_usd": 1, "spent_usd": 0}, "spent_usd"),
         ({}, "budget_usd"),
@@ -82,7 +85,7 @@ def test_a_top_up_is_for_the_runs_operators_and_names_bad_fields(api: APIClient)
     for body, field in (({"add_usd": 0}, "add_usd"), ({"add": 1}, "add"), ({}, "add_usd")):
         answer = api.post(f"/api/v1/runs/{run.id}/budget", body, format="json")
         assert answer.status_code == 400 and field in answer.content.decode(), answer.content
-    answer = api.post(f"/api/v1/runs/{run.id}/budget", {"add_usd": "0.5"}, format="json")
+    answer = api.post(f"/api/v1/runs/{run.id}/budget", {"add_usd": 0.5}, format="json")
     assert answer.status_code == 200, answer.content
     run.refresh_from_db()
     assert run.budget_added_usd == Decimal("0.5")
