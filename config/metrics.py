@@ -123,6 +123,11 @@ def _loopback(request: HttpRequest) -> bool:
         return False
 
 
+# Listings of the metric files a scrape reads at most, each after a file vanished from the
+# one before (see FilesCollector.collect).
+SCRAPE_TRIES = 5
+
+
 class FilesCollector(Collector):
     """What every process counted, from the files under DJFLOW_METRICS_DIR."""
 
@@ -130,8 +135,20 @@ class FilesCollector(Collector):
         tunables = settings.DJFLOW
         # A host's workers are live while their last beat is this recent (workflows.heartbeats).
         window = tunables["WORKER_HEARTBEAT_SECONDS"] * tunables["WORKER_LIVE_BEATS"]
-        files = metrics_files.files_to_read(Path(settings.DJFLOW_METRICS_DIR), live_window=window)
-        yield from MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        root = Path(settings.DJFLOW_METRICS_DIR)
+        for tries_left in range(SCRAPE_TRIES - 1, -1, -1):
+            files = metrics_files.files_to_read(root, live_window=window)
+            try:
+                merged = MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+            except FileNotFoundError:
+                # A file listed was removed before it was read (a master's start removes the
+                # files of its host's processes that are gone; a child's end its live
+                # gauges): list again, rather than answer the scrape with a 500.
+                if not tries_left:
+                    raise
+                continue
+            yield from merged
+            return
 
 
 class _SourceCollector(Collector):

@@ -524,3 +524,29 @@ def test_turned_off_nothing_is_counted_or_served_and_values_stay_in_memory(
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False"]
     assert not (tmp_path / "inherited").exists()
+
+
+def test_a_file_removed_between_listing_and_reading_is_listed_again(tmp_path, monkeypatch) -> None:
+    """A master's start removes the files of its host's processes that are gone: a scrape
+    that listed one of them reads the folder again instead of failing (a 500 seen once in
+    the suite, FileNotFoundError on a histogram_<pid>.db another process had removed)."""
+    listings: list[list[str]] = []
+    real = metrics_files.files_to_read
+
+    def listing(root: Path, *, live_window: float = 15.0) -> list[str]:
+        found = real(root, live_window=live_window)
+        # The first listing names a file that is gone by the time it is read.
+        listings.append(found)
+        return [*found, str(tmp_path / "counter_999999.db")] if len(listings) == 1 else found
+
+    monkeypatch.setattr(metrics_files, "files_to_read", listing)
+    list(scrape.FilesCollector().collect())
+    assert len(listings) == 2
+    # Gone at every listing: the scrape fails after SCRAPE_TRIES listings, never loops.
+    monkeypatch.setattr(
+        metrics_files,
+        "files_to_read",
+        lambda root, live_window=15.0: [str(tmp_path / "counter_999998.db")],
+    )
+    with pytest.raises(FileNotFoundError):
+        list(scrape.FilesCollector().collect())
