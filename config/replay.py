@@ -50,7 +50,7 @@ from django.utils.dateparse import parse_datetime
 
 from config import metrics_files
 from config.inprocess import Djflow, Run, installed
-from runs import forks
+from runs import export, forks
 from runs.engine import timers
 from runs.models import Content, ModelCall, StepRun, Timer, ToolCall
 from runs.models import Run as RunRow
@@ -230,44 +230,12 @@ def load(data: Mapping[str, Any]) -> RunRow:
     return _load_run(data["run"], parent_step=None, root=None, depth=0)
 
 
-RUN_FIELDS = (
-    "status",
-    "input",
-    "output",
-    "error",
-    "correlation",
-    "idempotency_key",
-    "account",
-    "priority",
-    "concurrency_key",
-    "body",
-    "generation",
-    "reruns",
-    "attempts",
-    "cost_usd",
-)
+# What the export wrote (runs.export), read back: times parsed, ids given by the rows.
 RUN_TIMES = ("created_at", "started_at", "finished_at", "deadline_at")
-STEP_FIELDS = (
-    "step_id",
-    "path",
-    "kind",
-    "attempt",
-    "generation",
-    "status",
-    "effect",
-    "branch",
-    "input",
-    "output",
-    "error",
-    "idempotency_key",
-    "worker",
-    "queue",
-    "timeout_ms",
-    "usage",
-    "spans",
-    "cost_usd",
-)
+RUN_FIELDS = tuple(f for f in export.RUN_FIELDS if f != "id" and f not in RUN_TIMES)
 STEP_TIMES = ("scheduled_at", "started_at", "finished_at")
+# An attempt's error is written apart from its other fields (its traceback for operators).
+STEP_FIELDS = (*(f for f in export.STEP_FIELDS if f != "id" and f not in STEP_TIMES), "error")
 
 
 def _time(value: Any) -> datetime | None:
@@ -345,25 +313,8 @@ def _load_run(entry: Mapping[str, Any], *, parent_step: Any, root: Any, depth: i
     return run
 
 
-MODEL_CALL_FIELDS = (
-    "provider",
-    "model",
-    "answered_by",
-    "status",
-    "error",
-    "input_tokens",
-    "output_tokens",
-    "cached_tokens",
-    "reasoning_tokens",
-    "latency_ms",
-    "cost_usd",
-    "reserved_usd",
-    "request_id",
-    "recipe",
-    "recipe_version",
-    "retrieved",
-)
-TOOL_CALL_FIELDS = ("server", "tool", "status", "error", "latency_ms")
+MODEL_CALL_FIELDS = tuple(f for f in export.MODEL_CALL_FIELDS if f not in ("id", "created_at"))
+TOOL_CALL_FIELDS = tuple(f for f in export.TOOL_CALL_FIELDS if f not in ("id", "created_at"))
 
 
 @overload

@@ -223,33 +223,36 @@ def _with_calls(ids: list[int]) -> Batch:
     return [(step, model_calls[step.id], tool_calls[step.id]) for step in steps]
 
 
+# A run's own fields in the file, as its columns hold them (config.replay reads them back).
+RUN_FIELDS = (
+    "id",
+    "status",
+    "input",
+    "output",
+    "error",
+    "correlation",
+    "idempotency_key",
+    "account",
+    "priority",
+    "concurrency_key",
+    "body",
+    "generation",
+    "reruns",
+    "attempts",
+    "cost_usd",
+    "created_at",
+    "started_at",
+    "finished_at",
+    "deadline_at",
+)
+
+
 def _run_fields(run: Run) -> dict[str, Any]:
     parent = None
     if run.parent_run_id is not None:
         step = run.parent_step_run
         parent = {"run": run.parent_run_id, "step": step.step_id if step else None}
-    fields = (
-        "id",
-        "status",
-        "input",
-        "output",
-        "error",
-        "correlation",
-        "idempotency_key",
-        "account",
-        "priority",
-        "concurrency_key",
-        "body",
-        "generation",
-        "reruns",
-        "attempts",
-        "cost_usd",
-        "created_at",
-        "started_at",
-        "finished_at",
-        "deadline_at",
-    )
-    values = {name: getattr(run, name) for name in fields}
+    values = {name: getattr(run, name) for name in RUN_FIELDS}
     return {
         **values,
         "workflow": run.workflow_id,
@@ -315,10 +318,12 @@ def _model_call(call: ModelCall) -> dict[str, Any]:
     }
 
 
+TOOL_CALL_FIELDS = ("id", "server", "tool", "status", "error", "latency_ms", "created_at")
+
+
 def _tool_call(call: ToolCall) -> dict[str, Any]:
-    fields = ("id", "server", "tool", "status", "error", "latency_ms", "created_at")
     return {
-        **{name: getattr(call, name) for name in fields},
+        **{name: getattr(call, name) for name in TOOL_CALL_FIELDS},
         "arguments_digest": call.arguments_id,
         "arguments": _body(call.arguments),
         "result_digest": call.result_id,

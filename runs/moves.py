@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from .engine.store import update_run
 from .models import Run, StepRun
-from .status import check_run_move, run_sources, step_sources
+from .status import StepStatus, check_run_move, run_sources, step_sources
 
 
 def move_steps(
@@ -31,6 +31,25 @@ def move_steps(
     how many moved."""
     allowed = step_sources(target, sources)
     return rows.filter(status__in=allowed).update(status=target, **fields)
+
+
+def hand_back(step_run_id: int, claim: Any, now: Any, **more: Any) -> bool:
+    """The claimed attempt back to ``scheduled`` (running -> scheduled, the one move back in
+    runs.status.STEP_MOVES), its claim, worker and times cleared, if the claim still holds;
+    True when it did. ``more``: fields set with it (a refusal counted, a budget wait)."""
+    moved = move_steps(
+        StepRun.objects.filter(id=step_run_id, claim=claim),
+        StepStatus.SCHEDULED,
+        sources=[StepStatus.RUNNING],
+        claim=None,
+        worker="",
+        started_at=None,
+        deadline_at=None,
+        lease_expires_at=None,
+        scheduled_at=now,
+        **more,
+    )
+    return moved == 1
 
 
 def move_runs(

@@ -46,7 +46,7 @@ from runs.engine.ending import Ends
 from runs.engine.plan import MAX_VALUE_BYTES
 from runs.engine.store import attempts_in_flight, record_charged, request_advance
 from runs.models import Effect, Run, StepRun
-from runs.moves import move_steps
+from runs.moves import hand_back
 from runs.status import RUN_TERMINAL, StepStatus
 from workflows import kinds, secrets
 from workflows.failures import BudgetWait, Deferred, StepFailure
@@ -1217,21 +1217,8 @@ def _wait_for_budget(row: Claimed, claim: uuid.UUID, wait: BudgetWait) -> None:
 
 
 def _returned(step_run_id: int, claim: uuid.UUID, now: Any, **more: Any) -> bool:
-    """The claimed attempt back to ``scheduled`` (running -> scheduled, the one move back in
-    runs.status.STEP_MOVES), if the claim still holds; True when it did."""
-    moved = move_steps(
-        StepRun.objects.filter(id=step_run_id, claim=claim),
-        StepStatus.SCHEDULED,
-        sources=[StepStatus.RUNNING],
-        claim=None,
-        worker="",
-        started_at=None,
-        deadline_at=None,
-        lease_expires_at=None,
-        scheduled_at=now,
-        **more,
-    )
-    return moved == 1
+    """The claimed attempt back to ``scheduled``, if the claim still holds (runs.moves)."""
+    return hand_back(step_run_id, claim, now, **more)
 
 
 def _fatal(exc: BaseException) -> dict[str, Any]:

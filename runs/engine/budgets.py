@@ -40,7 +40,7 @@ from django.db.models import Q
 
 from .. import dispatch
 from ..models import Run, StepRun
-from ..moves import move_steps
+from ..moves import hand_back
 from ..status import StepStatus
 
 logger = logging.getLogger(__name__)
@@ -56,19 +56,7 @@ def budget_wait(*, step_run_id: int, claim: Any, wait: dict[str, Any], now: date
     ``BudgetWait.wait``), if the claim still holds; True when it did. The run is advanced
     on commit so that it shows ``budget_exceeded``."""
     with transaction.atomic():
-        moved = move_steps(
-            StepRun.objects.filter(id=step_run_id, claim=claim),
-            StepStatus.SCHEDULED,
-            sources=[StepStatus.RUNNING],
-            claim=None,
-            worker="",
-            started_at=None,
-            deadline_at=None,
-            lease_expires_at=None,
-            scheduled_at=now,
-            budget_wait=wait,
-        )
-        return moved == 1
+        return hand_back(step_run_id, claim, now, budget_wait=wait)
 
 
 def waiting_on_run(run: Run) -> Any:
